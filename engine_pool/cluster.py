@@ -1,0 +1,58 @@
+"""Engines and clusters as plain data.
+
+An ``Engine`` is one endpoint (a base URL) of a cluster: its routable state, the evidence for it,
+its load as last read from the engine's own metrics, and the gateway's in-flight count. The pool
+(registry.py) owns the mutable records; everything handed to decisions is a frozen ``EngineView``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Literal
+
+EngineKind = Literal["vllm", "sglang"]
+
+
+class EngineState(StrEnum):
+    UP = "up"
+    # Probes time out but the engine still makes progress: routable, alerting.
+    SLOW = "slow"
+    DOWN = "down"
+
+    @property
+    def routable(self) -> bool:
+        return self is not EngineState.DOWN
+
+
+@dataclass(slots=True)
+class Engine:
+    cluster: str
+    url: str
+    kind: EngineKind
+    state: EngineState = EngineState.UP
+    evidence: str = "not probed yet"
+    changed_at: float = 0.0
+    in_flight: int = 0
+    # Load from the engine's /metrics; None until first scraped.
+    running: float | None = None
+    waiting: float | None = None
+    kv_usage: float | None = None
+    load_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineView:
+    cluster: str
+    url: str
+    state: EngineState
+    in_flight: int
+    waiting: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    name: str
+    kind: EngineKind
+    endpoints: tuple[str, ...]
+    models: tuple[str, ...] = field(default=())

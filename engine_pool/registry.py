@@ -1,0 +1,99 @@
+"""The engine pool: every cluster's endpoints, their health and load, and in-flight counts.
+
+Contract:
+- ``EnginePool.from_clusters(clusters)`` builds the records; nothing here does I/O (probers in
+  health.py and scrapers in load.py write into the pool through ``set_state`` / ``set_load``).
+- ``healthy_clusters()`` and ``views(cluster)`` are snapshots for the pure decisions in
+  gateway/lanes.py and picker.py.
+- ``track(cluster, url)`` counts a request in flight on an endpoint for as long as the context
+  is open; the count can never leak because release is the context's exit.
+- Every state change is returned as a ``StateChange`` so the caller logs it once with evidence.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from engine_pool.cluster import Cluster, Engine, EngineState, EngineView
+
+
+@dataclass(frozen=True, slots=True)
+class StateChange:
+    cluster: str
+    url: str
+    old: EngineState
+    new: EngineState
+    evidence: str
+
+
+class EnginePool:
+    def __init__(self, clusters: Iterable[Cluster]) -> None:
+        self.clusters = {c.name: c for c in clusters}
+        self._engines = {
+            (c.name, url): Engine(cluster=c.name, url=url, kind=c.kind)
+            for c in self.clusters.values()
+            for url in c.endpoints
+        }
+
+    def engines(self) -> list[Engine]:
+        return list(self._engines.values())
+
+    def engine(self, cluster: str, url: str) -> Engine:
+        return self._engines[(cluster, url)]
+
+    def views(self, cluster: str) -> list[EngineView]:
+        return [
+            EngineView(
+                cluster=e.cluster,
+                url=e.url,
+                state=e.state,
+                in_flight=e.in_flight,
+                waiting=e.waiting,
+            )
+            for e in self._engines.values()
+            if e.cluster == cluster
+        ]
+
+    def healthy_clusters(self) -> dict[str, bool]:
+        healthy = dict.fromkeys(self.clusters, False)
+        for engine in self._engines.values():
+            if engine.state.routable:
+                healthy[engine.cluster] = True
+        return healthy
+
+    def set_state(
+        self, cluster: str, url: str, state: EngineState, evidence: str
+    ) -> StateChange | None:
+        engine = self._engines[(cluster, url)]
+        engine.evidence = evidence
+        if engine.state is state:
+            return None
+        change = StateChange(cluster, url, engine.state, state, evidence)
+        engine.state = state
+        engine.changed_at = time.time()
+        return change
+
+    def set_load(
+        self,
+        cluster: str,
+        url: str,
+        *,
+        running: float | None,
+        waiting: float | None,
+        kv_usage: float | None,
+    ) -> None:
+        engine = self._engines[(cluster, url)]
+        engine.running, engine.waiting, engine.kv_usage = running, waiting, kv_usage
+        engine.load_at = time.time()
+
+    @contextmanager
+    def track(self, cluster: str, url: str) -> Iterator[Engine]:
+        engine = self._engines[(cluster, url)]
+        engine.in_flight += 1
+        try:
+            yield engine
+        finally:
+            engine.in_flight -= 1

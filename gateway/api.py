@@ -1,0 +1,134 @@
+"""Thin routes. The two proxy routes are raw ASGI endpoints handing the exchange to the pipeline;
+the rest answer from config or from snapshots of the gateway's state.
+
+    POST /v1/chat/completions, /v1/completions   -> Pipeline.handle
+    GET  /v1/models                              the configured models (names and aliases)
+    GET  /healthz                                the process answers
+    GET  /readyz                                 503 while draining
+    GET  /admin/state                            lanes, clusters, slots, queues, recent decisions
+    GET  /metrics                                Prometheus
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from gateway.exchange import Receive, Scope, Send
+from gateway.pipeline import snapshot
+from gateway.protocol import Endpoint
+from gateway.slots import endpoint_key, lane_key
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+
+
+class _ProxyRoute:
+    """A raw ASGI endpoint, so the pipeline sees ``receive`` and ``send`` itself."""
+
+    def __init__(self, gateway: Gateway, endpoint: Endpoint) -> None:
+        self._gateway = gateway
+        self._endpoint = endpoint
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._gateway.pipeline.handle(self._endpoint, scope, receive, send)
+
+
+async def admin_state(gateway: Gateway) -> dict[str, Any]:
+    settings = gateway.settings
+    keys = [lane_key(lane.name) for lane in settings.lanes] + [
+        endpoint_key(e.cluster, e.url) for e in gateway.pool.engines()
+    ]
+    used = await gateway.store.in_use(keys)
+    lanes = []
+    for lane in settings.lanes:
+        lanes.append(
+            {
+                "name": lane.name,
+                "min_prompt_tokens": lane.min_prompt_tokens,
+                "max_prompt_tokens": lane.max_prompt_tokens,
+                "slots_in_use": used[lane_key(lane.name)],
+                "slot_limit": lane.slots.lane,
+                "queue_depth": gateway.admission.queue_depth(lane.name),
+                "queue_limit": lane.queue.depth,
+                "oldest_wait_s": round(gateway.admission.oldest_wait_s(lane.name), 3),
+                "clusters": list(lane.clusters),
+                "emergency_clusters": list(lane.emergency_clusters),
+            }
+        )
+    clusters = []
+    for name, cluster in gateway.pool.clusters.items():
+        endpoints = []
+        for url in cluster.endpoints:
+            engine = gateway.pool.engine(name, url)
+            endpoints.append(
+                {
+                    "url": url,
+                    "state": engine.state.value,
+                    "evidence": engine.evidence,
+                    "in_flight": engine.in_flight,
+                    "slots_in_use": used[endpoint_key(name, url)],
+                    "running": engine.running,
+                    "waiting": engine.waiting,
+                    "kv_usage": engine.kv_usage,
+                }
+            )
+        clusters.append({"name": name, "kind": cluster.kind, "endpoints": endpoints})
+    return {
+        "started_at": gateway.started_at,
+        "accepting": gateway.pipeline.accepting,
+        "in_flight": gateway.pipeline.in_flight,
+        "state_backend": settings.state.backend,
+        "lanes": lanes,
+        "clusters": clusters,
+        "decisions": snapshot(gateway.pipeline.recent),
+    }
+
+
+def add_routes(app: FastAPI, gateway: Gateway) -> None:
+    app.router.routes.append(
+        Route("/v1/chat/completions", _ProxyRoute(gateway, "chat"), methods=["POST"])
+    )
+    app.router.routes.append(
+        Route("/v1/completions", _ProxyRoute(gateway, "completions"), methods=["POST"])
+    )
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": int(gateway.started_at),
+                "owned_by": "shapegate",
+                "root": model.name,
+                "parent": None,
+                "max_model_len": model.max_model_len,
+            }
+            for model in gateway.settings.models
+            for name in (model.name, *model.aliases)
+        ]
+        return {"object": "list", "data": data}
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        if not gateway.pipeline.accepting:
+            return JSONResponse({"ready": False, "why": "draining"}, status_code=503)
+        return JSONResponse({"ready": True})
+
+    @app.get("/admin/state")
+    async def state() -> dict[str, Any]:
+        return await admin_state(gateway)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(
+            gateway.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )

@@ -1,0 +1,119 @@
+"""The ``shapegate`` command: serve, check-config, and the subcommands other modules register.
+
+Each subcommand module exposes ``register(subparsers)``, which adds its parser and sets
+``func`` to a callable returning the exit code. ``REGISTRARS`` lists them by import path so
+that ``shapegate serve`` does not import the simulator or the benchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from gateway.settings import ConfigError, Settings, load_settings
+
+REGISTRARS: tuple[str, ...] = (
+    # one module path a line
+    "engine_pool.sim.cli",
+    "gateway.bench",
+)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from gateway.server import serve
+
+    try:
+        settings = load_settings(args.config)
+    except ConfigError as exc:
+        print(f"shapegate: {exc}", file=sys.stderr)
+        return 2
+    overrides = {}
+    if args.host is not None:
+        overrides["host"] = args.host
+    if args.port is not None:
+        overrides["port"] = args.port
+    if overrides:
+        settings = settings.model_copy(
+            update={"server": settings.server.model_copy(update=overrides)}
+        )
+    return serve(settings)
+
+
+def describe_policy(settings: Settings) -> str:
+    """The effective policy in a form an operator can read at a glance."""
+    lines = ["models:"]
+    for model in settings.models:
+        tok = model.tokenizer
+        lines.append(
+            f"  {model.name} (aliases: {', '.join(model.aliases) or '-'}) tokenizer "
+            f"{tok.source}:{tok.name or tok.path} template={tok.chat_template} "
+            f"max_model_len={model.max_model_len or '-'}"
+        )
+    lines.append("clusters:")
+    for cluster in settings.clusters:
+        lines.append(f"  {cluster.name} [{cluster.kind}] {', '.join(cluster.endpoints)}")
+    lines.append("lanes (tried in order):")
+    for lane in settings.lanes:
+        t = lane.timeouts
+        lines.append(
+            f"  {lane.name}: {lane.min_prompt_tokens} <= prompt tokens < {lane.max_prompt_tokens}"
+        )
+        lines.append(
+            f"    clusters {', '.join(lane.clusters)}; emergency "
+            f"{', '.join(lane.emergency_clusters) or '-'}"
+        )
+        lines.append(
+            f"    slots: lane {lane.slots.lane}, per endpoint {lane.slots.per_endpoint}; "
+            f"queue depth {lane.queue.depth}, max wait {lane.queue.max_wait_s:g}s; "
+            f"on_full={lane.on_full}"
+        )
+        lines.append(
+            f"    timeouts: connect {t.connect_s:g}s, first byte {t.first_byte_s:g}s "
+            f"+ {t.first_byte_per_1k_tokens_s:g}s/1k tokens, idle {t.idle_s:g}s, "
+            f"total {t.total_s:g}s"
+        )
+    state = settings.state
+    where = f" at {state.redis_url}" if state.backend == "redis" else ""
+    lines.append(f"state: {state.backend}{where}, on redis down: {state.on_redis_down}")
+    return "\n".join(lines)
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    try:
+        settings = load_settings(args.config)
+    except ConfigError as exc:
+        print(f"shapegate: {exc}", file=sys.stderr)
+        return 2
+    print(describe_policy(settings))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shapegate", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the gateway")
+    serve.add_argument("--config", required=True, help="policy file (YAML)")
+    serve.add_argument("--host", default=None)
+    serve.add_argument("--port", type=int, default=None)
+    serve.set_defaults(func=_serve)
+
+    check = sub.add_parser("check-config", help="validate a policy file and print it")
+    check.add_argument("config")
+    check.set_defaults(func=_check_config)
+
+    for path in REGISTRARS:
+        importlib.import_module(path).register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""The gateway's exception tree, translated once at the HTTP boundary into OpenAI error bodies.
+
+    GatewayError                      status  type
+    ├── BadRequest                    400     invalid_request_error
+    │   ├── ModelNotFound             404     NotFoundError
+    │   ├── PromptTooLong             400     invalid_request_error (param input_tokens)
+    │   └── BodyTooLarge              413     invalid_request_error
+    ├── Unauthorized                  401     authentication_error
+    ├── Overloaded                    429     rate_limit_error   (lane full, on_full=reject)
+    ├── QueueTimeout                  503     service_unavailable (waited max_wait_s)
+    ├── NoHealthyCluster              503     service_unavailable
+    ├── StateUnavailable              503     service_unavailable (Redis down, fail_closed)
+    ├── ShuttingDown                  503     service_unavailable
+    └── UpstreamError                 502     upstream_error
+        └── UpstreamTimeout           504     timeout            (a watchdog deadline)
+
+The body shape is vLLM's: ``{"error": {"message", "type", "param", "code"}}`` with ``code``
+the integer status.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import orjson
+
+
+class GatewayError(Exception):
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "internal_error"
+
+    def __init__(
+        self, message: str, *, param: str | None = None, retry_after_s: float | None = None
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.status, self.param)
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_s is None:
+            return {}
+        return {"retry-after": str(max(1, round(self.retry_after_s)))}
+
+
+class BadRequest(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class ModelNotFound(BadRequest):
+    status = 404
+    type = "NotFoundError"
+
+
+class PromptTooLong(BadRequest):
+    status = 400
+
+
+class BodyTooLarge(BadRequest):
+    status = 413
+
+
+class Unauthorized(GatewayError):
+    status = 401
+    type = "authentication_error"
+
+
+class Overloaded(GatewayError):
+    status = 429
+    type = "rate_limit_error"
+
+
+class QueueTimeout(GatewayError):
+    status = 503
+    type = "service_unavailable"
+
+
+class NoHealthyCluster(GatewayError):
+    status = 503
+    type = "service_unavailable"
+
+
+class StateUnavailable(GatewayError):
+    status = 503
+    type = "service_unavailable"
+
+
+class ShuttingDown(GatewayError):
+    status = 503
+    type = "service_unavailable"
+
+
+class UpstreamError(GatewayError):
+    status = 502
+    type = "upstream_error"
+
+
+class UpstreamTimeout(UpstreamError):
+    status = 504
+    type = "timeout"
+
+
+def error_body(message: str, type_: str, status: int, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": status}}
+
+
+def sse_error(message: str, type_: str, status: int) -> bytes:
+    """An error event for a stream whose 200 status is already sent, then ``[DONE]``."""
+    payload = orjson.dumps(error_body(message, type_, status))
+    return b"data: " + payload + b"\n\ndata: [DONE]\n\n"

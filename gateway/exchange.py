@@ -1,0 +1,116 @@
+"""One HTTP exchange with a client, at the raw ASGI level.
+
+The proxy routes are plain ASGI so that the request can be held from admission to its last byte
+in one function, with the client's disconnect visible in every phase:
+
+- ``read_body`` reads the body within the size limit as it arrives (the excess is never
+  buffered) and within the body deadline; a disconnect while reading raises ``ClientGone``.
+- ``watch_disconnect`` waits for ``http.disconnect`` after the body and cancels the request's
+  scope: a queued request leaves its queue, a forwarded one closes its upstream connection.
+  (Starlette's BaseHTTPMiddleware would hide this message; the app uses none.)
+- ``Outbound`` sends the response once: ``error`` chooses a JSON body before the response
+  started, and an SSE error event then ``[DONE]`` once a stream is under way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import anyio
+import orjson
+
+from gateway.errors import BadRequest, BodyTooLarge, GatewayError, sse_error
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class ClientGone(Exception):
+    """The client disconnected before the request was complete."""
+
+
+def header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return bytes(value)
+    return None
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int, timeout_s: float) -> bytes:
+    declared = header(scope, b"content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise BadRequest("invalid Content-Length header")
+        if int(declared) > limit:
+            raise BodyTooLarge(f"request body of {int(declared)} bytes exceeds {limit} bytes")
+    parts: list[bytes] = []
+    size = 0
+    with anyio.move_on_after(timeout_s) as scope_timer:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone
+            chunk: bytes = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(f"request body exceeds {limit} bytes")
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(parts)
+    assert scope_timer.cancelled_caught
+    raise BadRequest(f"request body not received within {timeout_s:g}s")
+
+
+async def watch_disconnect(receive: Receive, on_disconnect: Callable[[], None]) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            on_disconnect()
+            return
+
+
+class Outbound:
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.started = False
+        self.streaming = False
+        self.status = 0
+        self.finished = False
+
+    async def start(
+        self, status: int, headers: list[tuple[bytes, bytes]], *, streaming: bool
+    ) -> None:
+        self.started, self.streaming, self.status = True, streaming, status
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def body(self, chunk: bytes, *, more: bool) -> None:
+        await self._send({"type": "http.response.body", "body": chunk, "more_body": more})
+        if not more:
+            self.finished = True
+
+    async def error(self, exc: GatewayError, headers: list[tuple[bytes, bytes]]) -> None:
+        """Tell the client what went wrong, in whatever form the response still allows."""
+        if self.finished:
+            return
+        if not self.started:
+            payload = orjson.dumps(exc.body())
+            extra = [(k.encode(), v.encode()) for k, v in exc.headers().items()]
+            await self.start(
+                exc.status,
+                [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(payload)).encode()),
+                    *headers,
+                    *extra,
+                ],
+                streaming=False,
+            )
+            self.status = exc.status
+            await self.body(payload, more=False)
+        elif self.streaming:
+            await self.body(sse_error(exc.message, exc.type, exc.status), more=False)
+        else:
+            await self.body(b"", more=False)

@@ -1,0 +1,70 @@
+"""The lane decision: a pure function of the token count, the policy and a health snapshot.
+
+    choose_lane(prompt_tokens, lanes, healthy) -> Decision
+
+- The lane is the one whose ``[min_prompt_tokens, max_prompt_tokens)`` range holds the count.
+  Lanes never overlap (settings validate it), so order only matters for reading.
+- Its primary clusters are used while at least one of them is healthy. Only when every primary
+  is down are the emergency clusters used (reason ``primary_unhealthy``). A busy primary is never
+  a reason to spill: busy is the slot queue's business, not routing's.
+- A count outside every range is ``no_lane``; no healthy cluster at all is
+  ``no_healthy_cluster``. The pipeline turns those into 400 and 503.
+
+``exact_count_above(lanes)`` is the token count below which the free upper bound alone decides
+the lane: a bound under the first lane's ceiling proves the prompt belongs to that lane.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from gateway.settings import LaneSettings
+
+Reason = Literal["in_range", "primary_unhealthy", "no_lane", "no_healthy_cluster"]
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    lane: LaneSettings | None
+    # Clusters to use, in preference order: the primaries that are healthy, or the emergencies.
+    clusters: tuple[str, ...]
+    reason: Reason
+
+    @property
+    def lane_name(self) -> str:
+        return self.lane.name if self.lane is not None else "none"
+
+
+def lane_for(prompt_tokens: int, lanes: Sequence[LaneSettings]) -> LaneSettings | None:
+    for lane in lanes:
+        if lane.min_prompt_tokens <= prompt_tokens < lane.max_prompt_tokens:
+            return lane
+    return None
+
+
+def choose_lane(
+    prompt_tokens: int, lanes: Sequence[LaneSettings], healthy: Mapping[str, bool]
+) -> Decision:
+    """Pick the lane for a prompt and the clusters that may serve it.
+
+    ``healthy`` maps cluster name to whether at least one of its endpoints is routable; a
+    cluster missing from it counts as healthy (no evidence against it yet).
+    """
+    lane = lane_for(prompt_tokens, lanes)
+    if lane is None:
+        return Decision(lane=None, clusters=(), reason="no_lane")
+    primaries = tuple(c for c in lane.clusters if healthy.get(c, True))
+    if primaries:
+        return Decision(lane=lane, clusters=primaries, reason="in_range")
+    emergencies = tuple(c for c in lane.emergency_clusters if healthy.get(c, True))
+    if emergencies:
+        return Decision(lane=lane, clusters=emergencies, reason="primary_unhealthy")
+    return Decision(lane=lane, clusters=(), reason="no_healthy_cluster")
+
+
+def exact_count_above(lanes: Sequence[LaneSettings]) -> int:
+    """Counts (or bounds) below this need no tokenizer: they can only land in the lowest lane."""
+    lowest = min(lanes, key=lambda lane: lane.min_prompt_tokens)
+    return lowest.max_prompt_tokens if lowest.min_prompt_tokens == 0 else 0

@@ -1,0 +1,161 @@
+"""Every Prometheus metric the gateway exports, declared once, in a registry owned by the app.
+
+Names and labels are part of the interface (dashboards and alert rules query them). There is no
+module-level registry: each ``create_app`` builds its own ``Metrics`` so tests stay independent.
+Histogram buckets span milliseconds to many minutes because a heavy lane's TTFT is minutes.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# 1 ms .. 30 min: fast-lane TTFT lives at the bottom, heavy-lane prefill at the top.
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1200.0,
+    1800.0,
+)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+TOKEN_BUCKETS = (
+    16,
+    64,
+    256,
+    1024,
+    2048,
+    4096,
+    8192,
+    16384,
+    32768,
+    65536,
+    131072,
+    262144,
+    524288,
+    1048576,
+)
+OUTPUT_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 32768)
+COUNT_BUCKETS = (0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "shapegate_requests",
+            "Requests finished, by outcome.",
+            ["lane", "cluster", "outcome"],
+            registry=r,
+        )
+        self.route_decisions = Counter(
+            "shapegate_route_decisions",
+            "Routing decisions made.",
+            ["lane", "reason", "count_method"],
+            registry=r,
+        )
+        self.slots_in_use = Gauge(
+            "shapegate_slots_in_use",
+            "Slots held (this replica's view of the shared store).",
+            ["lane", "cluster"],
+            registry=r,
+        )
+        self.slots_limit = Gauge(
+            "shapegate_slots_limit", "Slot limit.", ["lane", "cluster"], registry=r
+        )
+        self.queue_depth = Gauge(
+            "shapegate_queue_depth", "Requests waiting for a slot.", ["lane"], registry=r
+        )
+        self.queue_wait = Histogram(
+            "shapegate_queue_wait_seconds",
+            "Time spent waiting for a slot.",
+            ["lane"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Histogram(
+            "shapegate_prompt_tokens",
+            "Prompt tokens per request.",
+            ["lane"],
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.output_tokens = Histogram(
+            "shapegate_output_tokens",
+            "Output tokens per request, where known.",
+            ["lane"],
+            buckets=OUTPUT_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "shapegate_ttft_seconds",
+            "Time to first token, measured at the gateway.",
+            ["lane", "cluster"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "shapegate_itl_seconds",
+            "Gap between streamed chunks, measured at the gateway.",
+            ["lane", "cluster"],
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "shapegate_e2e_seconds",
+            "Request duration, admission to last byte.",
+            ["lane", "cluster"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.count_seconds = Histogram(
+            "shapegate_count_seconds",
+            "Time to count a prompt's tokens.",
+            ["method"],
+            buckets=COUNT_BUCKETS,
+            registry=r,
+        )
+        self.engine_up = Gauge(
+            "shapegate_engine_up",
+            "1 when the endpoint is routable.",
+            ["cluster", "endpoint"],
+            registry=r,
+        )
+        self.engine_load = Gauge(
+            "shapegate_engine_load",
+            "Load read from the engine's own metrics.",
+            ["cluster", "endpoint", "what"],
+            registry=r,
+        )
+        self.watchdog_events = Counter(
+            "shapegate_watchdog_events",
+            "Deadlines hit and slow-engine alerts.",
+            ["lane", "cluster", "kind"],
+            registry=r,
+        )
+        self.swallowed_errors = Counter(
+            "shapegate_swallowed_errors",
+            "Exceptions handled without re-raising.",
+            ["where"],
+            registry=r,
+        )
+        self.state_degraded = Gauge(
+            "shapegate_state_degraded", "1 while the shared slot store is unreachable.", registry=r
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

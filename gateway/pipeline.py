@@ -1,0 +1,375 @@
+"""The request lifecycle, top to bottom (README "Request lifecycle" tells the same story).
+
+``Pipeline.handle`` runs one proxied request: read the body, parse, count, choose the lane,
+admit (slot), pick the endpoint, forward, relay, release, record. Each step is a call into its
+own module; this file only wires them in order and turns every way a request can end into one
+outcome:
+
+    ok                 the engine's answer reached the client (any engine status below 500)
+    upstream_error     the engine failed (5xx, refused, reset) and the client was told
+    timeout            a watchdog deadline ended the request
+    client_disconnect  the client left; its queue place or slot and upstream were released
+    rejected           the gateway refused the request (bad input, lane full, no lane)
+    error              a bug: logged with its traceback, counted, answered with a 500
+
+Every request gets one ``route.decision`` (or ``route.rejected``) and one ``route.finished``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import orjson
+
+from engine_pool.cluster import EngineView
+from engine_pool.picker import order_endpoints
+from engine_pool.registry import EnginePool
+from gateway.admission import Admission, Grant
+from gateway.errors import (
+    GatewayError,
+    ModelNotFound,
+    NoHealthyCluster,
+    PromptTooLong,
+    ShuttingDown,
+)
+from gateway.exchange import (
+    ClientGone,
+    Outbound,
+    Receive,
+    Scope,
+    Send,
+    header,
+    read_body,
+    watch_disconnect,
+)
+from gateway.lanes import Decision, choose_lane, exact_count_above
+from gateway.log import Logger, swallowed
+from gateway.metrics import Metrics
+from gateway.protocol import Endpoint, RoutedRequest, parse_request
+from gateway.proxy import Upstream, response_headers, upstream_headers
+from gateway.settings import Settings
+from gateway.tokens import TokenCount, TokenCounter
+from gateway.watchdog import DeadlineHit, Watch, deadlines_for
+
+UPSTREAM_PATH = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+@dataclass(slots=True)
+class Record:
+    """What the decision log and the dashboard's ring keep about one request."""
+
+    request_id: str
+    endpoint: str
+    started: float = field(default_factory=time.monotonic)
+    fields: dict[str, Any] = field(default_factory=dict)
+    outcome: str = "error"
+    in_ring: bool = False
+    status: int = 0
+    ttft_s: float | None = None
+    output_tokens: int | None = None
+    chunks: int = 0
+
+
+def request_id_from(scope: Scope) -> str:
+    given = header(scope, b"x-request-id")
+    if given and len(given) <= 128 and given.isascii() and all(32 < b < 127 for b in given):
+        return given.decode()
+    return uuid.uuid4().hex
+
+
+def _usage_tokens(payload: bytes) -> int | None:
+    """completion_tokens from a JSON body or the last SSE event that carries usage."""
+    at = payload.rfind(b'"usage"')
+    if at < 0:
+        return None
+    start = payload.rfind(b"{", 0, at)
+    end = payload.find(b"\n", at)
+    candidates = (payload, payload[start : end if end > 0 else None])
+    for blob in candidates:
+        try:
+            usage = orjson.loads(blob.removeprefix(b"data: ")).get("usage") or {}
+        except (orjson.JSONDecodeError, AttributeError):
+            continue
+        tokens = usage.get("completion_tokens")
+        if isinstance(tokens, int):
+            return tokens
+    return None
+
+
+class Pipeline:
+    def __init__(
+        self,
+        settings: Settings,
+        counter: TokenCounter,
+        pool: EnginePool,
+        admission: Admission,
+        upstream: Upstream,
+        metrics: Metrics,
+        log: Logger,
+        engine_keys: dict[str, str],
+    ) -> None:
+        self.settings = settings
+        self.counter = counter
+        self.pool = pool
+        self.admission = admission
+        self.upstream = upstream
+        self.metrics = metrics
+        self.log = log
+        self.engine_keys = engine_keys
+        self.exact_above = exact_count_above(settings.lanes)
+        self.recent: deque[Record] = deque(maxlen=settings.server.decision_ring_size)
+        self.accepting = True
+        self.in_flight = 0
+
+    async def handle(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
+        record = Record(request_id=request_id_from(scope), endpoint=endpoint)
+        out = Outbound(send)
+        ids = [(b"x-request-id", record.request_id.encode())]
+        self.in_flight += 1
+        try:
+            if not self.accepting:
+                raise ShuttingDown("gateway is shutting down", retry_after_s=1)
+            body = await read_body(
+                scope,
+                receive,
+                self.settings.server.max_body_bytes,
+                self.settings.server.body_timeout_s,
+            )
+            with anyio.CancelScope() as cancel_on_disconnect:
+                async with anyio.create_task_group() as watcher:
+                    watcher.start_soon(watch_disconnect, receive, cancel_on_disconnect.cancel)
+                    try:
+                        await self._route(endpoint, scope, body, out, record)
+                    finally:
+                        watcher.cancel_scope.cancel()
+            # After the last byte, uvicorn reports the finished exchange as a disconnect too.
+            if cancel_on_disconnect.cancelled_caught and not out.finished:
+                record.outcome = "client_disconnect"
+        except* ClientGone:
+            record.outcome = "client_disconnect"
+        except* GatewayError as group:
+            exc = group.exceptions[0]
+            assert isinstance(exc, GatewayError)
+            self._fail(record, exc)
+            await out.error(exc, ids)
+        except* Exception as group:  # the request boundary: a bug must not kill the server
+            exc = group.exceptions[0]
+            self.log.exception("request.failed", request_id=record.request_id, exc_info=exc)
+            swallowed(
+                self.log,
+                self.metrics,
+                "pipeline.handle",
+                exc,
+                decision="answered_500",
+                request_id=record.request_id,
+            )
+            record.outcome = "error"
+            await out.error(GatewayError("internal gateway error"), ids)
+        finally:
+            self.in_flight -= 1
+            self._finish(record, out)
+
+    async def _route(
+        self, endpoint: Endpoint, scope: Scope, body: bytes, out: Outbound, record: Record
+    ) -> None:
+        request = parse_request(endpoint, body)
+        model = self.settings.model(request.model)
+        if model is None:
+            raise ModelNotFound(f"The model `{request.model}` does not exist.", param="model")
+        count = await self.counter.count(model.name, request.prompt, exact_above=self.exact_above)
+        healthy = self.pool.healthy_clusters()
+        decision = choose_lane(count.tokens, self.settings.lanes, healthy)
+        record.fields.update(self._decision_fields(request, count, decision, healthy))
+        self._remember(record)
+        if decision.lane is None:
+            raise PromptTooLong(
+                f"prompt of {count.tokens} tokens is above every lane's range "
+                f"(largest {max(lane.max_prompt_tokens for lane in self.settings.lanes) - 1})",
+                param="input_tokens",
+            )
+        if not decision.clusters:
+            raise NoHealthyCluster(
+                f"no healthy cluster for lane '{decision.lane.name}'", retry_after_s=5
+            )
+        lane = decision.lane
+        serving = tuple(c for c in decision.clusters if self._serves(c, model.name))
+
+        def candidates() -> Sequence[EngineView]:
+            return [v for c in serving for v in order_endpoints(self.pool.views(c))]
+
+        async with self.admission.slot(lane, candidates, record.request_id) as grant:
+            self._decided(record, grant, decision, count)
+            with self.pool.track(grant.cluster, grant.url):
+                await self._forward(request, scope, body, grant, count, out, record)
+
+    async def _forward(
+        self,
+        request: RoutedRequest,
+        scope: Scope,
+        body: bytes,
+        grant: Grant,
+        count: TokenCount,
+        out: Outbound,
+        record: Record,
+    ) -> None:
+        lane = self.settings.lane(grant.lane)
+        cluster = self.settings.cluster(grant.cluster)
+        watch = Watch(deadlines_for(lane.timeouts, count.tokens))
+        headers = upstream_headers(
+            scope.get("headers", ()),
+            record.request_id,
+            forward_auth=cluster.forward_client_auth,
+            engine_key=self.engine_keys.get(cluster.name),
+        )
+        ours = {
+            "x-request-id": record.request_id,
+            "x-shapegate-lane": grant.lane,
+            "x-shapegate-cluster": grant.cluster,
+            "x-shapegate-prompt-tokens": str(count.tokens),
+        }
+        url = grant.url.rstrip("/") + UPSTREAM_PATH[request.endpoint]
+        async with self.upstream.open(url, body, headers, watch) as response:
+            record.status = response.status
+            if not (request.stream and response.status == 200):
+                payload = await response.read(watch)
+                record.ttft_s = time.monotonic() - record.started
+                record.output_tokens = _usage_tokens(payload)
+                await out.start(
+                    response.status, response_headers(response.headers, ours), streaming=False
+                )
+                await out.body(payload, more=False)
+                record.outcome = "upstream_error" if record.status >= 500 else "ok"
+            else:
+                last = tail = b""
+                async for chunk in response.chunks(watch):
+                    now = time.monotonic()
+                    if not out.started:
+                        record.ttft_s = now - record.started
+                        await out.start(
+                            200, response_headers(response.headers, ours), streaming=True
+                        )
+                    else:
+                        self.metrics.itl.labels(lane=grant.lane, cluster=grant.cluster).observe(
+                            now - last
+                        )
+                    last = now
+                    record.chunks += 1
+                    tail = (tail + chunk)[-4096:]
+                    await out.body(chunk, more=True)
+                if not out.started:
+                    await out.start(200, response_headers(response.headers, ours), streaming=True)
+                await out.body(b"", more=False)
+                record.outcome = "ok"
+                record.output_tokens = _usage_tokens(tail)
+
+    def _serves(self, cluster: str, model: str) -> bool:
+        models = self.settings.cluster(cluster).models
+        return not models or model in models
+
+    def _decision_fields(
+        self,
+        request: RoutedRequest,
+        count: TokenCount,
+        decision: Decision,
+        healthy: dict[str, bool],
+    ) -> dict[str, Any]:
+        lane = decision.lane
+        candidates = (*lane.clusters, *lane.emergency_clusters) if lane else ()
+        return {
+            "model": request.model,
+            "stream": request.stream,
+            "body_bytes": request.body_bytes,
+            "prompt_bytes": count.prompt_bytes,
+            "prompt_tokens": count.tokens,
+            "count_method": count.method,
+            "count_ms": round(count.seconds * 1000, 3),
+            "tokenizer": count.tokenizer,
+            "max_tokens": request.max_tokens,
+            "lane": decision.lane_name,
+            "reason": decision.reason,
+            "cluster_health": {c: healthy.get(c, True) for c in candidates},
+        }
+
+    def _decided(self, record: Record, grant: Grant, decision: Decision, count: TokenCount) -> None:
+        record.fields.update(
+            cluster=grant.cluster, endpoint=grant.url, queue_wait_s=round(grant.queued_s, 4)
+        )
+        self.log.info("route.decision", request_id=record.request_id, **record.fields)
+        self.metrics.route_decisions.labels(
+            lane=grant.lane, reason=decision.reason, count_method=count.method
+        ).inc()
+        self.metrics.queue_wait.labels(lane=grant.lane).observe(grant.queued_s)
+        self.metrics.prompt_tokens.labels(lane=grant.lane).observe(count.tokens)
+
+    def _fail(self, record: Record, exc: GatewayError) -> None:
+        record.status = exc.status
+        if isinstance(exc, DeadlineHit):
+            record.outcome = "timeout"
+            record.fields["deadline"] = exc.kind
+            self.metrics.watchdog_events.labels(
+                lane=record.fields.get("lane", "none"),
+                cluster=record.fields.get("cluster", "none"),
+                kind=exc.kind,
+            ).inc()
+        elif "cluster" in record.fields and exc.status >= 500:
+            record.outcome = "upstream_error"
+        else:
+            record.outcome = "rejected"
+        record.fields["error"] = exc.message
+        if "cluster" not in record.fields:
+            self.log.info(
+                "route.rejected", request_id=record.request_id, status=exc.status, **record.fields
+            )
+            self._remember(record)
+
+    def _remember(self, record: Record) -> None:
+        if not record.in_ring:
+            record.in_ring = True
+            self.recent.append(record)
+
+    def _finish(self, record: Record, out: Outbound) -> None:
+        duration = time.monotonic() - record.started
+        lane = record.fields.get("lane", "none")
+        cluster = record.fields.get("cluster", "none")
+        record.fields["duration_s"] = round(duration, 4)
+        self.log.info(
+            "route.finished",
+            request_id=record.request_id,
+            lane=lane,
+            cluster=cluster,
+            outcome=record.outcome,
+            status=out.status or record.status,
+            ttft_s=None if record.ttft_s is None else round(record.ttft_s, 4),
+            duration_s=round(duration, 4),
+            output_tokens=record.output_tokens,
+            chunks=record.chunks,
+        )
+        self.metrics.requests.labels(lane=lane, cluster=cluster, outcome=record.outcome).inc()
+        if "cluster" in record.fields:
+            self.metrics.e2e.labels(lane=lane, cluster=cluster).observe(duration)
+            if record.ttft_s is not None:
+                self.metrics.ttft.labels(lane=lane, cluster=cluster).observe(record.ttft_s)
+            if record.output_tokens is not None:
+                self.metrics.output_tokens.labels(lane=lane).observe(record.output_tokens)
+
+
+def snapshot(records: Sequence[Record]) -> list[dict[str, Any]]:
+    """The recent decisions, newest first, as plain JSON for the admin state and dashboard."""
+    return [
+        {
+            "request_id": r.request_id,
+            "endpoint": r.endpoint,
+            "outcome": r.outcome,
+            "status": r.status,
+            "ttft_s": r.ttft_s,
+            "output_tokens": r.output_tokens,
+            **r.fields,
+        }
+        for r in reversed(records)
+    ]

@@ -1,0 +1,133 @@
+"""The few OpenAI request fields routing reads; everything else passes through untouched.
+
+Contract: ``parse_request(endpoint, body)`` takes the raw body bytes and returns a
+``RoutedRequest`` or raises ``BadRequest`` (an OpenAI-shaped 400) naming the field at fault.
+The body itself is never re-serialised: the proxy forwards the original bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+from gateway.errors import BadRequest
+
+Endpoint = Literal["chat", "completions"]
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """Chat messages as the client sent them (plain JSON data), plus tool schemas if any."""
+
+    messages: tuple[dict[str, Any], ...]
+    tools: tuple[dict[str, Any], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionPrompt:
+    """A completions prompt: texts, or token id lists (counted as they are)."""
+
+    texts: tuple[str, ...] = ()
+    token_ids: tuple[tuple[int, ...], ...] = ()
+
+
+Prompt = ChatPrompt | CompletionPrompt
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedRequest:
+    endpoint: Endpoint
+    model: str
+    prompt: Prompt
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None
+    body_bytes: int
+
+
+def _loads(body: bytes) -> Any:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        # orjson rejects nesting deeper than 1024 and invalid UTF-8 with this same error type.
+        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+
+
+def _max_tokens(data: dict[str, Any]) -> int | None:
+    for field in ("max_completion_tokens", "max_tokens"):
+        value = data.get(field)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise BadRequest(f"'{field}' must be an integer", param=field)
+        if value < 1:
+            raise BadRequest(f"'{field}' must be at least 1, got {value}", param=field)
+        return value
+    return None
+
+
+def _chat_prompt(data: dict[str, Any]) -> ChatPrompt:
+    messages = data.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty array", param="messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise BadRequest(f"'messages[{i}]' must be an object", param="messages")
+        if not isinstance(message.get("role"), str):
+            raise BadRequest(f"'messages[{i}].role' must be a string", param="messages")
+        content = message.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise BadRequest(
+                f"'messages[{i}].content' must be a string or an array", param="messages"
+            )
+    tools = data.get("tools") or []
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise BadRequest("'tools' must be an array of objects", param="tools")
+    return ChatPrompt(messages=tuple(messages), tools=tuple(tools))
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
+
+
+def _completion_prompt(data: dict[str, Any]) -> CompletionPrompt:
+    prompt = data.get("prompt")
+    if isinstance(prompt, str):
+        return CompletionPrompt(texts=(prompt,))
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return CompletionPrompt(texts=tuple(prompt))
+        if _is_ids(prompt):
+            return CompletionPrompt(token_ids=(tuple(prompt),))
+        if all(_is_ids(p) for p in prompt):
+            return CompletionPrompt(token_ids=tuple(tuple(p) for p in prompt))
+    raise BadRequest("'prompt' must be a string, an array of strings, or token ids", param="prompt")
+
+
+def parse_request(endpoint: Endpoint, body: bytes) -> RoutedRequest:
+    """Read the routing fields of an OpenAI chat or completions request body."""
+    data = _loads(body)
+    if not isinstance(data, dict):
+        raise BadRequest("request body must be a JSON object")
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' is required and must be a string", param="model")
+    stream = data.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean", param="stream")
+    options = data.get("stream_options") or {}
+    include_usage = isinstance(options, dict) and options.get("include_usage") is True
+    prompt: Prompt = _chat_prompt(data) if endpoint == "chat" else _completion_prompt(data)
+    return RoutedRequest(
+        endpoint=endpoint,
+        model=model,
+        prompt=prompt,
+        stream=stream,
+        include_usage=include_usage,
+        max_tokens=_max_tokens(data),
+        body_bytes=len(body),
+    )

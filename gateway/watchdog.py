@@ -1,0 +1,78 @@
+"""Per-request deadlines, set by lane.
+
+A heavy lane is legitimately slow: its first byte waits for a prefill of minutes. So the first
+byte deadline grows with the prompt: ``first_byte_s + first_byte_per_1k_tokens_s * tokens/1000``.
+The other deadlines are the lane's own: connect, the longest silence between two stream chunks
+(idle), and the whole request (total, counted from the moment the upstream request is sent).
+
+``deadlines_for`` is pure. ``Watch.within(kind)`` bounds one await by the tighter of that phase's
+deadline and what is left of the total, and turns a hit into ``DeadlineHit`` naming the phase,
+which the pipeline reports to the client (504 before the first byte, an SSE error event after it),
+logs and counts in ``shapegate_watchdog_events_total{lane,cluster,kind}``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Literal
+
+import anyio
+
+from gateway.errors import UpstreamTimeout
+from gateway.settings import TimeoutSettings
+
+Phase = Literal["connect", "first_byte", "idle", "total"]
+
+
+class DeadlineHit(UpstreamTimeout):
+    def __init__(self, kind: Phase, seconds: float) -> None:
+        super().__init__(f"upstream {kind.replace('_', ' ')} deadline of {seconds:g}s exceeded")
+        self.kind: Phase = kind
+
+
+@dataclass(frozen=True, slots=True)
+class Deadlines:
+    connect_s: float
+    first_byte_s: float
+    idle_s: float
+    total_s: float
+
+
+def deadlines_for(timeouts: TimeoutSettings, prompt_tokens: int) -> Deadlines:
+    first_byte = timeouts.first_byte_s + timeouts.first_byte_per_1k_tokens_s * prompt_tokens / 1000
+    return Deadlines(
+        connect_s=timeouts.connect_s,
+        first_byte_s=first_byte,
+        idle_s=timeouts.idle_s,
+        total_s=max(timeouts.total_s, first_byte),
+    )
+
+
+class Watch:
+    """The deadlines of one request, measured from its start."""
+
+    def __init__(self, deadlines: Deadlines) -> None:
+        self.deadlines = deadlines
+        self._started = time.monotonic()
+
+    def _limit(self, kind: Phase) -> float:
+        return {
+            "connect": self.deadlines.connect_s,
+            "first_byte": self.deadlines.first_byte_s,
+            "idle": self.deadlines.idle_s,
+            "total": self.deadlines.total_s,
+        }[kind]
+
+    @contextmanager
+    def within(self, kind: Phase) -> Iterator[None]:
+        phase_s = self._limit(kind)
+        left_s = self.deadlines.total_s - (time.monotonic() - self._started)
+        hit: Phase = kind if phase_s <= left_s else "total"
+        seconds = min(phase_s, left_s)
+        with anyio.move_on_after(max(seconds, 0.0)) as scope:
+            yield
+        if scope.cancelled_caught:
+            raise DeadlineHit(hit, self._limit(hit))

@@ -1,0 +1,79 @@
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.app import create_app
+from gateway.settings import Settings, parse_settings
+from gateway.tokens import TokenCounter
+from tests.support.servers import serve_asgi
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = {
+    "name": "qwen3.6",
+    "aliases": ["Qwen/Qwen3.6-35B-A3B"],
+    "tokenizer": {"source": "builtin", "name": "qwen3.6", "chat_template": "chatml"},
+}
+
+
+def lanes_config(
+    fast: list[str], heavy: list[str], threshold: int = 2000, **overrides: Any
+) -> dict[str, Any]:
+    """A two-lane policy in front of the given endpoints, small enough for fast tests."""
+    config: dict[str, Any] = {
+        "models": [MODEL],
+        "clusters": [
+            {"name": "fast", "endpoints": fast},
+            {"name": "heavy", "endpoints": heavy},
+        ],
+        "lanes": [
+            {
+                "name": "fast",
+                "max_prompt_tokens": threshold,
+                "clusters": ["fast"],
+                "slots": {"lane": 64, "per_endpoint": 32},
+                "queue": {"depth": 512, "max_wait_s": 10},
+                "timeouts": {"connect_s": 2, "first_byte_s": 5, "idle_s": 5, "total_s": 30},
+            },
+            {
+                "name": "heavy",
+                "min_prompt_tokens": threshold,
+                "max_prompt_tokens": 1_000_000,
+                "clusters": ["heavy"],
+                "slots": {"lane": 4, "per_endpoint": 4},
+                "queue": {"depth": 64, "max_wait_s": 10},
+                "timeouts": {"connect_s": 2, "first_byte_s": 5, "idle_s": 5, "total_s": 30},
+            },
+        ],
+    }
+    for key, value in overrides.items():
+        config[key] = value
+    return config
+
+
+@pytest.fixture(scope="session")
+def counter() -> TokenCounter:
+    """The demo tokenizers, loaded once for the whole run (loading is a start-up cost)."""
+    return TokenCounter.from_settings(
+        parse_settings(lanes_config(["http://x"], ["http://y"]), environ={})
+    )
+
+
+GatewayFactory = Callable[[dict[str, Any]], Any]
+
+
+@pytest.fixture
+def gateway_at(counter: TokenCounter) -> Callable[[dict[str, Any]], Any]:
+    """``async with gateway_at(config) as (url, app_settings)``: a real gateway on a socket."""
+
+    @asynccontextmanager
+    async def start(config: dict[str, Any]) -> AsyncIterator[tuple[str, Settings]]:
+        settings = parse_settings(config, environ={})
+        async with serve_asgi(create_app(settings, counter)) as url:
+            yield url, settings
+
+    return start

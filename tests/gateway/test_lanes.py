@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+from gateway.lanes import choose_lane, exact_count_above
+from gateway.settings import parse_settings
+from tests.conftest import lanes_config
+
+
+def policy(**lane_overrides: object) -> object:
+    config = lanes_config(["http://a"], ["http://b"], threshold=32768)
+    config["clusters"].append({"name": "spare", "endpoints": ["http://c"]})
+    config["lanes"][1]["emergency_clusters"] = ["spare"]
+    config["lanes"][1].update(lane_overrides)
+    return parse_settings(config, environ={})
+
+
+def test_the_threshold_splits_lanes_in_tokens() -> None:
+    lanes = policy().lanes  # type: ignore[attr-defined]
+    assert choose_lane(32767, lanes, {}).lane_name == "fast"
+    assert choose_lane(32768, lanes, {}).lane_name == "heavy"
+    assert choose_lane(0, lanes, {}).reason == "in_range"
+    assert choose_lane(1_000_000, lanes, {}).reason == "no_lane"
+
+
+def test_emergency_clusters_only_when_every_primary_is_down() -> None:
+    lanes = policy().lanes  # type: ignore[attr-defined]
+    up = choose_lane(50_000, lanes, {"heavy": True, "spare": True})
+    assert up.clusters == ("heavy",) and up.reason == "in_range"
+    down = choose_lane(50_000, lanes, {"heavy": False, "spare": True})
+    assert down.clusters == ("spare",) and down.reason == "primary_unhealthy"
+    none = choose_lane(50_000, lanes, {"heavy": False, "spare": False})
+    assert none.clusters == () and none.reason == "no_healthy_cluster"
+
+
+def test_the_bound_decides_below_the_first_ceiling() -> None:
+    assert exact_count_above(policy().lanes) == 32768  # type: ignore[attr-defined]

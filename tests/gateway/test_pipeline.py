@@ -1,0 +1,243 @@
+"""End to end through real sockets: client -> gateway -> fake engine."""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from structlog.testing import capture_logs
+
+from tests.conftest import lanes_config
+from tests.support.fake_engine import FakeEngine
+from tests.support.servers import serve_asgi
+
+THRESHOLD = 2000
+
+
+def chat(content: str, **extra: Any) -> dict[str, Any]:
+    return {"model": "qwen3.6", "messages": [{"role": "user", "content": content}], **extra}
+
+
+def dense_json(chars: int, seed: int = 7) -> str:
+    """Random JSON records: ~2 characters per Qwen token, so chars/4 undercounts by half."""
+    rng = random.Random(seed)
+    records = []
+    while sum(len(r) for r in records) < chars:
+        record = {
+            "".join(rng.choices(string.ascii_lowercase, k=3)): rng.randint(0, 99999),
+            "id": "".join(rng.choices(string.hexdigits, k=12)),
+            "v": [rng.random() for _ in range(2)],
+        }
+        records.append(json.dumps(record))
+    return "[" + ",".join(records) + "]"
+
+
+@pytest.fixture
+async def engines() -> Any:
+    fast, heavy = FakeEngine(), FakeEngine()
+    async with serve_asgi(fast) as fast_url, serve_asgi(heavy) as heavy_url:
+        yield {"fast": (fast, fast_url), "heavy": (heavy, heavy_url)}
+
+
+@pytest.fixture
+async def gateway(engines: Any, gateway_at: Any) -> Any:
+    config = lanes_config([engines["fast"][1]], [engines["heavy"][1]], threshold=THRESHOLD)
+    async with gateway_at(config) as (url, _settings):
+        yield url
+
+
+async def test_routes_by_real_token_count_on_both_sides_of_the_threshold(
+    gateway: str, engines: Any
+) -> None:
+    prose = "The quick brown fox jumps over the lazy dog. "
+    small = prose * 20  # ~200 tokens
+    large = prose * 300  # ~3000 tokens
+    packed = dense_json(6000)
+    assert len(packed) / 4 < THRESHOLD, "a chars/4 rule would put this in the fast lane"
+    async with httpx.AsyncClient(base_url=gateway) as client:
+        replies = {}
+        for name, text in (("small", small), ("large", large), ("json", packed)):
+            r = await client.post("/v1/chat/completions", json=chat(text))
+            assert r.status_code == 200, r.text
+            replies[name] = r
+    assert replies["small"].headers["x-shapegate-lane"] == "fast"
+    assert replies["large"].headers["x-shapegate-lane"] == "heavy"
+    assert replies["json"].headers["x-shapegate-lane"] == "heavy"
+    assert int(replies["json"].headers["x-shapegate-prompt-tokens"]) >= THRESHOLD
+    assert replies["small"].headers["x-shapegate-cluster"] == "fast"
+    assert len(engines["heavy"][0].seen) == 2 and len(engines["fast"][0].seen) == 1
+
+
+async def test_streaming_is_passed_through_byte_for_byte_and_chunk_by_chunk(
+    gateway: str, engines: Any
+) -> None:
+    body = chat("hello", stream=True, fake={"chunks": 5, "gap": 0.2})
+    async with httpx.AsyncClient() as client:
+        direct = await client.post(engines["fast"][1] + "/v1/chat/completions", json=body)
+        received: list[tuple[float, bytes]] = []
+        import time
+
+        start = time.monotonic()
+        async with client.stream("POST", gateway + "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            async for chunk in r.aiter_raw():
+                received.append((time.monotonic() - start, chunk))
+    assert b"".join(c for _, c in received) == direct.content
+    # The first chunk reached the client long before the engine sent its last one.
+    assert received[0][0] < 0.5 < received[-1][0]
+
+
+async def test_original_body_bytes_reach_the_engine(gateway: str, engines: Any) -> None:
+    raw = b'{"model":"qwen3.6",  "messages":[{"role":"user","content":"hi"}],"x_custom":1.50}'
+    async with httpx.AsyncClient() as client:
+        r = await client.post(
+            gateway + "/v1/chat/completions",
+            content=raw,
+            headers={
+                "content-type": "application/json",
+                "x-request-id": "req-123",
+                "authorization": "Bearer client-secret",
+                "connection": "keep-alive",
+            },
+        )
+    assert r.status_code == 200
+    assert r.headers["x-request-id"] == "req-123"
+    seen = engines["fast"][0].seen["req-123"]
+    assert seen.body == raw
+    assert "authorization" not in seen.headers  # not forwarded unless the cluster says so
+
+
+@pytest.mark.parametrize("status", [400, 404, 500, 503])
+async def test_engine_errors_are_passed_through_unchanged(
+    gateway: str, status: int, engines: Any
+) -> None:
+    body = chat("hi", fake={"mode": "error", "status": status, "message": f"boom {status}"})
+    async with httpx.AsyncClient() as client:
+        direct = await client.post(engines["fast"][1] + "/v1/chat/completions", json=body)
+        via = await client.post(gateway + "/v1/chat/completions", json=body)
+    assert via.status_code == status
+    assert via.content == direct.content
+    assert via.json()["error"]["message"] == f"boom {status}"
+
+
+@pytest.mark.parametrize(
+    ("raw", "status", "needle"),
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b"[1, 2]", 400, "must be a JSON object"),
+        (b'{"messages": [{"role": "user", "content": "x"}]}', 400, "'model' is required"),
+        (
+            b'{"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}',
+            404,
+            "The model `gpt-9` does not exist.",
+        ),
+        (b'{"model": "qwen3.6", "messages": "hello"}', 400, "'messages' must be"),
+        (b'{"model": "qwen3.6", "messages": [{"role": "user", "content": 5}]}', 400, "content"),
+        (
+            b'{"model": "qwen3.6", "messages": [{"role": "user", "content": "x"}], '
+            b'"max_tokens": -1}',
+            400,
+            "max_tokens",
+        ),
+        (b"[" * 100_000 + b"]" * 100_000, 400, "not valid JSON"),
+        (
+            b'{"model": "qwen3.6", "messages": [{"role": "user", "content": "\xff\xfe"}]}',
+            400,
+            "not valid JSON",
+        ),
+    ],
+)
+async def test_bad_input_gets_an_openai_shaped_4xx(
+    gateway: str, raw: bytes, status: int, needle: str
+) -> None:
+    async with httpx.AsyncClient() as client:
+        with capture_logs() as logs:
+            r = await client.post(gateway + "/v1/chat/completions", content=raw)
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert needle in error["message"]
+    assert error["code"] == status and "type" in error and "param" in error
+    assert any(e["event"] == "route.rejected" for e in logs)
+
+
+async def test_body_over_the_limit_is_refused_without_buffering_it(
+    engines: Any, gateway_at: Any
+) -> None:
+    config = lanes_config(
+        [engines["fast"][1]], [engines["heavy"][1]], server={"max_body_bytes": 64 * 1024}
+    )
+    async with gateway_at(config) as (url, _), httpx.AsyncClient() as client:
+        r = await client.post(url + "/v1/chat/completions", json=chat("x" * 100_000))
+
+        async def unsized() -> Any:
+            for _ in range(100):
+                yield b"x" * 4096
+
+        chunked = await client.post(url + "/v1/chat/completions", content=unsized())
+    assert r.status_code == 413 and "exceeds" in r.json()["error"]["message"]
+    assert chunked.status_code == 413
+
+
+async def test_prompt_above_every_lane_is_rejected(engines: Any, gateway_at: Any) -> None:
+    config = lanes_config([engines["fast"][1]], [engines["heavy"][1]])
+    config["lanes"][1]["max_prompt_tokens"] = 3000
+    async with gateway_at(config) as (url, _), httpx.AsyncClient() as client:
+        r = await client.post(url + "/v1/chat/completions", json=chat("word " * 5000))
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "input_tokens"
+    assert "above every lane" in r.json()["error"]["message"]
+
+
+async def test_decision_log_says_why(gateway: str) -> None:
+    async with httpx.AsyncClient() as client:
+        with capture_logs() as logs:
+            r = await client.post(
+                gateway + "/v1/chat/completions",
+                json=chat("secret canary text", max_tokens=7),
+                headers={"x-request-id": "abc"},
+            )
+    assert r.status_code == 200
+    decision = next(e for e in logs if e["event"] == "route.decision")
+    finished = next(e for e in logs if e["event"] == "route.finished")
+    assert decision["request_id"] == "abc" and decision["lane"] == "fast"
+    assert decision["reason"] == "in_range" and decision["count_method"] == "bound"
+    assert decision["prompt_tokens"] > 0 and decision["cluster"] == "fast"
+    assert decision["max_tokens"] == 7 and "tokenizer" in decision
+    assert finished["outcome"] == "ok" and finished["status"] == 200
+    assert finished["output_tokens"] == 3
+    assert "canary" not in repr(logs)
+
+
+async def test_models_health_and_admin_state(gateway: str) -> None:
+    async with httpx.AsyncClient(base_url=gateway) as client:
+        await client.post("/v1/chat/completions", json=chat("hi"))
+        models = (await client.get("/v1/models")).json()
+        state = (await client.get("/admin/state")).json()
+        health = await client.get("/healthz")
+    assert {m["id"] for m in models["data"]} == {"qwen3.6", "Qwen/Qwen3.6-35B-A3B"}
+    assert health.status_code == 200
+    fast = next(lane for lane in state["lanes"] if lane["name"] == "fast")
+    assert fast["slots_in_use"] == 0 and fast["slot_limit"] == 64
+    assert state["decisions"][0]["lane"] == "fast"
+    assert state["decisions"][0]["outcome"] == "ok"
+
+
+async def test_openai_sdk_works_unchanged(gateway: str) -> None:
+    client = openai.AsyncOpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0)
+    reply = await client.chat.completions.create(
+        model="qwen3.6", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+    )
+    assert reply.choices[0].message.content
+    assert reply.usage is not None and reply.usage.completion_tokens == 3
+    stream = await client.chat.completions.create(
+        model="qwen3.6", messages=[{"role": "user", "content": "hi"}], stream=True
+    )
+    pieces = [chunk.choices[0].delta.content async for chunk in stream]
+    assert "".join(p or "" for p in pieces) == "t0 t1 t2 "
+    await client.close()

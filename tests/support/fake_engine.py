@@ -1,0 +1,173 @@
+"""A scriptable OpenAI-compatible engine for gateway tests (raw ASGI, real sockets).
+
+Each request's body may carry ``"fake": {...}`` (forwarded untouched by the gateway) telling the
+engine how to behave: ``mode`` one of ``ok`` (default), ``error`` (status + vLLM error body),
+``hang`` (never answer), ``slow_first_byte`` (``delay`` before anything), ``stall`` (send
+``chunks`` chunks then go silent), ``drop`` (send ``chunks`` then cut the connection).
+``chunks`` and ``gap`` shape a stream. The engine records, per ``x-request-id``, when the
+request arrived and when its connection was closed or the response completed, so tests can
+check that abandoned requests were closed upstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+
+@dataclass
+class Seen:
+    request_id: str
+    path: str
+    body: bytes
+    headers: dict[str, str]
+    arrived: float = field(default_factory=time.monotonic)
+    closed: float | None = None
+    completed: bool = False
+
+
+def chat_chunk(i: int, content: str) -> bytes:
+    payload = {
+        "id": "chatcmpl-fake",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "qwen3.6",
+        "choices": [
+            {"index": 0, "delta": {"content": content}, "logprobs": None, "finish_reason": None}
+        ],
+    }
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+class FakeEngine:
+    def __init__(self) -> None:
+        self.seen: dict[str, Seen] = {}
+        self.in_flight = 0
+        self.peak_in_flight = 0
+
+    def open_requests(self) -> list[Seen]:
+        return [s for s in self.seen.values() if s.closed is None]
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                else:
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        rid = headers.get("x-request-id", f"anon-{len(self.seen)}")
+        seen = self.seen[rid] = Seen(rid, scope["path"], body, headers)
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        responder = asyncio.create_task(self._respond(body, send, seen))
+        disconnect = asyncio.create_task(self._wait_disconnect(receive))
+        try:
+            done, _ = await asyncio.wait(
+                {responder, disconnect}, return_when=asyncio.FIRST_COMPLETED
+            )
+            if responder in done:
+                seen.completed = responder.exception() is None
+        finally:
+            for task in (responder, disconnect):
+                task.cancel()
+            seen.closed = time.monotonic()
+            self.in_flight -= 1
+
+    @staticmethod
+    async def _wait_disconnect(receive: Any) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    async def _respond(self, body: bytes, send: Any, seen: Seen) -> None:
+        data = orjson.loads(body)
+        fake = data.get("fake") or {}
+        mode = fake.get("mode", "ok")
+        chunks = int(fake.get("chunks", 3))
+        gap = float(fake.get("gap", 0.0))
+        if mode == "hang":
+            await asyncio.Event().wait()
+        if mode == "slow_first_byte":
+            await asyncio.sleep(float(fake.get("delay", 1.0)))
+        if mode == "error":
+            status = int(fake.get("status", 500))
+            payload = orjson.dumps(
+                {
+                    "error": {
+                        "message": fake.get("message", "engine failed"),
+                        "type": "InternalServerError",
+                        "param": None,
+                        "code": status,
+                    }
+                }
+            )
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": status,
+                    "headers": [(b"content-type", b"application/json")],
+                }
+            )
+            await send({"type": "http.response.body", "body": payload})
+            return
+        if not data.get("stream"):
+            payload = orjson.dumps(
+                {
+                    "id": "chatcmpl-fake",
+                    "object": "chat.completion",
+                    "created": 1,
+                    "model": data.get("model"),
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": "ok " * chunks},
+                            "logprobs": None,
+                            "finish_reason": "length",
+                        }
+                    ],
+                    "usage": {
+                        "prompt_tokens": 1,
+                        "total_tokens": 1 + chunks,
+                        "completion_tokens": chunks,
+                    },
+                }
+            )
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"x-engine", b"fake")],
+                }
+            )
+            await send({"type": "http.response.body", "body": payload})
+            return
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream; charset=utf-8")],
+            }
+        )
+        for i in range(chunks):
+            await send(
+                {"type": "http.response.body", "body": chat_chunk(i, f"t{i} "), "more_body": True}
+            )
+            if gap:
+                await asyncio.sleep(gap)
+        if mode == "stall":
+            await asyncio.Event().wait()
+        if mode == "drop":
+            raise ConnectionResetError("fake engine drops the connection")
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
