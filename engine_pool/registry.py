@@ -5,8 +5,10 @@ Contract:
   health.py and scrapers in load.py write into the pool through ``set_state`` / ``set_load``).
 - ``healthy_clusters()`` and ``views(cluster)`` are snapshots for the pure decisions in
   gateway/lanes.py and picker.py.
-- ``track(cluster, url)`` counts a request in flight on an endpoint for as long as the context
-  is open; the count can never leak because release is the context's exit.
+- ``track(cluster, url, scope)`` counts a request in flight on an endpoint for as long as the
+  context is open (the count can never leak: release is the context's exit) and registers the
+  request's cancel scope: when the endpoint goes DOWN, its in-flight requests are cancelled so
+  they end with an error and free their slots instead of waiting out their deadlines.
 - Every state change is returned as a ``StateChange`` so the caller logs it once with evidence.
 """
 
@@ -16,6 +18,8 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+import anyio
 
 from engine_pool.cluster import Cluster, Engine, EngineState, EngineView
 
@@ -36,6 +40,9 @@ class EnginePool:
             (c.name, url): Engine(cluster=c.name, url=url, kind=c.kind)
             for c in self.clusters.values()
             for url in c.endpoints
+        }
+        self._scopes: dict[tuple[str, str], set[anyio.CancelScope]] = {
+            key: set() for key in self._engines
         }
 
     def engines(self) -> list[Engine]:
@@ -74,6 +81,9 @@ class EnginePool:
         change = StateChange(cluster, url, engine.state, state, evidence)
         engine.state = state
         engine.changed_at = time.time()
+        if not state.routable:
+            for scope in self._scopes[(cluster, url)]:
+                scope.cancel()
         return change
 
     def set_load(
@@ -90,10 +100,13 @@ class EnginePool:
         engine.load_at = time.time()
 
     @contextmanager
-    def track(self, cluster: str, url: str) -> Iterator[Engine]:
+    def track(self, cluster: str, url: str, scope: anyio.CancelScope) -> Iterator[Engine]:
         engine = self._engines[(cluster, url)]
+        scopes = self._scopes[(cluster, url)]
         engine.in_flight += 1
+        scopes.add(scope)
         try:
             yield engine
         finally:
+            scopes.discard(scope)
             engine.in_flight -= 1

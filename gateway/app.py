@@ -18,12 +18,15 @@ import anyio
 from fastapi import FastAPI
 
 from engine_pool.cluster import Cluster
+from engine_pool.monitor import EngineMonitor
 from engine_pool.registry import EnginePool
 from gateway.admission import Admission
+from gateway.engines import EngineEvents, probe_plans
 from gateway.log import Logger, get_logger
 from gateway.metrics import Metrics
 from gateway.pipeline import Pipeline
 from gateway.proxy import Upstream
+from gateway.readiness import BootProbe
 from gateway.settings import ConfigError, Settings
 from gateway.slots import MemorySlotStore, SlotStore
 from gateway.tokens import TokenCounter
@@ -62,6 +65,8 @@ class Gateway:
     admission: Admission
     upstream: Upstream
     pipeline: Pipeline
+    monitor: EngineMonitor
+    probe: BootProbe
     started_at: float
 
     @classmethod
@@ -76,9 +81,10 @@ class Gateway:
         store = build_store(settings)
         admission = Admission(store, metrics, log, poll_interval_s=settings.state.poll_interval_s)
         upstream = Upstream(metrics, log)
-        pipeline = Pipeline(
-            settings, counter, pool, admission, upstream, metrics, log, _engine_keys(settings)
-        )
+        keys = _engine_keys(settings)
+        pipeline = Pipeline(settings, counter, pool, admission, upstream, metrics, log, keys)
+        monitor = EngineMonitor(pool, probe_plans(settings), EngineEvents(settings, metrics, log))
+        probe = BootProbe(settings, pool, upstream, log, keys)
         for lane in settings.lanes:
             metrics.queue_depth.labels(lane=lane.name).set(0)
             for name in (*lane.clusters, *lane.emergency_clusters):
@@ -88,8 +94,24 @@ class Gateway:
                 )
                 metrics.slots_in_use.labels(lane=lane.name, cluster=name).set(0)
         return cls(
-            settings, metrics, log, counter, pool, store, admission, upstream, pipeline, time.time()
+            settings,
+            metrics,
+            log,
+            counter,
+            pool,
+            store,
+            admission,
+            upstream,
+            pipeline,
+            monitor,
+            probe,
+            time.time(),
         )
+
+    @property
+    def ready(self) -> bool:
+        probed = self.probe.ready or not self.settings.server.boot_probe
+        return probed and self.pipeline.accepting
 
     async def drain(self) -> None:
         """Stop admitting; wait for in-flight requests up to the drain deadline."""
@@ -117,12 +139,17 @@ def create_app(settings: Settings, counter: TokenCounter | None = None) -> FastA
             clusters=[c.name for c in settings.clusters],
             state_backend=settings.state.backend,
         )
-        try:
-            yield
-        finally:
-            await gateway.drain()
-            await gateway.aclose()
-            gateway.log.info("gateway.stopped")
+        async with anyio.create_task_group() as background:
+            background.start_soon(gateway.monitor.run)
+            if settings.server.boot_probe:
+                background.start_soon(gateway.probe.run_until_ready)
+            try:
+                yield
+            finally:
+                await gateway.drain()
+                background.cancel_scope.cancel()
+                await gateway.aclose()
+                gateway.log.info("gateway.stopped")
 
     app = FastAPI(
         title="shapegate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None

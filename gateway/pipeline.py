@@ -37,6 +37,7 @@ from gateway.errors import (
     NoHealthyCluster,
     PromptTooLong,
     ShuttingDown,
+    UpstreamError,
 )
 from gateway.exchange import (
     ClientGone,
@@ -74,6 +75,13 @@ class Record:
     ttft_s: float | None = None
     output_tokens: int | None = None
     chunks: int = 0
+
+
+def _first(group: BaseExceptionGroup[Any]) -> BaseException:
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
 
 
 def request_id_from(scope: Scope) -> str:
@@ -153,13 +161,13 @@ class Pipeline:
                 record.outcome = "client_disconnect"
         except* ClientGone:
             record.outcome = "client_disconnect"
-        except* GatewayError as group:
-            exc = group.exceptions[0]
+        except* GatewayError as refusal:
+            exc = _first(refusal)
             assert isinstance(exc, GatewayError)
             self._fail(record, exc)
             await out.error(exc, ids)
-        except* Exception as group:  # the request boundary: a bug must not kill the server
-            exc = group.exceptions[0]
+        except* Exception as bug:  # the request boundary: a bug must not kill the server
+            exc = _first(bug)
             self.log.exception("request.failed", request_id=record.request_id, exc_info=exc)
             swallowed(
                 self.log,
@@ -205,8 +213,13 @@ class Pipeline:
 
         async with self.admission.slot(lane, candidates, record.request_id) as grant:
             self._decided(record, grant, decision, count)
-            with self.pool.track(grant.cluster, grant.url):
+            with (
+                anyio.CancelScope() as engine_down,
+                self.pool.track(grant.cluster, grant.url, engine_down) as engine,
+            ):
                 await self._forward(request, scope, body, grant, count, out, record)
+            if engine_down.cancelled_caught and not out.finished:
+                raise UpstreamError(f"engine was marked down mid-request: {engine.evidence}")
 
     async def _forward(
         self,
@@ -246,7 +259,7 @@ class Pipeline:
                 await out.body(payload, more=False)
                 record.outcome = "upstream_error" if record.status >= 500 else "ok"
             else:
-                last = tail = b""
+                last, tail = 0.0, b""
                 async for chunk in response.chunks(watch):
                     now = time.monotonic()
                     if not out.started:
@@ -357,6 +370,7 @@ class Pipeline:
                 self.metrics.ttft.labels(lane=lane, cluster=cluster).observe(record.ttft_s)
             if record.output_tokens is not None:
                 self.metrics.output_tokens.labels(lane=lane).observe(record.output_tokens)
+        self.metrics.window.observe(record)
 
 
 def snapshot(records: Sequence[Record]) -> list[dict[str, Any]]:

@@ -25,6 +25,7 @@ def lanes_config(
 ) -> dict[str, Any]:
     """A two-lane policy in front of the given endpoints, small enough for fast tests."""
     config: dict[str, Any] = {
+        "server": {"boot_probe": False},
         "models": [MODEL],
         "clusters": [
             {"name": "fast", "endpoints": fast},

@@ -48,6 +48,29 @@ class FakeEngine:
         self.seen: dict[str, Seen] = {}
         self.in_flight = 0
         self.peak_in_flight = 0
+        # GET /health answers this status (None: never answers, like a hung engine).
+        self.health_status: int | None = 200
+        self.health_delay = 0.0
+        self.generated = 0
+
+    async def _get(self, path: str, send: Any) -> None:
+        if path == "/health":
+            if self.health_status is None:
+                await asyncio.Event().wait()
+            await asyncio.sleep(self.health_delay)
+            status, payload = self.health_status, b""
+        elif path == "/metrics":
+            status = 200
+            payload = (
+                f'vllm:num_requests_running{{model_name="qwen3.6"}} {self.in_flight}\n'
+                f'vllm:num_requests_waiting{{model_name="qwen3.6"}} 0\n'
+                f'vllm:kv_cache_usage_perc{{model_name="qwen3.6"}} 0.25\n'
+                f'vllm:generation_tokens_total{{model_name="qwen3.6"}} {self.generated}\n'
+            ).encode()
+        else:
+            status, payload = 404, b"{}"
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": payload})
 
     def open_requests(self) -> list[Seen]:
         return [s for s in self.seen.values() if s.closed is None]
@@ -61,6 +84,9 @@ class FakeEngine:
                 else:
                     await send({"type": "lifespan.shutdown.complete"})
                     return
+        if scope["method"] == "GET":
+            await self._get(scope["path"], send)
+            return
         headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
         body = b""
         while True:
@@ -161,6 +187,7 @@ class FakeEngine:
             }
         )
         for i in range(chunks):
+            self.generated += 1
             await send(
                 {"type": "http.response.body", "body": chat_chunk(i, f"t{i} "), "more_body": True}
             )

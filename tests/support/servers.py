@@ -30,6 +30,7 @@ async def serve_asgi(app: Any, port: int | None = None, **config: Any) -> AsyncI
             access_log=False,
             lifespan="on",
             loop="asyncio",
+            timeout_graceful_shutdown=1,
             **config,
         )
     )

@@ -1,0 +1,131 @@
+"""Background watch over every endpoint: one prober and one metrics scraper each.
+
+Contract:
+- ``EngineMonitor(pool, plans, on_event).run()`` runs until cancelled; ``plans`` give each
+  endpoint its lane's probe interval, timeout and thresholds and its scrape interval.
+- Work is per endpoint and per interval, never per request: a sweep costs O(endpoints) at the
+  rate the lanes set, whatever the request rate.
+- Everything the gateway should log or count comes out through ``on_event`` as plain data:
+  ``StateChange`` (once per transition, with evidence), ``SlowProbe`` (alert class: it pages
+  nobody and evicts nothing by itself), ``LoadRead`` and ``ScrapeFailed``.
+- An endpoint that goes DOWN has its in-flight requests cancelled by the pool (see
+  ``EnginePool.set_state``), so they end with an error and free their slots at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import anyio
+import httpx
+
+from engine_pool.cluster import EngineKind
+from engine_pool.health import Prober, Thresholds, Verdict
+from engine_pool.load import Load, Progress, parse_load
+from engine_pool.registry import EnginePool, StateChange
+
+
+@dataclass(frozen=True, slots=True)
+class ProbePlan:
+    cluster: str
+    url: str
+    kind: EngineKind
+    health_path: str
+    interval_s: float
+    timeout_s: float
+    thresholds: Thresholds
+    scrape_interval_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class SlowProbe:
+    cluster: str
+    url: str
+    evidence: str
+
+
+@dataclass(frozen=True, slots=True)
+class LoadRead:
+    cluster: str
+    url: str
+    load: Load
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapeFailed:
+    cluster: str
+    url: str
+    error: BaseException
+
+
+MonitorEvent = StateChange | SlowProbe | LoadRead | ScrapeFailed
+
+
+class EngineMonitor:
+    def __init__(
+        self,
+        pool: EnginePool,
+        plans: Sequence[ProbePlan],
+        on_event: Callable[[MonitorEvent], None],
+    ) -> None:
+        self._pool = pool
+        self._plans = list(plans)
+        self._on_event = on_event
+        self._progress = {(p.cluster, p.url): Progress() for p in self._plans}
+
+    async def run(self) -> None:
+        limits = httpx.Limits(max_connections=2 * len(self._plans) + 4)
+        async with (
+            httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None, connect=5.0)) as client,
+            anyio.create_task_group() as tasks,
+        ):
+            for plan in self._plans:
+                tasks.start_soon(self._probe_forever, client, plan)
+                tasks.start_soon(self._scrape_forever, client, plan)
+
+    async def _probe_forever(self, client: httpx.AsyncClient, plan: ProbePlan) -> None:
+        progress = self._progress[(plan.cluster, plan.url)]
+
+        def report(verdict: Verdict) -> None:
+            if verdict.alert is not None:
+                self._on_event(SlowProbe(plan.cluster, plan.url, verdict.alert))
+            change = self._pool.set_state(
+                plan.cluster, plan.url, verdict.track.state, verdict.evidence
+            )
+            if change is not None:
+                self._on_event(change)
+
+        prober = Prober(
+            url=plan.url.rstrip("/") + plan.health_path,
+            interval_s=plan.interval_s,
+            timeout_s=plan.timeout_s,
+            limits=plan.thresholds,
+            progressing=lambda: progress.advanced,
+            report=report,
+        )
+        await prober.run(client)
+
+    async def _scrape_forever(self, client: httpx.AsyncClient, plan: ProbePlan) -> None:
+        progress = self._progress[(plan.cluster, plan.url)]
+        url = plan.url.rstrip("/") + "/metrics"
+        while True:
+            try:
+                with anyio.fail_after(max(plan.scrape_interval_s, 1.0)):
+                    response = await client.get(url)
+                response.raise_for_status()
+                load = parse_load(plan.kind, response.text)
+            except (httpx.HTTPError, TimeoutError) as exc:
+                progress.update(None)
+                self._on_event(ScrapeFailed(plan.cluster, plan.url, exc))
+            else:
+                progress.update(load.tokens_total)
+                self._pool.set_load(
+                    plan.cluster,
+                    plan.url,
+                    running=load.running,
+                    waiting=load.waiting,
+                    kv_usage=load.kv_usage,
+                )
+                self._on_event(LoadRead(plan.cluster, plan.url, load))
+            await anyio.sleep(plan.scrape_interval_s)

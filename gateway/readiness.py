@@ -1,0 +1,136 @@
+"""The boot probe: proof that each lane really serves, not just that it is configured.
+
+At start-up (and on ``POST /admin/probe``) one tiny real request (a one-token chat completion)
+goes to each lane's primary clusters, trying their routable endpoints in order, with the lane's
+own deadlines. A lane passes when any endpoint answers 200 with choices. ``/readyz`` is 503 until
+every lane has passed once, and says which lane failed and why. Lanes that failed are retried
+every ``RETRY_S`` until they pass.
+
+The probe bypasses the slot store: it is one request per lane, made before traffic is admitted.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import anyio
+import orjson
+
+from engine_pool.picker import order_endpoints
+from engine_pool.registry import EnginePool
+from gateway.errors import GatewayError
+from gateway.log import Logger
+from gateway.proxy import Upstream
+from gateway.settings import LaneSettings, Settings
+from gateway.watchdog import Watch, deadlines_for
+
+RETRY_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class LaneCheck:
+    lane: str
+    passed: bool
+    detail: str
+    seconds: float
+    at: float
+
+
+class BootProbe:
+    def __init__(
+        self,
+        settings: Settings,
+        pool: EnginePool,
+        upstream: Upstream,
+        log: Logger,
+        engine_keys: dict[str, str],
+    ) -> None:
+        self._settings = settings
+        self._pool = pool
+        self._upstream = upstream
+        self._log = log
+        self._keys = engine_keys
+        self.checks: dict[str, LaneCheck] = {}
+        self.passed_once: set[str] = set()
+
+    @property
+    def ready(self) -> bool:
+        return all(lane.name in self.passed_once for lane in self._settings.lanes)
+
+    def why_not(self) -> dict[str, str]:
+        return {
+            lane.name: self.checks[lane.name].detail if lane.name in self.checks else "not probed"
+            for lane in self._settings.lanes
+            if lane.name not in self.passed_once
+        }
+
+    async def run(self) -> None:
+        """Probe every lane once, concurrently."""
+        async with anyio.create_task_group() as tasks:
+            for lane in self._settings.lanes:
+                tasks.start_soon(self._probe_lane, lane)
+
+    async def run_until_ready(self) -> None:
+        while True:
+            await self.run()
+            if self.ready:
+                return
+            await anyio.sleep(RETRY_S)
+
+    async def _probe_lane(self, lane: LaneSettings) -> None:
+        started = time.monotonic()
+        failures: list[str] = []
+        passed = False
+        for name in lane.clusters:
+            cluster = self._settings.cluster(name)
+            model = cluster.models[0] if cluster.models else self._settings.models[0].name
+            body = orjson.dumps(
+                {
+                    "model": model,
+                    "max_tokens": 1,
+                    "stream": False,
+                    "messages": [{"role": "user", "content": "ping"}],
+                }
+            )
+            endpoints = order_endpoints(self._pool.views(name))
+            if not endpoints:
+                failures.append(f"cluster {name}: no routable endpoint")
+            for view in endpoints:
+                problem = await self._one(lane, view.url, body, self._keys.get(name))
+                if problem is None:
+                    passed = True
+                    break
+                failures.append(f"{view.url}: {problem}")
+            if passed:
+                break
+        seconds = time.monotonic() - started
+        detail = "ok" if passed else "; ".join(failures) or "no cluster"
+        self.checks[lane.name] = LaneCheck(lane.name, passed, detail, seconds, time.time())
+        if passed:
+            self.passed_once.add(lane.name)
+        log = self._log.info if passed else self._log.warning
+        log("lane.probed", lane=lane.name, passed=passed, detail=detail, seconds=round(seconds, 3))
+
+    async def _one(self, lane: LaneSettings, url: str, body: bytes, key: str | None) -> str | None:
+        headers = {
+            "content-type": "application/json",
+            "x-request-id": f"shapegate-probe-{lane.name}",
+        }
+        if key:
+            headers["authorization"] = f"Bearer {key}"
+        watch = Watch(deadlines_for(lane.timeouts, 1))
+        try:
+            async with self._upstream.open(
+                url.rstrip("/") + "/v1/chat/completions", body, headers, watch
+            ) as response:
+                payload = await response.read(watch)
+        except GatewayError as exc:
+            return exc.message
+        if response.status != 200:
+            return f"HTTP {response.status}: {payload[:200].decode(errors='replace')}"
+        try:
+            choices = orjson.loads(payload).get("choices")
+        except (orjson.JSONDecodeError, AttributeError):
+            return "answer is not an OpenAI JSON body"
+        return None if choices else "answer has no choices"
