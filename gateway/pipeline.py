@@ -52,7 +52,7 @@ from gateway.exchange import (
 from gateway.lanes import Decision, choose_lane, exact_count_above
 from gateway.log import Logger, swallowed
 from gateway.metrics import Metrics
-from gateway.protocol import Endpoint, RoutedRequest, parse_request
+from gateway.protocol import Endpoint, RoutedRequest, parse_request, prefix_key
 from gateway.proxy import Upstream, response_headers, upstream_headers
 from gateway.settings import Settings
 from gateway.tokens import TokenCount, TokenCounter
@@ -208,8 +208,12 @@ class Pipeline:
         lane = decision.lane
         serving = tuple(c for c in decision.clusters if self._serves(c, model.name))
 
+        affinity = (
+            prefix_key(request.prompt, lane.affinity_prefix_bytes) if lane.prefix_affinity else None
+        )
+
         def candidates() -> Sequence[EngineView]:
-            return [v for c in serving for v in order_endpoints(self.pool.views(c))]
+            return [v for c in serving for v in order_endpoints(self.pool.views(c), affinity)]
 
         async with self.admission.slot(lane, candidates, record.request_id) as grant:
             self._decided(record, grant, decision, count)
