@@ -44,6 +44,26 @@ class EnginePool:
         self._scopes: dict[tuple[str, str], set[anyio.CancelScope]] = {
             key: set() for key in self._engines
         }
+        self._retired: dict[tuple[str, str], Engine] = {}
+
+    def reconcile(self, clusters: Iterable[Cluster]) -> None:
+        """Adopt a new cluster list (a policy reload). Endpoints that stay keep their state and
+        in-flight counts; new ones start UP; removed ones leave routing at once, and their
+        records live on, out of sight, until their in-flight requests finish."""
+        self.clusters = {c.name: c for c in clusters}
+        wanted = {(c.name, url): c for c in self.clusters.values() for url in c.endpoints}
+        for key, cluster in wanted.items():
+            if key not in self._engines:
+                self._engines[key] = Engine(cluster=key[0], url=key[1], kind=cluster.kind)
+                self._scopes[key] = set()
+        for key in [k for k in self._engines if k not in wanted]:
+            self._retired[key] = self._engines.pop(key)
+        self._drop_idle_retired()
+
+    def _drop_idle_retired(self) -> None:
+        for key in [k for k, e in self._retired.items() if e.in_flight == 0]:
+            del self._retired[key]
+            self._scopes.pop(key, None)
 
     def engines(self) -> list[Engine]:
         return list(self._engines.values())
@@ -74,7 +94,9 @@ class EnginePool:
     def set_state(
         self, cluster: str, url: str, state: EngineState, evidence: str
     ) -> StateChange | None:
-        engine = self._engines[(cluster, url)]
+        engine = self._engines.get((cluster, url))
+        if engine is None:  # removed by a reload while its prober was stopping
+            return None
         engine.evidence = evidence
         if engine.state is state:
             return None
@@ -95,13 +117,15 @@ class EnginePool:
         waiting: float | None,
         kv_usage: float | None,
     ) -> None:
-        engine = self._engines[(cluster, url)]
+        engine = self._engines.get((cluster, url))
+        if engine is None:
+            return
         engine.running, engine.waiting, engine.kv_usage = running, waiting, kv_usage
         engine.load_at = time.time()
 
     @contextmanager
     def track(self, cluster: str, url: str, scope: anyio.CancelScope) -> Iterator[Engine]:
-        engine = self._engines[(cluster, url)]
+        engine = self._engines.get((cluster, url)) or self._retired[(cluster, url)]
         scopes = self._scopes[(cluster, url)]
         engine.in_flight += 1
         scopes.add(scope)
@@ -110,3 +134,5 @@ class EnginePool:
         finally:
             scopes.discard(scope)
             engine.in_flight -= 1
+            if self._retired:
+                self._drop_idle_retired()

@@ -54,7 +54,7 @@ from gateway.log import Logger, swallowed
 from gateway.metrics import Metrics
 from gateway.protocol import Endpoint, RoutedRequest, parse_request, prefix_key
 from gateway.proxy import Upstream, response_headers, upstream_headers
-from gateway.settings import Settings
+from gateway.settings import ClusterSettings, LaneSettings, Settings
 from gateway.tokens import TokenCount, TokenCounter
 from gateway.watchdog import DeadlineHit, Watch, deadlines_for
 
@@ -110,32 +110,47 @@ def _usage_tokens(payload: bytes) -> int | None:
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """What a request is admitted under: settings, tokenizers and engine keys, swapped whole on
+    reload. A request reads the policy once, so it finishes under the one that admitted it."""
+
+    settings: Settings
+    counter: TokenCounter
+    engine_keys: dict[str, str]
+    version: int = 1
+    exact_above: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "exact_above", exact_count_above(self.settings.lanes))
+
+    def serves(self, cluster: str, model: str) -> bool:
+        models = self.settings.cluster(cluster).models
+        return not models or model in models
+
+
 class Pipeline:
     def __init__(
         self,
-        settings: Settings,
-        counter: TokenCounter,
+        policy: Policy,
         pool: EnginePool,
         admission: Admission,
         upstream: Upstream,
         metrics: Metrics,
         log: Logger,
-        engine_keys: dict[str, str],
     ) -> None:
-        self.settings = settings
-        self.counter = counter
+        self.policy = policy
         self.pool = pool
         self.admission = admission
         self.upstream = upstream
         self.metrics = metrics
         self.log = log
-        self.engine_keys = engine_keys
-        self.exact_above = exact_count_above(settings.lanes)
-        self.recent: deque[Record] = deque(maxlen=settings.server.decision_ring_size)
+        self.recent: deque[Record] = deque(maxlen=policy.settings.server.decision_ring_size)
         self.accepting = True
         self.in_flight = 0
 
     async def handle(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
+        policy = self.policy
         record = Record(request_id=request_id_from(scope), endpoint=endpoint)
         out = Outbound(send)
         ids = [(b"x-request-id", record.request_id.encode())]
@@ -146,14 +161,14 @@ class Pipeline:
             body = await read_body(
                 scope,
                 receive,
-                self.settings.server.max_body_bytes,
-                self.settings.server.body_timeout_s,
+                policy.settings.server.max_body_bytes,
+                policy.settings.server.body_timeout_s,
             )
             with anyio.CancelScope() as cancel_on_disconnect:
                 async with anyio.create_task_group() as watcher:
                     watcher.start_soon(watch_disconnect, receive, cancel_on_disconnect.cancel)
                     try:
-                        await self._route(endpoint, scope, body, out, record)
+                        await self._route(policy, endpoint, scope, body, out, record)
                     finally:
                         watcher.cancel_scope.cancel()
             # After the last byte, uvicorn reports the finished exchange as a disconnect too.
@@ -184,21 +199,30 @@ class Pipeline:
             self._finish(record, out)
 
     async def _route(
-        self, endpoint: Endpoint, scope: Scope, body: bytes, out: Outbound, record: Record
+        self,
+        policy: Policy,
+        endpoint: Endpoint,
+        scope: Scope,
+        body: bytes,
+        out: Outbound,
+        record: Record,
     ) -> None:
         request = parse_request(endpoint, body)
-        model = self.settings.model(request.model)
+        settings = policy.settings
+        model = settings.model(request.model)
         if model is None:
             raise ModelNotFound(f"The model `{request.model}` does not exist.", param="model")
-        count = await self.counter.count(model.name, request.prompt, exact_above=self.exact_above)
+        count = await policy.counter.count(
+            model.name, request.prompt, exact_above=policy.exact_above
+        )
         healthy = self.pool.healthy_clusters()
-        decision = choose_lane(count.tokens, self.settings.lanes, healthy)
+        decision = choose_lane(count.tokens, settings.lanes, healthy)
         record.fields.update(self._decision_fields(request, count, decision, healthy))
         self._remember(record)
         if decision.lane is None:
             raise PromptTooLong(
                 f"prompt of {count.tokens} tokens is above every lane's range "
-                f"(largest {max(lane.max_prompt_tokens for lane in self.settings.lanes) - 1})",
+                f"(largest {max(lane.max_prompt_tokens for lane in settings.lanes) - 1})",
                 param="input_tokens",
             )
         if not decision.clusters:
@@ -206,7 +230,7 @@ class Pipeline:
                 f"no healthy cluster for lane '{decision.lane.name}'", retry_after_s=5
             )
         lane = decision.lane
-        serving = tuple(c for c in decision.clusters if self._serves(c, model.name))
+        serving = tuple(c for c in decision.clusters if policy.serves(c, model.name))
 
         affinity = (
             prefix_key(request.prompt, lane.affinity_prefix_bytes) if lane.prefix_affinity else None
@@ -221,7 +245,19 @@ class Pipeline:
                 anyio.CancelScope() as engine_down,
                 self.pool.track(grant.cluster, grant.url, engine_down) as engine,
             ):
-                await self._forward(request, scope, body, grant, count, out, record)
+                cluster = settings.cluster(grant.cluster)
+                await self._forward(
+                    request,
+                    scope,
+                    body,
+                    grant,
+                    lane,
+                    cluster,
+                    policy.engine_keys.get(cluster.name),
+                    count,
+                    out,
+                    record,
+                )
             if engine_down.cancelled_caught and not out.finished:
                 raise UpstreamError(f"engine was marked down mid-request: {engine.evidence}")
 
@@ -231,18 +267,19 @@ class Pipeline:
         scope: Scope,
         body: bytes,
         grant: Grant,
+        lane: LaneSettings,
+        cluster: ClusterSettings,
+        engine_key: str | None,
         count: TokenCount,
         out: Outbound,
         record: Record,
     ) -> None:
-        lane = self.settings.lane(grant.lane)
-        cluster = self.settings.cluster(grant.cluster)
         watch = Watch(deadlines_for(lane.timeouts, count.tokens))
         headers = upstream_headers(
             scope.get("headers", ()),
             record.request_id,
             forward_auth=cluster.forward_client_auth,
-            engine_key=self.engine_keys.get(cluster.name),
+            engine_key=engine_key,
         )
         ours = {
             "x-request-id": record.request_id,
@@ -284,10 +321,6 @@ class Pipeline:
                 await out.body(b"", more=False)
                 record.outcome = "ok"
                 record.output_tokens = _usage_tokens(tail)
-
-    def _serves(self, cluster: str, model: str) -> bool:
-        models = self.settings.cluster(cluster).models
-        return not models or model in models
 
     def _decision_fields(
         self,

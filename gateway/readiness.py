@@ -54,6 +54,14 @@ class BootProbe:
         self.checks: dict[str, LaneCheck] = {}
         self.passed_once: set[str] = set()
 
+    def adopt(self, settings: Settings, engine_keys: dict[str, str]) -> None:
+        """A reloaded policy: lanes that stay keep their results; new lanes are unprobed."""
+        self._settings = settings
+        self._keys = engine_keys
+        names = {lane.name for lane in settings.lanes}
+        self.passed_once &= names
+        self.checks = {k: v for k, v in self.checks.items() if k in names}
+
     @property
     def ready(self) -> bool:
         return all(lane.name in self.passed_once for lane in self._settings.lanes)

@@ -8,6 +8,8 @@ closes every client. The exit code is 0 after a clean drain.
 from __future__ import annotations
 
 import importlib.util
+import signal
+from pathlib import Path
 
 import uvicorn
 
@@ -16,10 +18,10 @@ from gateway.log import configure_logging
 from gateway.settings import Settings
 
 
-def uvicorn_config(settings: Settings) -> uvicorn.Config:
+def uvicorn_config(settings: Settings, config_path: Path | None = None) -> uvicorn.Config:
     fast = importlib.util.find_spec("uvloop") and importlib.util.find_spec("httptools")
     return uvicorn.Config(
-        create_app(settings),
+        create_app(settings, config_path=config_path),
         host=settings.server.host,
         port=settings.server.port,
         loop="uvloop" if fast else "asyncio",
@@ -32,8 +34,12 @@ def uvicorn_config(settings: Settings) -> uvicorn.Config:
     )
 
 
-def serve(settings: Settings) -> int:
+def serve(settings: Settings, config_path: Path | None = None) -> int:
     configure_logging(settings.logging.level, settings.logging.json_output)
-    server = uvicorn.Server(uvicorn_config(settings))
+    server = uvicorn.Server(uvicorn_config(settings, config_path))
+    # uvicorn re-raises the signal that stopped it once it has drained; a drained shutdown is a
+    # clean exit, so the re-raised SIGTERM/SIGINT lands on a handler that lets us return 0.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: None)
     server.run()
     return 0

@@ -1,0 +1,193 @@
+"""Hot reload: validated in full, swapped whole, in-flight requests finish under their policy."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import yaml
+from structlog.testing import capture_logs
+
+from gateway.reload import diff_settings
+from gateway.settings import parse_settings
+from tests.conftest import lanes_config
+from tests.support.fake_engine import FakeEngine
+from tests.support.servers import free_port, serve_asgi
+
+
+def body(delay: float = 0.0, content: str = "hi") -> bytes:
+    fake = {"mode": "slow_first_byte", "delay": delay} if delay else {}
+    return orjson.dumps(
+        {"model": "qwen3.6", "fake": fake, "messages": [{"role": "user", "content": content}]}
+    )
+
+
+def test_the_diff_names_what_changed() -> None:
+    old = parse_settings(lanes_config(["http://a"], ["http://b"]), environ={})
+    config = lanes_config(["http://a", "http://c"], ["http://b"])
+    config["lanes"][0]["slots"]["lane"] = 3
+    new = parse_settings(config, environ={})
+    diff = diff_settings(old, new)
+    assert diff["lanes[fast].slots.lane"] == {"old": 64, "new": 3}
+    assert diff["clusters[fast].endpoints"]["new"] == ["http://a", "http://c"]
+    assert len(diff) == 2
+
+
+async def test_reload_under_load_loses_nothing_and_a_lowered_limit_holds(
+    gateway_at: Any,
+) -> None:
+    engine = FakeEngine()
+    async with serve_asgi(engine) as engine_url:
+        config = lanes_config([engine_url], [engine_url])
+        config["lanes"][0]["slots"] = {"lane": 8, "per_endpoint": 8}
+        async with gateway_at(config) as (url, _), httpx.AsyncClient(timeout=30) as client:
+            first = [
+                asyncio.create_task(client.post(url + "/v1/chat/completions", content=body(0.5)))
+                for _ in range(8)
+            ]
+            await asyncio.sleep(0.2)
+            assert engine.in_flight == 8
+            lowered = lanes_config([engine_url], [engine_url])
+            lowered["lanes"][0]["slots"] = {"lane": 2, "per_endpoint": 2}
+            with capture_logs() as logs:
+                r = await client.post(url + "/admin/reload", content=yaml.safe_dump(lowered))
+            assert r.status_code == 200, r.text
+            assert r.json()["changed"]["lanes[fast].slots.lane"] == {"old": 8, "new": 2}
+            reloaded = next(e for e in logs if e["event"] == "policy.reloaded")
+            assert reloaded["version"] == 2
+            engine.peak_in_flight = engine.in_flight
+            later = [
+                asyncio.create_task(client.post(url + "/v1/chat/completions", content=body(0.05)))
+                for _ in range(12)
+            ]
+            replies = await asyncio.gather(*first, *later)
+            assert [r.status_code for r in replies] == [200] * 20
+            # After the 8 admitted under the old policy drained, never more than 2 at once.
+            assert engine.peak_in_flight <= 8
+            state = (await client.get(url + "/admin/state")).json()
+            assert state["policy_version"] == 2
+            assert all(lane["slots_in_use"] == 0 for lane in state["lanes"])
+            assert max(_overlap(engine, start_after=0.45)) <= 2
+
+
+def _overlap(engine: FakeEngine, start_after: float) -> list[int]:
+    """In-flight counts at each arrival after the old requests were gone."""
+    spans = sorted((s.arrived, s.closed or time.monotonic()) for s in engine.seen.values())
+    origin = spans[0][0]
+    counts = []
+    for arrived, _ in spans:
+        if arrived - origin < start_after + 0.1:
+            continue
+        counts.append(sum(1 for a, c in spans if a <= arrived < c))
+    return counts or [0]
+
+
+async def test_an_invalid_policy_changes_nothing(gateway_at: Any) -> None:
+    engine = FakeEngine()
+    async with serve_asgi(engine) as engine_url:
+        config = lanes_config([engine_url], [engine_url])
+        async with gateway_at(config) as (url, _), httpx.AsyncClient() as client:
+            bad = lanes_config([engine_url], [engine_url])
+            bad["lanes"][0]["clusters"] = ["nowhere"]
+            with capture_logs() as logs:
+                r = await client.post(url + "/admin/reload", content=yaml.safe_dump(bad))
+            assert r.status_code == 400 and "nowhere" in r.json()["error"]["message"]
+            assert any(e["event"] == "policy.reload_failed" for e in logs)
+            typo = await client.post(url + "/admin/reload", content=b"lanes: [}")
+            assert typo.status_code == 400
+            state = (await client.get(url + "/admin/state")).json()
+            assert state["policy_version"] == 1
+            ok = await client.post(url + "/v1/chat/completions", content=body())
+            assert ok.status_code == 200
+
+
+async def test_added_and_removed_clusters(gateway_at: Any) -> None:
+    old, new = FakeEngine(), FakeEngine()
+    async with serve_asgi(old) as old_url, serve_asgi(new) as new_url:
+        config = lanes_config([old_url], [old_url])
+        async with gateway_at(config) as (url, _), httpx.AsyncClient(timeout=10) as client:
+            running = asyncio.create_task(
+                client.post(url + "/v1/chat/completions", content=body(0.5))
+            )
+            await asyncio.sleep(0.1)
+            moved = lanes_config([new_url], [new_url])
+            r = await client.post(url + "/admin/reload", content=yaml.safe_dump(moved))
+            assert r.status_code == 200
+            after = await client.post(url + "/v1/chat/completions", content=body())
+            assert after.status_code == 200
+            assert (await running).status_code == 200  # finished on the removed endpoint
+            assert len(old.seen) == 1 and len(new.seen) == 1
+            state = (await client.get(url + "/admin/state")).json()
+            urls = [e["url"] for c in state["clusters"] for e in c["endpoints"]]
+            assert urls == [new_url, new_url]
+
+
+async def test_sighup_and_file_watch_reload_a_served_gateway(tmp_path: Path) -> None:
+    engine = FakeEngine()
+    async with serve_asgi(engine) as engine_url:
+        config = lanes_config([engine_url], [engine_url])
+        config["server"].update(watch_config=True, watch_interval_s=0.2)
+        path = tmp_path / "policy.yaml"
+        path.write_text(yaml.safe_dump(config))
+        port = free_port()
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gateway.cli",
+                "serve",
+                "--config",
+                str(path),
+                "--port",
+                str(port),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env={**os.environ},
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with httpx.AsyncClient() as client:
+                await _until_up(client, url)
+                config["lanes"][0]["slots"]["lane"] = 5
+                path.write_text(yaml.safe_dump(config))
+                await _until_version(client, url, 2)
+                config["lanes"][0]["slots"]["lane"] = 6
+                path.write_text(yaml.safe_dump(config))
+                proc.send_signal(signal.SIGHUP)
+                await _until_version(client, url, 3)
+                state = (await client.get(url + "/admin/state")).json()
+                assert state["lanes"][0]["slot_limit"] == 6
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            out, _ = await asyncio.to_thread(proc.communicate, timeout=20)
+        assert proc.returncode == 0
+        assert b'"policy.reloaded"' in out
+
+
+async def _until_up(client: httpx.AsyncClient, url: str) -> None:
+    for _ in range(300):
+        try:
+            if (await client.get(url + "/healthz")).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        await asyncio.sleep(0.05)
+    raise AssertionError("gateway did not start")
+
+
+async def _until_version(client: httpx.AsyncClient, url: str, version: int) -> None:
+    for _ in range(200):
+        state = (await client.get(url + "/admin/state")).json()
+        if state["policy_version"] >= version:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"policy version {version} never arrived")
