@@ -1,0 +1,270 @@
+"""The simulated engine's HTTP face: vLLM's OpenAI-compatible routes plus ``/sim/*`` admin routes.
+
+Routes (vLLM's shapes, see ``wire.py``):
+    POST /v1/chat/completions, /v1/completions   streaming and not; ``X-Request-Id`` is the id
+    GET  /v1/models        GET /health (200, or 503 when dead)
+    POST /tokenize         GET /metrics (vLLM names, simulated seconds)
+    GET  /sim/requests[?request_id=]   what the engine saw of each request (records.py)
+    GET  /sim/state        scheduler snapshot and simulated clock
+    GET  /sim/faults       POST /sim/faults  (a FaultSpec as JSON; ``{}`` clears)
+
+Errors are vLLM's: 400 ``BadRequestError`` (with ``param``; ``input_tokens`` when prompt plus
+max_tokens exceed ``max_model_len``), 404 ``NotFoundError`` for an unknown model. ``hang`` is a
+pure ASGI middleware (it must not answer at all); the other faults live in ``serving.py``.
+FastAPI is allowed here because this is the simulator, not the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.background import BackgroundTask
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from engine_pool.sim import wire
+from engine_pool.sim.counting import PromptCounter
+from engine_pool.sim.engine import SimEngine
+from engine_pool.sim.faults import FaultError, FaultSpec, FaultState
+from engine_pool.sim.profile import EngineProfile
+from engine_pool.sim.serving import (
+    EngineStreamingResponse,
+    FinishReason,
+    Generation,
+    full_body,
+    race_disconnect,
+    stream_body,
+)
+from gateway.errors import BadRequest
+from gateway.protocol import ChatPrompt, CompletionPrompt, Endpoint, parse_request
+
+ApplyFaults = Callable[[FaultSpec], Awaitable[None]]
+DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+
+
+@dataclass(frozen=True, slots=True)
+class SimParts:
+    profile: EngineProfile
+    engine: SimEngine
+    faults: FaultState
+    counter: PromptCounter
+
+
+def _error(
+    status: int,
+    message: str,
+    type_: str,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(wire.error_body(message, type_, status, param), status, headers=headers)
+
+
+class HangMiddleware:
+    """With the ``hang`` fault on, read the request and never answer (admin routes excepted)."""
+
+    def __init__(self, app: ASGIApp, faults: FaultState) -> None:
+        self.app = app
+        self.faults = faults
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] == "http"
+            and self.faults.spec.hang
+            and not scope["path"].startswith("/sim/")
+        ):
+            self.faults.injected["hang"] += 1
+            while (await receive())["type"] != "http.disconnect":
+                pass  # drain the body; answer nothing until the client gives up
+            return
+        await self.app(scope, receive, send)
+
+
+def _output(
+    parts: SimParts, endpoint: Endpoint, max_tokens: int | None, prompt_tokens: int
+) -> tuple[int, FinishReason]:
+    """Output tokens and finish reason: max_tokens exactly (ignore_eos-like), else a default."""
+    out = parts.profile.output
+    if max_tokens is not None:
+        return max_tokens, "length"
+    if endpoint == "completions":  # vLLM's CompletionRequest.max_tokens defaults to 16
+        return out.completions_default_tokens, "length"
+    return min(out.default_tokens, parts.profile.max_model_len - prompt_tokens), "stop"
+
+
+async def _prepare(
+    parts: SimParts, request: Request, endpoint: Endpoint
+) -> Response | tuple[Generation, bool]:
+    """Validate as vLLM does (and roll the fault dice): an error response, or what to generate."""
+    profile, faults = parts.profile, parts.faults
+    try:
+        routed = parse_request(endpoint, await request.body())
+    except BadRequest as exc:
+        return _error(400, exc.message, "BadRequestError", exc.param)
+    if routed.model not in profile.served_names:
+        return _error(404, f"The model `{routed.model}` does not exist.", "NotFoundError", "model")
+    if faults.spec.dead or parts.engine.failed:
+        return _error(500, DEAD_MESSAGE, "InternalServerError")
+    injected = faults.draw_error()
+    if injected == 500:
+        return _error(500, "injected fault: internal server error", "InternalServerError")
+    if injected == 429:
+        return _error(
+            429, "injected fault: too many requests", "RateLimitError", headers={"retry-after": "1"}
+        )
+    prompt = routed.prompt
+    if isinstance(prompt, CompletionPrompt) and len(prompt.texts) + len(prompt.token_ids) > 1:
+        return _error(
+            400, "the simulator serves one prompt per request", "BadRequestError", "prompt"
+        )
+    # Off the event loop: a 300k-token prompt must not stall every other stream.
+    prompt_tokens = await asyncio.to_thread(parts.counter.count, prompt)
+    requested = routed.max_tokens or 0
+    if prompt_tokens + requested > profile.max_model_len or prompt_tokens >= profile.max_model_len:
+        message = wire.context_too_long_message(profile.max_model_len, requested, prompt_tokens)
+        return _error(400, message, "BadRequestError", "input_tokens")
+    output_tokens, finish = _output(parts, endpoint, routed.max_tokens, prompt_tokens)
+    request_id = request.headers.get("x-request-id") or wire.random_id()
+    gen = Generation(
+        endpoint=endpoint,
+        request_id=request_id,
+        response_id=("chatcmpl-" if endpoint == "chat" else "cmpl-") + request_id,
+        created=int(time.time()),
+        model=profile.model,
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        finish_reason=finish,
+        include_usage=routed.include_usage,
+    )
+    return gen, routed.stream
+
+
+async def _generate(parts: SimParts, request: Request, endpoint: Endpoint) -> Response:
+    prepared = await _prepare(parts, request, endpoint)
+    if isinstance(prepared, Response):
+        return prepared
+    gen, streaming = prepared
+    engine, faults = parts.engine, parts.faults
+    stream = engine.submit(
+        gen.request_id,
+        endpoint=endpoint,
+        prompt_tokens=gen.prompt_tokens,
+        output_tokens=gen.output_tokens,
+    )
+    handed_off = False
+    try:
+        delay = faults.spec.first_byte_delay_s
+        if delay > 0:
+            faults.injected["first_byte_delay"] += 1
+            stayed, _ = await race_disconnect(request.receive, asyncio.sleep(delay))
+            if not stayed:
+                return Response(status_code=499)
+        if streaming:
+            handed_off = True  # from here the response aborts the request however it ends
+            return EngineStreamingResponse(
+                stream_body(gen, engine, stream, faults), on_close=lambda: engine.abort(stream.key)
+            )
+        stayed, body = await race_disconnect(request.receive, full_body(gen, stream))
+        return JSONResponse(body) if stayed else Response(status_code=499)
+    finally:
+        if not handed_off:
+            engine.abort(stream.key)  # a no-op once finished; frees the seat if abandoned
+
+
+def create_app(parts: SimParts, apply_faults: ApplyFaults) -> FastAPI:
+    """The ASGI app of one simulated engine; ``apply_faults`` may crash or restart the server."""
+    profile, engine, faults = parts.profile, parts.engine, parts.faults
+    app = FastAPI(title=f"shapegate sim ({profile.name})", openapi_url=None, docs_url=None)
+    app.add_middleware(HangMiddleware, faults=faults)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await _generate(parts, request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(parts, request, "completions")
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse(wire.model_list(profile.served_names, profile.max_model_len))
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=503 if faults.spec.dead or engine.failed else 200)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        try:
+            data = orjson.loads(await request.body())
+        except orjson.JSONDecodeError as exc:
+            return _error(400, f"request body is not valid JSON: {exc}", "BadRequestError")
+        tokens = await asyncio.to_thread(_tokenize, parts.counter, data)
+        if tokens is None:
+            return _error(
+                400, "give 'prompt' (text or token ids) or 'messages'", "BadRequestError", "prompt"
+            )
+        return JSONResponse(wire.tokenize_response(tokens, profile.max_model_len))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(engine.snapshot()), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/sim/requests")
+    async def requests(request_id: str | None = None) -> JSONResponse:
+        found = engine.requests.find(request_id)
+        return JSONResponse({"requests": [r.as_dict() for r in found]})
+
+    @app.get("/sim/state")
+    async def state() -> JSONResponse:
+        snap = engine.snapshot()
+        return JSONResponse(
+            {
+                "profile": profile.name,
+                "clock_s": engine.now(),
+                "time_scale": engine.time_scale,
+                "running": snap.running,
+                "waiting": snap.waiting,
+                "kv_used_tokens": snap.kv_used_tokens,
+                "kv_usage": snap.kv_usage,
+                "failed": engine.failed,
+            }
+        )
+
+    @app.get("/sim/faults")
+    async def get_faults() -> JSONResponse:
+        return JSONResponse(faults.as_dict())
+
+    @app.post("/sim/faults")
+    async def set_faults(request: Request) -> JSONResponse:
+        try:
+            spec = FaultSpec.parse(orjson.loads(await request.body() or b"{}"))
+        except (orjson.JSONDecodeError, FaultError) as exc:
+            return _error(400, str(exc), "BadRequestError", "faults")
+        # Applied after this response is sent: a crash cuts every connection, this one too.
+        return JSONResponse(
+            {"faults": spec.model_dump(exclude_defaults=True)},
+            background=BackgroundTask(apply_faults, spec),
+        )
+
+    return app
+
+
+def _tokenize(counter: PromptCounter, data: Any) -> list[int] | None:
+    if not isinstance(data, dict):
+        return None
+    messages, prompt = data.get("messages"), data.get("prompt")
+    if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
+        return counter.encode(counter.render_chat(ChatPrompt(messages=tuple(messages))))
+    if isinstance(prompt, str):
+        return counter.encode(prompt)
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return [int(t) for t in prompt]
+    return None

@@ -1,0 +1,86 @@
+"""``shapegate sim``: run one simulated vLLM engine in the foreground until SIGINT or SIGTERM.
+
+    shapegate sim --port 9101 --profile h100-fast [--time-scale 0.01] [--host 127.0.0.1]
+                  [--model NAME] [--faults 'dead' | 'error_500_rate=0.2,drop_after_chunks=3'
+                  | '{"hang": true}'] [--seed N]
+
+Exit codes: 0 after a signal, 2 for a bad profile, fault or argument. Ready when it logs
+``sim.started`` (and ``GET /health`` answers). Profiles are names under ``configs/engines/`` or
+YAML paths; ``--model`` replaces the served model name (the tokenizer stays the profile's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from typing import TYPE_CHECKING
+
+from engine_pool.sim.profile import EngineProfile, ProfileError, available_profiles, load_profile
+
+if TYPE_CHECKING:
+    from engine_pool.sim.faults import FaultSpec
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser("sim", help="run one simulated vLLM engine")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument(
+        "--profile",
+        default="h100-shared",
+        help=f"engine profile name ({', '.join(available_profiles())}) or YAML path",
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="wall seconds per simulated second (0.01 = 100x faster)",
+    )
+    parser.add_argument("--model", default=None, help="served model name (default: profile's)")
+    parser.add_argument("--faults", default=None, help="faults to start with")
+    parser.add_argument("--seed", type=int, default=None, help="seed for fault rates")
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    parser.set_defaults(func=run)
+
+
+async def _serve(profile: EngineProfile, args: argparse.Namespace, faults: FaultSpec) -> int:
+    from engine_pool.sim.server import run_sim
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with run_sim(
+        profile,
+        time_scale=args.time_scale,
+        faults=faults,
+        host=args.host,
+        port=args.port,
+        seed=args.seed,
+    ):
+        await stop.wait()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here so that building the ``shapegate`` parser does not load uvicorn and FastAPI.
+    from engine_pool.sim.faults import FaultError, FaultSpec, parse_fault_arg
+    from gateway.log import configure_logging
+
+    if args.time_scale <= 0:
+        print("shapegate sim: --time-scale must be positive", file=sys.stderr)
+        return 2
+    try:
+        profile = load_profile(args.profile)
+        faults = parse_fault_arg(args.faults) if args.faults else FaultSpec()
+    except (ProfileError, FaultError) as exc:
+        print(f"shapegate sim: {exc}", file=sys.stderr)
+        return 2
+    if args.model:
+        profile = profile.model_copy(update={"model": args.model})
+    configure_logging(args.log_level, json_output=True)
+    return asyncio.run(_serve(profile, args, faults))

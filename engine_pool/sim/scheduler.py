@@ -1,0 +1,208 @@
+"""A vLLM-V1-like step scheduler over token counts. Pure: no clock, no I/O, no asyncio.
+
+Each ``step(now)``:
+
+1. every running sequence whose prompt is fully prefilled decodes one token;
+2. the one partially prefilled sequence (if any) takes the next chunk of its prompt, up to what
+   is left of the ``max_num_batched_tokens`` budget;
+3. waiting sequences that have arrived by ``now`` are admitted first-come-first-served into the
+   rest of the budget (chunked prefill). The head of the queue blocks everyone behind it: it
+   waits while ``max_num_seqs`` are running, while its KV reservation does not fit, or while
+   another sequence is still in partial prefill (``max_num_partial_prefills`` = 1). A waiting
+   3k prompt behind a 359k prompt therefore waits for the whole 359k prefill.
+
+The step that completes a prompt's prefill also samples its first output token (as vLLM does).
+A sequence finishes when it has generated ``output_tokens``; its seat and KV are freed at once,
+as they are on ``abort``. KV is reserved at admission for prompt + output tokens, so a running
+sequence is never preempted; ``kv_used_tokens`` reports the tokens actually cached.
+
+``step`` returns a frozen ``StepResult`` (what ran, how long it took in simulated seconds, who
+got a token) or ``None`` when nothing can run at ``now``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine_pool.sim.costs import step_cost
+from engine_pool.sim.profile import CostParams, SchedulerLimits
+
+
+@dataclass(slots=True)
+class _Seq:
+    key: str
+    prompt_tokens: int
+    output_tokens: int
+    arrival: float
+    computed: int = 0
+    generated: int = 0
+
+    @property
+    def prefilled(self) -> bool:
+        return self.computed >= self.prompt_tokens
+
+    @property
+    def context(self) -> int:
+        return self.computed + self.generated
+
+    @property
+    def reservation(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    start: float
+    duration: float
+    # (key, tokens) prefill chunks run in this step.
+    prefill: tuple[tuple[str, int], ...]
+    # Keys that got one output token at the end of the step (first tokens included).
+    tokens: tuple[str, ...]
+    first_tokens: tuple[str, ...]
+    # Keys whose last token is in ``tokens``; they have left the engine.
+    finished: tuple[str, ...]
+
+    @property
+    def end(self) -> float:
+        return self.start + self.duration
+
+    @property
+    def decodes(self) -> int:
+        return len(self.tokens) - len(self.first_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerSnapshot:
+    running: int
+    waiting: int
+    kv_used_tokens: int
+    kv_reserved_tokens: int
+    kv_capacity_tokens: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_used_tokens / self.kv_capacity_tokens
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, costs: CostParams) -> None:
+        self._limits = limits
+        self._costs = costs
+        self._waiting: deque[_Seq] = deque()
+        self._running: dict[str, _Seq] = {}
+        self._partial: _Seq | None = None
+        self._reserved = 0
+        self._keys: set[str] = set()
+
+    def add(self, key: str, prompt_tokens: int, output_tokens: int, arrival: float) -> None:
+        """Queue a request; keys must be unique among live requests."""
+        if prompt_tokens < 1 or output_tokens < 1:
+            raise ValueError("a request needs at least one prompt and one output token")
+        if prompt_tokens + output_tokens > self._limits.kv_capacity_tokens:
+            raise ValueError("request cannot fit in the KV cache even when it is empty")
+        if key in self._keys:
+            raise ValueError(f"duplicate request key {key!r}")
+        self._keys.add(key)
+        self._waiting.append(_Seq(key, prompt_tokens, output_tokens, arrival))
+
+    def abort(self, key: str) -> bool:
+        """Remove a request wherever it is; True if it was live."""
+        if key not in self._keys:
+            return False
+        self._keys.discard(key)
+        seq = self._running.pop(key, None)
+        if seq is not None:
+            self._reserved -= seq.reservation
+            if self._partial is seq:
+                self._partial = None
+            return True
+        for seq in self._waiting:
+            if seq.key == key:
+                self._waiting.remove(seq)
+                return True
+        return False
+
+    def abort_all(self) -> list[str]:
+        keys = [*self._running, *(s.key for s in self._waiting)]
+        for key in keys:
+            self.abort(key)
+        return keys
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def next_arrival(self) -> float | None:
+        """Arrival time of the head of the waiting queue (what an idle engine waits for)."""
+        return self._waiting[0].arrival if self._waiting else None
+
+    def snapshot(self) -> SchedulerSnapshot:
+        return SchedulerSnapshot(
+            running=len(self._running),
+            waiting=len(self._waiting),
+            kv_used_tokens=sum(s.context for s in self._running.values()),
+            kv_reserved_tokens=self._reserved,
+            kv_capacity_tokens=self._limits.kv_capacity_tokens,
+        )
+
+    def _admit(self, now: float, budget: int) -> list[tuple[_Seq, int]]:
+        chunks: list[tuple[_Seq, int]] = []
+        limits = self._limits
+        while self._waiting and budget > 0:
+            head = self._waiting[0]
+            if head.arrival > now or len(self._running) >= limits.max_num_seqs:
+                break
+            if self._reserved + head.reservation > limits.kv_capacity_tokens:
+                break
+            # One partial prefill at a time: only a finished chunk leaves budget over, so a
+            # request is admitted either whole or as the new (only) partial prefill.
+            self._waiting.popleft()
+            self._running[head.key] = head
+            self._reserved += head.reservation
+            n = min(head.prompt_tokens, budget)
+            chunks.append((head, n))
+            budget -= n
+        return chunks
+
+    def step(self, now: float) -> StepResult | None:
+        decodes = [s for s in self._running.values() if s.prefilled]
+        budget = self._limits.max_num_batched_tokens - len(decodes)
+        chunks: list[tuple[_Seq, int]] = []
+        if self._partial is not None:
+            n = min(self._partial.prompt_tokens - self._partial.computed, budget)
+            chunks.append((self._partial, n))
+            budget -= n
+        chunks.extend(self._admit(now, budget))
+        if not decodes and not chunks:
+            return None
+        duration = step_cost(
+            self._costs, [(s.computed, n) for s, n in chunks], [s.context for s in decodes]
+        )
+        tokens: list[str] = []
+        first: list[str] = []
+        self._partial = None
+        for seq, n in chunks:
+            seq.computed += n
+            if seq.prefilled:
+                seq.generated = 1
+                tokens.append(seq.key)
+                first.append(seq.key)
+            else:
+                self._partial = seq
+        for seq in decodes:
+            seq.generated += 1
+            tokens.append(seq.key)
+        finished = [
+            k for k in tokens if self._running[k].generated >= self._running[k].output_tokens
+        ]
+        for key in finished:
+            self.abort(key)
+        return StepResult(
+            start=now,
+            duration=duration,
+            prefill=tuple((s.key, n) for s, n in chunks),
+            tokens=tuple(tokens),
+            first_tokens=tuple(first),
+            finished=tuple(finished),
+        )

@@ -1,0 +1,180 @@
+"""Serving one generation request: from a parsed request to vLLM's bytes, with faults applied.
+
+Contract:
+- ``Generation`` is everything the handler decided (ids, token counts, finish reason).
+- ``stream_body(gen, engine, stream, faults)`` yields SSE chunks as the engine produces tokens: one
+  chunk per token (chat starts with the role chunk), the usage chunk when asked, then
+  ``[DONE]``. Whatever ends it (done, client gone, crash), its ``finally`` aborts the request in
+  the engine, which frees its seat and KV at once.
+- ``full_body(gen, stream)`` waits for the last token and returns the JSON body.
+- ``race_disconnect(receive, coro)`` runs ``coro`` until it finishes or the client disconnects
+  (vLLM's ``with_cancellation``): a non-streaming handler is otherwise never cancelled.
+- Faults: ``stall_after_tokens`` pauses a stream, ``drop_after_chunks`` (every SSE event counts,
+  ``[DONE]`` included) raises ``DroppedConnection``, which makes the server cut the TCP
+  connection mid-body; a crashed engine does the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from engine_pool.sim import wire
+from engine_pool.sim.engine import EngineCrashed, RequestStream, SimEngine
+from engine_pool.sim.faults import FaultState
+
+T = TypeVar("T")
+FinishReason = Literal["length", "stop"]
+
+
+class DroppedConnection(ConnectionResetError):
+    """Raised inside a response to make the server cut the connection (a fault, not a bug)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    endpoint: Literal["chat", "completions"]
+    request_id: str
+    response_id: str
+    created: int
+    model: str
+    prompt_tokens: int
+    output_tokens: int
+    finish_reason: FinishReason
+    include_usage: bool
+
+
+def _content_chunk(gen: Generation, index: int, last: bool) -> bytes:
+    text = wire.output_text(index, 1)
+    finish = gen.finish_reason if last else None
+    if gen.endpoint == "chat":
+        return wire.chat_content_chunk(gen.response_id, gen.created, gen.model, text, finish)
+    return wire.completion_chunk(gen.response_id, gen.created, gen.model, text, finish)
+
+
+def _usage_chunk(gen: Generation) -> bytes:
+    build = wire.chat_usage_chunk if gen.endpoint == "chat" else wire.completion_usage_chunk
+    return build(gen.response_id, gen.created, gen.model, gen.prompt_tokens, gen.output_tokens)
+
+
+async def _stall(faults: FaultState) -> None:
+    faults.injected["stall"] += 1
+    seconds = faults.spec.stall_for_s
+    if seconds is None:
+        await asyncio.Event().wait()  # for ever: only the client going away ends it
+    else:
+        await asyncio.sleep(seconds)
+
+
+class _Sender:
+    """Counts chunks and tokens sent, applying the stream faults in force at each chunk."""
+
+    def __init__(self, faults: FaultState) -> None:
+        self.faults = faults
+        self.chunks = 0
+        self.tokens = 0
+        self.stalled = False
+
+    async def before_chunk(self, carries_token: bool) -> None:
+        spec = self.faults.spec
+        if spec.drop_after_chunks is not None and self.chunks >= spec.drop_after_chunks:
+            self.faults.injected["drop"] += 1
+            raise DroppedConnection("injected fault: drop_after_chunks")
+        stall_at = spec.stall_after_tokens
+        if carries_token and not self.stalled and stall_at is not None and self.tokens >= stall_at:
+            self.stalled = True
+            await _stall(self.faults)
+        self.chunks += 1
+        self.tokens += carries_token
+
+
+async def stream_body(
+    gen: Generation, engine: SimEngine, stream: RequestStream, faults: FaultState
+) -> AsyncIterator[bytes]:
+    sender = _Sender(faults)
+    role_sent = gen.endpoint != "chat"
+    try:
+        while True:
+            try:
+                start, count, last = await stream.next_tokens()
+            except EngineCrashed as exc:
+                raise DroppedConnection("engine crashed") from exc
+            if not role_sent:
+                await sender.before_chunk(carries_token=False)
+                yield wire.chat_role_chunk(gen.response_id, gen.created, gen.model)
+                role_sent = True
+            for index in range(start, start + count):
+                await sender.before_chunk(carries_token=True)
+                yield _content_chunk(gen, index, last and index == start + count - 1)
+            if last:
+                break
+        if gen.include_usage:
+            await sender.before_chunk(carries_token=False)
+            yield _usage_chunk(gen)
+        await sender.before_chunk(carries_token=False)
+        yield wire.DONE
+    finally:
+        engine.abort(stream.key)
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """An SSE response that aborts its engine request however it ends.
+
+    The body generator's own ``finally`` is not enough: if the client is gone before Starlette
+    first iterates it, the generator never starts, so its ``finally`` never runs.
+    """
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], object]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def full_body(gen: Generation, stream: RequestStream) -> dict[str, Any]:
+    last = False
+    while not last:
+        _, _, last = await stream.next_tokens()
+    build = wire.chat_response if gen.endpoint == "chat" else wire.completion_response
+    text = wire.output_text(0, gen.output_tokens)
+    return build(
+        gen.response_id,
+        gen.created,
+        gen.model,
+        text,
+        gen.finish_reason,
+        gen.prompt_tokens,
+        gen.output_tokens,
+    )
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def race_disconnect(receive: Receive, coro: Awaitable[T]) -> tuple[bool, T | None]:
+    """(True, result) if ``coro`` finished first; (False, None) if the client went away first."""
+    work = asyncio.ensure_future(coro)
+    gone = asyncio.ensure_future(_until_disconnect(receive))
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work, gone):
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(work, gone, return_exceptions=True)
+    if work.done() and not work.cancelled():
+        return True, work.result()
+    return False, None

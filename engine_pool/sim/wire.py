@@ -1,0 +1,262 @@
+"""vLLM's OpenAI-compatible response bodies, byte for byte in key order. Pure functions.
+
+Modelled on vLLM main (2026) ``vllm/entrypoints/openai/chat_completion/{protocol,serving}.py``,
+``completion/{protocol,serving}.py`` and ``serve/engine/protocol.py``:
+
+- stream chunks are ``chunk.model_dump_json(exclude_unset=True)``: only the fields the server
+  set appear, in the model's field order. The first chat chunk carries the role and an empty
+  content, plus ``prompt_token_ids: null`` and ``prompt_text: null`` (set explicitly by vLLM);
+  content chunks carry ``token_ids: null``; the last content chunk adds ``finish_reason`` and
+  ``stop_reason``. Nothing carries ``usage`` except the final usage chunk, which is dumped with
+  ``exclude_none`` and has ``choices: []`` (older vLLM, <= 0.6, also sent ``"usage": null`` on
+  every chunk when include_usage was set; current vLLM does not).
+- non-streaming bodies are ``JSONResponse(model.model_dump())``: every field, nulls included.
+- errors are ``{"error": {"message", "type", "param", "code"}}`` with ``code`` the status.
+
+SSE framing is ``data: <json>\\n\\n`` and the stream ends with ``data: [DONE]\\n\\n``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import orjson
+
+DONE = b"data: [DONE]\n\n"
+
+# Synthetic output: token i of a response is WORDS[i % len(WORDS)].
+WORDS = (" lorem", " ipsum", " dolor", " sit", " amet", " consectetur", " adipiscing", " elit")
+
+
+def random_id() -> str:
+    return uuid.uuid4().hex
+
+
+def output_text(start: int, count: int) -> str:
+    """Text of output tokens ``start .. start+count-1`` (0-based)."""
+    return "".join(WORDS[i % len(WORDS)] for i in range(start, start + count))
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+    }
+
+
+def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def context_too_long_message(max_model_len: int, max_tokens: int, prompt_tokens: int) -> str:
+    # vLLM tokenizes with truncation at max_input_tokens + 1, hence "at least" that many.
+    at_least = min(prompt_tokens, max_model_len - max_tokens + 1)
+    return (
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+        f"{max_tokens} output tokens and your prompt contains at least {at_least} input tokens, "
+        f"for a total of at least {at_least + max_tokens} tokens. Please reduce the length of "
+        f"the input prompt or the number of requested output tokens. "
+        f"(parameter=input_tokens, value={at_least})"
+    )
+
+
+def _head(id_: str, object_: str, created: int, model: str) -> dict[str, Any]:
+    return {"id": id_, "object": object_, "created": created, "model": model}
+
+
+def chat_role_chunk(id_: str, created: int, model: str) -> bytes:
+    choice = {
+        "index": 0,
+        "delta": {"role": "assistant", "content": ""},
+        "logprobs": None,
+        "finish_reason": None,
+    }
+    body = _head(id_, "chat.completion.chunk", created, model)
+    body.update(choices=[choice], prompt_token_ids=None, prompt_text=None)
+    return sse(body)
+
+
+def chat_content_chunk(
+    id_: str, created: int, model: str, text: str, finish_reason: str | None
+) -> bytes:
+    choice: dict[str, Any] = {
+        "index": 0,
+        "delta": {"content": text},
+        "logprobs": None,
+        "finish_reason": finish_reason,
+    }
+    if finish_reason is not None:
+        choice["stop_reason"] = None
+    choice["token_ids"] = None
+    body = _head(id_, "chat.completion.chunk", created, model)
+    body["choices"] = [choice]
+    return sse(body)
+
+
+def chat_usage_chunk(
+    id_: str, created: int, model: str, prompt_tokens: int, completion_tokens: int
+) -> bytes:
+    body = _head(id_, "chat.completion.chunk", created, model)
+    body.update(choices=[], usage=usage(prompt_tokens, completion_tokens))
+    return sse(body)
+
+
+def completion_chunk(
+    id_: str, created: int, model: str, text: str, finish_reason: str | None
+) -> bytes:
+    choice = {
+        "index": 0,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": finish_reason,
+        "stop_reason": None,
+        "prompt_token_ids": None,
+        "token_ids": None,
+    }
+    body = _head(id_, "text_completion", created, model)
+    body["choices"] = [choice]
+    return sse(body)
+
+
+def completion_usage_chunk(
+    id_: str, created: int, model: str, prompt_tokens: int, completion_tokens: int
+) -> bytes:
+    body = _head(id_, "text_completion", created, model)
+    body.update(choices=[], usage=usage(prompt_tokens, completion_tokens))
+    return sse(body)
+
+
+def _full_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {
+        **usage(prompt_tokens, completion_tokens),
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
+
+
+def chat_response(
+    id_: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+) -> dict[str, Any]:
+    message = {
+        "role": "assistant",
+        "content": text,
+        "refusal": None,
+        "annotations": None,
+        "audio": None,
+        "function_call": None,
+        "reasoning": None,
+    }
+    choice = {
+        "index": 0,
+        "message": message,
+        "logprobs": None,
+        "finish_reason": finish_reason,
+        "stop_reason": None,
+        "token_ids": None,
+        "routed_experts": None,
+    }
+    body = _head(id_, "chat.completion", created, model)
+    body.update(
+        choices=[choice],
+        service_tier=None,
+        system_fingerprint=None,
+        usage=_full_usage(prompt_tokens, completion_tokens),
+        prompt_logprobs=None,
+        prompt_token_ids=None,
+        prompt_text=None,
+        kv_transfer_params=None,
+        ec_transfer_params=None,
+        metrics=None,
+    )
+    return body
+
+
+def completion_response(
+    id_: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+) -> dict[str, Any]:
+    choice = {
+        "index": 0,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": finish_reason,
+        "stop_reason": None,
+        "token_ids": None,
+        "prompt_logprobs": None,
+        "prompt_token_ids": None,
+        "routed_experts": None,
+    }
+    body = _head(id_, "text_completion", created, model)
+    body.update(
+        choices=[choice],
+        service_tier=None,
+        system_fingerprint=None,
+        usage=_full_usage(prompt_tokens, completion_tokens),
+        kv_transfer_params=None,
+        ec_transfer_params=None,
+        metrics=None,
+    )
+    return body
+
+
+def model_list(
+    names: tuple[str, ...], max_model_len: int, created: int | None = None
+) -> dict[str, Any]:
+    created = int(time.time()) if created is None else created
+    root = names[0]
+    cards = []
+    for name in names:
+        permission = {
+            "id": f"modelperm-{random_id()}",
+            "object": "model_permission",
+            "created": created,
+            "allow_create_engine": False,
+            "allow_sampling": True,
+            "allow_logprobs": True,
+            "allow_search_indices": False,
+            "allow_view": True,
+            "allow_fine_tuning": False,
+            "organization": "*",
+            "group": None,
+            "is_blocking": False,
+        }
+        cards.append(
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "vllm",
+                "root": root,
+                "parent": None,
+                "max_model_len": max_model_len,
+                "permission": [permission],
+            }
+        )
+    return {"object": "list", "data": cards}
+
+
+def tokenize_response(tokens: list[int], max_model_len: int) -> dict[str, Any]:
+    return {
+        "count": len(tokens),
+        "max_model_len": max_model_len,
+        "tokens": tokens,
+        "token_strs": None,
+    }

@@ -1,0 +1,227 @@
+"""Fault injection on one simulated engine, set at start, through the handle and over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+import httpx
+import pytest
+
+from engine_pool.sim.counting import RegistryCounter
+from engine_pool.sim.faults import FaultError, FaultSpec, parse_fault_arg
+from engine_pool.sim.server import SimServer, run_sim
+from gateway.tokens import TokenCounter
+
+CHAT = {"model": "qwen3.6", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+STREAM = {**CHAT, "stream": True}
+
+SimFactory = Callable[..., AbstractAsyncContextManager[SimServer]]
+
+
+@pytest.fixture
+def start_sim(counter: TokenCounter) -> SimFactory:
+    def start(**faults: Any) -> AbstractAsyncContextManager[SimServer]:
+        return run_sim(
+            "h100-fast",
+            time_scale=0.01,
+            faults=faults or None,
+            seed=1,
+            counter=RegistryCounter(counter, "qwen3.6"),
+        )
+
+    return start
+
+
+@pytest.fixture
+async def sim(start_sim: SimFactory) -> AsyncIterator[SimServer]:
+    async with start_sim() as server:
+        yield server
+
+
+async def read_events(response: httpx.Response) -> list[str]:
+    return [line async for line in response.aiter_lines() if line.startswith("data: ")]
+
+
+async def test_crash_refuses_connections_until_cleared(sim: SimServer) -> None:
+    async with httpx.AsyncClient(base_url=sim.url) as client:
+        assert (await client.get("/health")).status_code == 200
+        await sim.set_faults({"crash": True})
+        with pytest.raises(httpx.ConnectError):
+            await client.get("/health")
+        await sim.set_faults({})
+        assert (await client.get("/health")).status_code == 200
+
+
+async def test_crash_resets_open_streams_and_aborts_their_requests(sim: SimServer) -> None:
+    body = {**STREAM, "max_tokens": 10_000}
+    async with (
+        httpx.AsyncClient(base_url=sim.url) as client,
+        client.stream(
+            "POST", "/v1/chat/completions", json=body, headers={"X-Request-Id": "victim"}
+        ) as r,
+    ):
+        lines = r.aiter_lines()
+        assert (await anext(lines)).startswith("data: ")
+        await sim.set_faults({"crash": True})
+        with pytest.raises(httpx.TransportError):
+            async for _ in lines:
+                pass
+    (record,) = sim.requests("victim")
+    assert record.outcome == "aborted" and record.abort_reason == "crash"
+    assert sim.engine.snapshot().running == 0
+
+
+async def test_crash_over_http_then_restart_after(sim: SimServer) -> None:
+    async with httpx.AsyncClient(base_url=sim.url) as client:
+        r = await client.post("/sim/faults", json={"crash": True, "restart_after_s": 0.4})
+        assert r.status_code == 200 and r.json() == {
+            "faults": {"crash": True, "restart_after_s": 0.4}
+        }
+        await asyncio.sleep(0.15)
+        with pytest.raises(httpx.ConnectError):
+            await client.get("/health")
+        await asyncio.sleep(0.5)
+        assert (await client.get("/health")).status_code == 200
+        assert (await client.get("/sim/faults")).json()["faults"] == {}
+
+
+async def test_crash_at_start_never_listens(start_sim: SimFactory) -> None:
+    async with start_sim(crash=True) as sim, httpx.AsyncClient(base_url=sim.url) as client:
+        with pytest.raises(httpx.ConnectError):
+            await client.get("/health")
+
+
+async def test_hang_accepts_and_never_answers_but_admin_works(sim: SimServer) -> None:
+    await sim.set_faults({"hang": True})
+    async with httpx.AsyncClient(base_url=sim.url, timeout=0.3) as client:
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post("/v1/chat/completions", json=CHAT)
+        with pytest.raises(httpx.ReadTimeout):
+            await client.get("/health")
+        assert (await client.post("/sim/faults", json={})).status_code == 200
+        await asyncio.sleep(0.01)
+        assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+    assert sim.faults.injected["hang"] == 2
+
+
+async def test_dead_engine_fails_health_and_generation(start_sim: SimFactory) -> None:
+    async with start_sim(dead=True) as sim, httpx.AsyncClient(base_url=sim.url) as client:
+        assert (await client.get("/health")).status_code == 503
+        r = await client.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "InternalServerError"
+        await sim.set_faults({})
+        assert (await client.get("/health")).status_code == 200
+
+
+async def test_slow_first_byte_holds_even_the_headers(sim: SimServer) -> None:
+    await sim.set_faults({"first_byte_delay_s": 0.4})
+    async with httpx.AsyncClient(base_url=sim.url) as client:
+        started = time.monotonic()
+        async with client.stream("POST", "/v1/chat/completions", json=STREAM) as r:
+            waited = time.monotonic() - started
+            events = await read_events(r)
+    assert waited >= 0.4
+    assert events[-1] == "data: [DONE]"
+
+
+async def test_stall_mid_stream_for_a_while(sim: SimServer) -> None:
+    await sim.set_faults({"stall_after_tokens": 2, "stall_for_s": 0.4})
+    stamps = []
+    async with (
+        httpx.AsyncClient(base_url=sim.url) as client,
+        client.stream("POST", "/v1/chat/completions", json=STREAM) as r,
+    ):
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                stamps.append(time.monotonic())
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
+    # role chunk, token 1, token 2, [stall], token 3 ...
+    assert gaps[2] >= 0.4
+    assert max(gaps) == gaps[2]  # the stall, and only there
+    assert len(stamps) == 1 + 8 + 1
+
+
+async def test_stall_forever_goes_silent_after_n_tokens(sim: SimServer) -> None:
+    await sim.set_faults({"stall_after_tokens": 3})
+    events: list[str] = []
+    async with httpx.AsyncClient(base_url=sim.url, timeout=0.5) as client:
+        with pytest.raises(httpx.ReadTimeout):
+            async with client.stream(
+                "POST", "/v1/chat/completions", json=STREAM, headers={"X-Request-Id": "stalled"}
+            ) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        events.append(line)
+    assert len(events) == 1 + 3
+    await asyncio.sleep(0.05)
+    # The engine had finished the tokens; the client giving up closes the request there too.
+    assert sim.requests("stalled")[0].closed_wall is not None
+
+
+async def test_dropped_connection_after_n_chunks(sim: SimServer) -> None:
+    await sim.set_faults({"drop_after_chunks": 3})
+    events: list[str] = []
+    async with httpx.AsyncClient(base_url=sim.url) as client:
+        with pytest.raises(httpx.RemoteProtocolError):
+            async with client.stream(
+                "POST",
+                "/v1/chat/completions",
+                json={**STREAM, "max_tokens": 1000},
+                headers={"X-Request-Id": "dropped"},
+            ) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        events.append(line)
+        # The server survives it.
+        assert (await client.get("/health")).status_code == 200
+    assert len(events) == 3
+    (record,) = sim.requests("dropped")
+    assert record.outcome == "aborted" and record.tokens_generated < 1000
+
+
+@pytest.mark.parametrize(("fault", "status"), [("error_500_rate", 500), ("error_429_rate", 429)])
+async def test_error_rates_of_one_always_fail(sim: SimServer, fault: str, status: int) -> None:
+    await sim.set_faults({fault: 1.0})
+    async with httpx.AsyncClient(base_url=sim.url) as client:
+        r = await client.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == status
+    assert r.json()["error"]["code"] == status
+    if status == 429:
+        assert r.headers["retry-after"] == "1"
+    assert sim.requests() == []  # refused before the engine saw it
+
+
+async def test_error_rates_are_rates(sim: SimServer) -> None:
+    await sim.set_faults({"error_500_rate": 0.25, "error_429_rate": 0.25})
+    async with httpx.AsyncClient(base_url=sim.url) as client:
+        statuses = [
+            (await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1})).status_code
+            for _ in range(80)
+        ]
+    assert 8 <= statuses.count(500) <= 32
+    assert 8 <= statuses.count(429) <= 32
+    assert statuses.count(200) == len(sim.requests())
+
+
+def test_fault_arguments_parse_like_the_cli_writes_them() -> None:
+    assert parse_fault_arg("dead") == FaultSpec(dead=True)
+    assert parse_fault_arg("error_500_rate=0.2, drop_after_chunks=3") == FaultSpec(
+        error_500_rate=0.2, drop_after_chunks=3
+    )
+    assert parse_fault_arg('{"hang": true}') == FaultSpec(hang=True)
+    with pytest.raises(FaultError, match="error_500_rate"):
+        parse_fault_arg("error_500_rate=2")
+    with pytest.raises(FaultError, match="explode"):
+        parse_fault_arg("explode")
+
+
+async def test_bad_fault_json_is_a_400(sim: SimServer) -> None:
+    async with httpx.AsyncClient(base_url=sim.url) as client:
+        r = await client.post("/sim/faults", json={"hang": "sometimes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "faults"
+    assert sim.faults.spec == FaultSpec()
