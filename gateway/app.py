@@ -210,6 +210,8 @@ def create_app(
             background.start_soon(gateway.run_monitor)
             if settings.server.boot_probe:
                 background.start_soon(gateway.probe.run_until_ready)
+            if gateway.pipeline.trace is not None:
+                background.start_soon(gateway.pipeline.trace.run)
             if config_path is not None:
                 background.start_soon(gateway.reload_on_signal)
                 if settings.server.watch_config:

@@ -11,13 +11,17 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
+from engine_pool.launch import policy_warnings
 from gateway.settings import ConfigError, Settings, load_settings
 
 REGISTRARS: tuple[str, ...] = (
     # one module path a line
     "engine_pool.sim.cli",
+    "gateway.demo",
     "gateway.bench",
+    "engine_pool.launch_cli",
 )
 
 
@@ -38,7 +42,7 @@ def _serve(args: argparse.Namespace) -> int:
         settings = settings.model_copy(
             update={"server": settings.server.model_copy(update=overrides)}
         )
-    return serve(settings)
+    return serve(settings, Path(args.config))
 
 
 def describe_policy(settings: Settings) -> str:
@@ -87,6 +91,7 @@ def _check_config(args: argparse.Namespace) -> int:
         print(f"shapegate: {exc}", file=sys.stderr)
         return 2
     print(describe_policy(settings))
+    sys.stderr.writelines(f"shapegate: warning: {w}\n" for w in policy_warnings(settings))
     return 0
 
 

@@ -22,6 +22,7 @@ import uuid
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -56,6 +57,7 @@ from gateway.protocol import Endpoint, RoutedRequest, parse_request, prefix_key
 from gateway.proxy import Upstream, response_headers, upstream_headers
 from gateway.settings import ClusterSettings, LaneSettings, Settings
 from gateway.tokens import TokenCount, TokenCounter
+from gateway.trace import TraceWriter
 from gateway.watchdog import DeadlineHit, Watch, deadlines_for
 
 UPSTREAM_PATH = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -146,6 +148,8 @@ class Pipeline:
         self.metrics = metrics
         self.log = log
         self.recent: deque[Record] = deque(maxlen=policy.settings.server.decision_ring_size)
+        trace_file = policy.settings.state.trace_file
+        self.trace = TraceWriter(Path(trace_file)) if trace_file else None
         self.accepting = True
         self.in_flight = 0
 
@@ -407,6 +411,17 @@ class Pipeline:
                 self.metrics.ttft.labels(lane=lane, cluster=cluster).observe(record.ttft_s)
             if record.output_tokens is not None:
                 self.metrics.output_tokens.labels(lane=lane).observe(record.output_tokens)
+            if self.trace is not None:
+                f = record.fields
+                self.trace.record(
+                    model=f["model"],
+                    prompt_tokens=f["prompt_tokens"],
+                    prompt_bytes=f["prompt_bytes"],
+                    output_tokens=record.output_tokens or 0,
+                    stream=f["stream"],
+                    prompt_chars=None,
+                    prefix=None,
+                )
         self.metrics.window.observe(record)
 
 

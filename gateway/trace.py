@@ -1,0 +1,161 @@
+"""Traffic traces: request shapes only, never text.
+
+A trace is JSON lines, one request each::
+
+    {"t": 12.5, "model": "qwen3.6", "prompt_tokens": 3012, "prompt_bytes": 9120,
+     "prompt_chars": 9050, "output_tokens": 37, "stream": true, "prefix": "agent-3"}
+
+``t`` is seconds from the start of the trace; ``prompt_chars`` may be null in captured traces
+(the gateway counts bytes and tokens, not characters); ``prefix`` names a shared prompt prefix.
+
+- ``synthesize(kind, seed)`` makes a trace from a description: ``production-burst`` (658
+  requests over three hours, p50 prompt 3,000 tokens with 37 output tokens, nine monsters of
+  100k to 720k tokens with ~124 output tokens, content mixed prose/code/JSON so characters per
+  token vary) or ``burst-32k`` (40 requests of ~32k tokens within seconds). Same seed, same
+  trace.
+- ``TraceWriter`` records live traffic (``state.trace_file``): ``record`` only appends to a
+  bounded buffer on the request path; ``run`` writes it out once a second off the event loop.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+import orjson
+
+SynthKind = Literal["production-burst", "burst-32k"]
+SYNTH_KINDS: tuple[str, ...] = ("production-burst", "burst-32k")
+# Characters per Qwen3 token by content (shared/FACTS.md): prose ~5, code ~4.5, dense JSON ~2.1.
+CHARS_PER_TOKEN = {"prose": 4.9, "code": 4.4, "json": 2.1}
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRecord:
+    t: float
+    model: str
+    prompt_tokens: int
+    prompt_bytes: int
+    output_tokens: int
+    stream: bool = True
+    prompt_chars: int | None = None
+    prefix: str | None = None
+
+    @property
+    def chars(self) -> int:
+        """Characters, or bytes where a captured trace has no character count."""
+        return self.prompt_chars if self.prompt_chars is not None else self.prompt_bytes
+
+
+def read_trace(path: str | Path) -> list[TraceRecord]:
+    records = []
+    with Path(path).open("rb") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(TraceRecord(**orjson.loads(line)))
+            except (orjson.JSONDecodeError, TypeError) as exc:
+                raise ValueError(f"{path}:{number}: not a trace record: {exc}") from exc
+    return sorted(records, key=lambda r: r.t)
+
+
+def write_trace(path: str | Path, records: Iterable[TraceRecord]) -> None:
+    with Path(path).open("wb") as handle:
+        for record in records:
+            handle.write(orjson.dumps(asdict(record)) + b"\n")
+
+
+def _shape(
+    rng: random.Random, t: float, tokens: int, output: int, model: str, prefix: str | None
+) -> TraceRecord:
+    kind = rng.choices(("prose", "code", "json"), weights=(0.5, 0.3, 0.2))[0]
+    chars = int(tokens * CHARS_PER_TOKEN[kind] * rng.uniform(0.9, 1.1))
+    multibyte = rng.random() < 0.1  # some CJK or emoji: more bytes than characters
+    return TraceRecord(
+        t=round(t, 3),
+        model=model,
+        prompt_tokens=tokens,
+        prompt_bytes=int(chars * (1.6 if multibyte else 1.0)),
+        output_tokens=output,
+        stream=rng.random() < 0.8,
+        prompt_chars=chars,
+        prefix=prefix,
+    )
+
+
+def _production_burst(rng: random.Random, model: str) -> Iterator[TraceRecord]:
+    duration, total, monsters = 3 * 3600.0, 658, 9
+    small = total - monsters
+    # Agents work in bursts: a third of the small requests come in clusters of a few seconds.
+    times: list[float] = []
+    while len(times) < small:
+        if rng.random() < 0.05:
+            start = rng.uniform(0, duration - 30)
+            times.extend(start + rng.uniform(0, 8) for _ in range(rng.randint(8, 25)))
+        else:
+            times.append(rng.uniform(0, duration))
+    times = sorted(times[:small])
+    for i, t in enumerate(times):
+        tokens = min(30_000, max(200, int(rng.lognormvariate(math.log(3000), 0.7))))
+        output = min(2000, max(1, int(rng.lognormvariate(math.log(37), 0.6))))
+        yield _shape(rng, t, tokens, output, model, f"agent-{i % 12}")
+    for _ in range(monsters):
+        tokens = int(math.exp(rng.uniform(math.log(100_000), math.log(720_000))))
+        output = max(16, int(rng.gauss(124, 30)))
+        yield _shape(rng, rng.uniform(0, duration * 0.9), tokens, output, model, None)
+
+
+def _burst_32k(rng: random.Random, model: str) -> Iterator[TraceRecord]:
+    for _ in range(40):
+        tokens = int(rng.uniform(30_500, 33_500))
+        yield _shape(rng, rng.uniform(0, 5), tokens, max(8, int(rng.gauss(60, 15))), model, None)
+
+
+def synthesize(kind: str, seed: int = 0, model: str = "qwen3.6") -> list[TraceRecord]:
+    rng = random.Random(seed)
+    if kind == "production-burst":
+        records = list(_production_burst(rng, model))
+    elif kind == "burst-32k":
+        records = list(_burst_32k(rng, model))
+    else:
+        raise ValueError(f"unknown trace kind {kind!r}; known: {', '.join(SYNTH_KINDS)}")
+    return sorted(records, key=lambda r: r.t)
+
+
+class TraceWriter:
+    """Captures the shape of live requests; the request path only appends to a buffer."""
+
+    def __init__(self, path: Path, max_buffer: int = 100_000) -> None:
+        self.path = path
+        self.dropped = 0
+        self._buffer: list[bytes] = []
+        self._max = max_buffer
+        self._origin = time.monotonic()
+
+    def record(self, **shape: Any) -> None:
+        if len(self._buffer) >= self._max:
+            self.dropped += 1
+            return
+        shape["t"] = round(time.monotonic() - self._origin, 3)
+        self._buffer.append(orjson.dumps(shape) + b"\n")
+
+    def flush(self) -> None:
+        lines, self._buffer = self._buffer, []
+        if lines:
+            with self.path.open("ab") as handle:
+                handle.writelines(lines)
+
+    async def run(self) -> None:
+        try:
+            while True:
+                await anyio.sleep(1.0)
+                await anyio.to_thread.run_sync(self.flush)
+        finally:
+            self.flush()
