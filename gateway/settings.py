@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
+from engine_pool.launch import profile_problems
 
 ENV_PREFIX = "SHAPEGATE_"
 
@@ -47,6 +49,14 @@ class ServerSettings(_Frozen):
     # On SIGTERM: stop admitting, let in-flight requests finish up to this long.
     drain_timeout_s: float = Field(30.0, ge=0)
     decision_ring_size: int = Field(200, ge=1, le=100_000)
+    # At start-up, one tiny real request through each lane; /readyz is 503 until all passed.
+    boot_probe: bool = True
+    # Reload the policy when the config file changes (SIGHUP and POST /admin/reload always do).
+    watch_config: bool = False
+    watch_interval_s: float = Field(2.0, gt=0)
+    # Bearer token for /admin/* (also SHAPEGATE_SERVER__ADMIN_TOKEN). Unset: admin endpoints
+    # and the dashboard answer loopback clients only.
+    admin_token: SecretStr | None = Field(None, min_length=16)
 
 
 class LoggingSettings(_Frozen):
@@ -99,6 +109,62 @@ class CountingSettings(_Frozen):
     exact_workers: int = Field(1, ge=1, le=64)
 
 
+class SpeculativeSettings(_Frozen):
+    """Speculative decoding on one engine: it pays at low concurrency (the heavy lane) and costs
+    throughput at high concurrency, where the batch already keeps the GPU busy."""
+
+    enabled: bool = False
+    # Engine-neutral: mtp (the model's own multi-token-prediction layers), eagle and eagle3 (a
+    # draft head named in draft_model), ngram (prompt lookup; vLLM only).
+    method: Literal["mtp", "eagle", "eagle3", "ngram"] = "mtp"
+    num_speculative_tokens: int = Field(2, ge=1, le=16)
+    draft_model: str | None = Field(None, min_length=1)
+    prompt_lookup_min: int | None = Field(None, ge=1)
+    prompt_lookup_max: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _method_fields(self) -> SpeculativeSettings:
+        if self.method in ("eagle", "eagle3") and self.draft_model is None:
+            raise ValueError(f"speculative method {self.method!r} needs 'draft_model'")
+        if self.method in ("mtp", "ngram") and self.draft_model is not None:
+            raise ValueError(f"speculative method {self.method!r} takes no 'draft_model'")
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if self.method != "ngram" and (low, high) != (None, None):
+            raise ValueError("prompt_lookup_min/max apply to the 'ngram' method only")
+        if low is not None and high is not None and low > high:
+            raise ValueError("prompt_lookup_min must not exceed prompt_lookup_max")
+        return self
+
+
+class EngineProfileSettings(_Frozen):
+    """How a cluster's engines are launched (``shapegate launch-command``); the engine kind is
+    the cluster's ``kind``. Checked against the pinned version's flags (engine_pool/launch.py)."""
+
+    # The exact engine release; its flags must be in engine_pool/engine_flags.py KNOWN_FLAGS.
+    version: str = Field(pattern=r"^[0-9]+\.[0-9]+\.[0-9]+(\.post[0-9]+)?$")
+    # The weights: a Hugging Face id or a path inside the engine's container.
+    model: str = Field(min_length=1)
+    # Names the engine answers to; empty means the gateway's name and aliases for the model.
+    served_model_names: tuple[str, ...] = ()
+    host: str = "0.0.0.0"  # noqa: S104 - an engine in a container listens on its pod address
+    port: int = Field(8000, ge=1, le=65535)
+    max_model_len: int = Field(ge=1)
+    max_num_seqs: int = Field(ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    # vLLM V1 refuses anything but 1; kept so a config asking for more fails here, not on a GPU.
+    max_num_partial_prefills: int = Field(1, ge=1)
+    # Above ~0.9 nothing is left for activation spikes and the CUDA graphs: OOM under load.
+    gpu_memory_utilization: float = Field(0.85, ge=0.1, le=0.95)
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    # None leaves the engine's default.
+    prefix_caching: bool | None = None
+    kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    trust_remote_code: bool = False
+    speculative: SpeculativeSettings = SpeculativeSettings()
+    # More engine flags: name without "--" -> value (true for a bare flag); known flags only.
+    extra_args: dict[str, str | int | float | bool] = Field(default_factory=dict)
+
+
 class ClusterSettings(_Frozen):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     kind: Literal["vllm", "sglang"] = "vllm"
@@ -109,6 +175,13 @@ class ClusterSettings(_Frozen):
     api_key_env: str | None = None
     # Forward the client's own Authorization header to this cluster.
     forward_client_auth: bool = False
+    # The liveness endpoint probed; SGLang also offers /health_generate (a one-token generation).
+    health_path: str = Field("/health", pattern=r"^/")
+    # The simulated engine profile (configs/engines/NAME.yaml) standing in for this cluster's
+    # engines in `shapegate demo` and `shapegate replay --simulate`.
+    sim_profile: str | None = None
+    # How the engines are launched; optional: the gateway itself never reads it.
+    engine: EngineProfileSettings | None = None
 
     @model_validator(mode="after")
     def _endpoints_are_urls(self) -> ClusterSettings:
@@ -117,6 +190,9 @@ class ClusterSettings(_Frozen):
                 raise ValueError(f"cluster {self.name!r}: endpoint {url!r} is not an http(s) URL")
         if len(set(self.endpoints)) != len(self.endpoints):
             raise ValueError(f"cluster {self.name!r}: duplicate endpoints")
+        problems = profile_problems(self.kind, self.engine) if self.engine else []
+        if problems:
+            raise ValueError(f"cluster {self.name!r} engine: " + "; ".join(problems))
         return self
 
 
@@ -142,6 +218,20 @@ class TimeoutSettings(_Frozen):
     total_s: float = Field(900.0, gt=0)
 
 
+class HealthSettings(_Frozen):
+    """How a lane's engines are probed; a heavy lane's engines are slow by design."""
+
+    interval_s: float = Field(5.0, gt=0)
+    # A probe slower than this is an alert (engine.slow), not a failure.
+    timeout_s: float = Field(10.0, gt=0)
+    # Consecutive timed-out probes, with no token progress in the engine's metrics, before DOWN.
+    down_after_timeouts: int = Field(3, ge=1)
+    # Consecutive good probes before a DOWN engine is routable again.
+    up_after_successes: int = Field(2, ge=1)
+    # How often the engine's /metrics are read for load and progress.
+    scrape_interval_s: float = Field(5.0, gt=0)
+
+
 class LaneSettings(_Frozen):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     # The lane takes prompts with min_prompt_tokens <= tokens < max_prompt_tokens.
@@ -155,6 +245,11 @@ class LaneSettings(_Frozen):
     # When every slot is taken: wait in the lane's queue, or reject at once (429).
     on_full: Literal["wait", "reject"] = "wait"
     timeouts: TimeoutSettings = TimeoutSettings()
+    health: HealthSettings = HealthSettings()
+    # Send requests sharing a prompt prefix (the system prompt, else the first message's first
+    # affinity_prefix_bytes) to the same endpoint, where the engine has it cached.
+    prefix_affinity: bool = False
+    affinity_prefix_bytes: int = Field(4096, ge=64)
 
     @model_validator(mode="after")
     def _range(self) -> LaneSettings:
@@ -177,6 +272,10 @@ class StateSettings(_Frozen):
     replicas: int = Field(1, ge=1)
     # How often a waiter re-checks for a slot freed by another replica.
     poll_interval_s: float = Field(0.05, gt=0)
+    # Append the shape of every routed request (never its text) to this JSON-lines file.
+    trace_file: str | None = None
+    # Bound on every Redis call; with Redis down, fail_closed answers 503 within about this.
+    redis_timeout_s: float = Field(0.5, gt=0, le=10)
 
 
 class Settings(_Frozen):

@@ -1,0 +1,165 @@
+"""The engine flags shapegate may emit, per engine release, each checked in that release's source.
+
+Contract: ``KNOWN_FLAGS[(engine, version)]`` is the set of command-line flags that release
+accepts and shapegate may render (profile fields or ``extra_args``); ``OWNED_FLAGS[engine]`` are
+the ones rendered from the profile's own fields, which ``extra_args`` may not set;
+``SPEC_METHODS[engine]`` maps shapegate's speculative method names to the engine's. Pure data.
+
+Sources: released sources of each pinned version, read flag by flag
+(vLLM 0.33.0: ``vllm/engine/arg_utils.py`` and ``vllm/entrypoints/common/cli_args.py`` in the
+PyPI wheel; SGLang 0.5.23: ``sglang/srt/arg_groups/fields/*.py`` in the PyPI wheel). Flags move
+between releases (vLLM 0.33.0 no longer has ``--max-num-partial-prefills``; SGLang once spelt
+``--schedule-policy`` as ``--schedule-heuristic``), so a new version needs its own row, checked
+against its own source, never a copy of the last one.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+EngineKind = Literal["vllm", "sglang"]
+
+_VLLM_0_33_0 = frozenset(
+    {
+        # rendered from the profile
+        "--served-model-name",
+        "--host",
+        "--port",
+        "--max-model-len",
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--gpu-memory-utilization",
+        "--tensor-parallel-size",
+        "--enable-prefix-caching",
+        # argparse.BooleanOptionalAction: CacheConfig.enable_prefix_caching is a bool field.
+        "--no-enable-prefix-caching",
+        "--kv-cache-dtype",
+        "--speculative-config",
+        "--trust-remote-code",
+        # accepted in ``extra_args``
+        "--api-key",
+        "--async-scheduling",
+        "--chat-template",
+        "--data-parallel-size",
+        "--disable-log-stats",
+        "--disable-uvicorn-access-log",
+        "--download-dir",
+        "--dtype",
+        "--enable-auto-tool-choice",
+        "--enable-expert-parallel",
+        "--enable-log-requests",
+        "--enable-request-id-headers",
+        "--enforce-eager",
+        "--generation-config",
+        "--hf-overrides",
+        "--long-prefill-token-threshold",
+        "--max-logprobs",
+        "--pipeline-parallel-size",
+        "--quantization",
+        "--reasoning-parser",
+        "--scheduling-policy",
+        "--seed",
+        "--tokenizer",
+        "--tool-call-parser",
+        "--uvicorn-log-level",
+    }
+)
+
+_SGLANG_0_5_23 = frozenset(
+    {
+        # rendered from the profile
+        "--model-path",
+        "--served-model-name",
+        "--host",
+        "--port",
+        "--context-length",
+        "--max-running-requests",
+        "--chunked-prefill-size",
+        "--mem-fraction-static",
+        "--tp-size",
+        "--disable-radix-cache",
+        "--kv-cache-dtype",
+        "--enable-metrics",
+        "--api-key",
+        "--trust-remote-code",
+        "--speculative-algorithm",
+        "--speculative-draft-model-path",
+        "--speculative-num-steps",
+        "--speculative-eagle-topk",
+        "--speculative-num-draft-tokens",
+        # accepted in ``extra_args``
+        "--chat-template",
+        "--dp-size",
+        "--dtype",
+        "--enable-cache-report",
+        "--log-level",
+        "--log-requests",
+        "--max-prefill-tokens",
+        "--max-total-tokens",
+        "--quantization",
+        "--reasoning-parser",
+        "--schedule-policy",
+        "--tokenizer-path",
+        "--tool-call-parser",
+    }
+)
+
+# (engine, exact version) -> every flag shapegate may emit for it, each checked in that release.
+KNOWN_FLAGS: dict[tuple[EngineKind, str], frozenset[str]] = {
+    ("vllm", "0.33.0"): _VLLM_0_33_0,
+    ("sglang", "0.5.23"): _SGLANG_0_5_23,
+}
+
+# Flags the renderer derives from the profile's own fields; ``extra_args`` may not set them,
+# or a lane's limits could be overridden behind the policy's back.
+OWNED_FLAGS: dict[EngineKind, frozenset[str]] = {
+    "vllm": frozenset(
+        {
+            "--served-model-name",
+            "--host",
+            "--port",
+            "--max-model-len",
+            "--max-num-seqs",
+            "--max-num-batched-tokens",
+            "--gpu-memory-utilization",
+            "--tensor-parallel-size",
+            "--enable-prefix-caching",
+            "--no-enable-prefix-caching",
+            "--kv-cache-dtype",
+            "--speculative-config",
+            "--trust-remote-code",
+            # The key comes from the cluster's api_key_env, never from the config file.
+            "--api-key",
+        }
+    ),
+    "sglang": frozenset(
+        {
+            "--model-path",
+            "--served-model-name",
+            "--host",
+            "--port",
+            "--context-length",
+            "--max-running-requests",
+            "--chunked-prefill-size",
+            "--mem-fraction-static",
+            "--tp-size",
+            "--disable-radix-cache",
+            "--kv-cache-dtype",
+            "--enable-metrics",
+            "--api-key",
+            "--trust-remote-code",
+            "--speculative-algorithm",
+            "--speculative-draft-model-path",
+            "--speculative-num-steps",
+            "--speculative-eagle-topk",
+            "--speculative-num-draft-tokens",
+        }
+    ),
+}
+
+# Engine-neutral speculative methods -> the engine's own name for them. SGLang's NEXTN runs the
+# model's built-in multi-token-prediction layers, as vLLM's ``mtp`` does.
+SPEC_METHODS: dict[EngineKind, dict[str, str]] = {
+    "vllm": {"mtp": "mtp", "eagle": "eagle", "eagle3": "eagle3", "ngram": "ngram"},
+    "sglang": {"mtp": "NEXTN", "eagle": "EAGLE", "eagle3": "EAGLE3"},
+}
