@@ -20,6 +20,7 @@ REGISTRARS: tuple[str, ...] = (
     # one module path a line
     "engine_pool.sim.cli",
     "gateway.demo",
+    "gateway.replay_cli",
     "gateway.bench",
     "engine_pool.launch_cli",
 )

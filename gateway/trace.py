@@ -10,9 +10,9 @@ A trace is JSON lines, one request each::
 
 - ``synthesize(kind, seed)`` makes a trace from a description: ``production-burst`` (658
   requests over three hours, p50 prompt 3,000 tokens with 37 output tokens, nine monsters of
-  100k to 720k tokens with ~124 output tokens, content mixed prose/code/JSON so characters per
-  token vary) or ``burst-32k`` (40 requests of ~32k tokens within seconds). Same seed, same
-  trace.
+  100k to 720k tokens with ~124 output tokens, a dozen 40k-90k-token JSON tool results; content
+  mixed prose/code/JSON so characters per token vary) or ``burst-32k`` (40 requests of ~32k
+  tokens within seconds). Same seed, same trace.
 - ``TraceWriter`` records live traffic (``state.trace_file``): ``record`` only appends to a
   bounded buffer on the request path; ``run`` writes it out once a second off the event loop.
 """
@@ -91,25 +91,41 @@ def _shape(
 
 
 def _production_burst(rng: random.Random, model: str) -> Iterator[TraceRecord]:
-    duration, total, monsters = 3 * 3600.0, 658, 9
-    small = total - monsters
-    # Agents work in bursts: a third of the small requests come in clusters of a few seconds.
+    """658 requests over three hours. Agents fan out: about 60% of the small requests come in
+    a dozen bursts of 30-60 requests within ten seconds, the rest trickle in. Two thirds of the
+    nine monsters open a burst (an agent loads a huge context, then its workers fire), which is
+    when one monster prefill hurts the most requests; the others land anywhere. A dozen
+    mid-size dense-JSON tool results (40k-90k tokens, ~2 characters a token) sit between: heavy
+    by tokens, light by characters / 4."""
+    duration, total, monsters, dumps = 3 * 3600.0, 658, 9, 12
+    small = total - monsters - dumps
+    bursts = sorted(rng.uniform(60, duration - 60) for _ in range(12))
     times: list[float] = []
-    while len(times) < small:
-        if rng.random() < 0.05:
-            start = rng.uniform(0, duration - 30)
-            times.extend(start + rng.uniform(0, 8) for _ in range(rng.randint(8, 25)))
-        else:
-            times.append(rng.uniform(0, duration))
-    times = sorted(times[:small])
-    for i, t in enumerate(times):
+    for start in bursts:
+        times.extend(start + rng.uniform(1, 11) for _ in range(rng.randint(30, 60)))
+    times = times[: int(small * 0.6)]
+    times.extend(rng.uniform(0, duration) for _ in range(small - len(times)))
+    for i, t in enumerate(sorted(times)):
         tokens = min(30_000, max(200, int(rng.lognormvariate(math.log(3000), 0.7))))
         output = min(2000, max(1, int(rng.lognormvariate(math.log(37), 0.6))))
         yield _shape(rng, t, tokens, output, model, f"agent-{i % 12}")
-    for _ in range(monsters):
+    for _ in range(dumps):
+        tokens = rng.randint(40_000, 90_000)
+        chars = int(tokens * CHARS_PER_TOKEN["json"] * rng.uniform(0.9, 1.1))
+        yield TraceRecord(
+            t=round(rng.uniform(0, duration), 3),
+            model=model,
+            prompt_tokens=tokens,
+            prompt_bytes=chars,
+            output_tokens=60,
+            prompt_chars=chars,
+        )
+    opening = rng.sample(bursts, 6)
+    for i in range(monsters):
+        at = opening[i] if i < len(opening) else rng.uniform(0, duration * 0.9)
         tokens = int(math.exp(rng.uniform(math.log(100_000), math.log(720_000))))
         output = max(16, int(rng.gauss(124, 30)))
-        yield _shape(rng, rng.uniform(0, duration * 0.9), tokens, output, model, None)
+        yield _shape(rng, at, tokens, output, model, None)
 
 
 def _burst_32k(rng: random.Random, model: str) -> Iterator[TraceRecord]:
