@@ -159,6 +159,8 @@ async def test_a_few_hundred_mixed_requests_leave_no_slot_behind(setup: Any) -> 
             await asyncio.sleep(0.05)
         assert slots_in_use(state) == 0, state
     assert not engine.open_requests()
+    reached = {rid.split("-")[0] for rid in abandoned if rid in engine.seen}
+    assert reached == {"gone_waiting_first_byte", "gone_mid_stream", "gone_plain"}
     for rid, gone_at in abandoned.items():
         seen = engine.seen.get(rid)
         if seen is not None:  # it reached the engine before the client left
@@ -170,14 +172,22 @@ async def test_a_few_hundred_mixed_requests_leave_no_slot_behind(setup: Any) -> 
     assert engine.peak_in_flight <= 8
 
 
-async def test_a_queued_request_whose_client_left_never_takes_a_slot(setup: Any) -> None:
-    engine, url = setup
+async def test_a_queued_request_whose_client_left_never_takes_a_slot(gateway_at: Any) -> None:
+    engine = FakeEngine()
+    async with serve_asgi(engine) as engine_url:
+        config = lanes_config([engine_url], [engine_url])
+        config["lanes"][0].update(slots={"lane": 8, "per_endpoint": 8})
+        async with gateway_at(config) as (url, _):
+            await _queued_leaver(engine, url)
+
+
+async def _queued_leaver(engine: FakeEngine, url: str) -> None:
     async with httpx.AsyncClient(timeout=30) as client:
         holders = [
             asyncio.create_task(
                 client.post(
                     url + "/v1/chat/completions",
-                    content=body(f"hold-{i}", stream=False, mode="slow_first_byte", delay=0.5),
+                    content=body(f"hold-{i}", stream=False, mode="slow_first_byte", delay=2.0),
                     headers={"x-request-id": f"hold-{i}"},
                 )
             )
