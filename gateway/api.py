@@ -4,22 +4,30 @@ the rest answer from config or from snapshots of the gateway's state.
     POST /v1/chat/completions, /v1/completions   -> Pipeline.handle
     GET  /v1/models                              the configured models (names and aliases)
     GET  /healthz                                the process answers
-    GET  /readyz                                 503 while draining
+    GET  /readyz                                 503 until every lane passed the boot probe, and
+                                                 while draining
+    POST /admin/probe                            run the boot probe now; per-lane results
+    POST /admin/reload                           reload the policy (file, or a policy in the body)
     GET  /admin/state                            lanes, clusters, slots, queues, recent decisions
     GET  /metrics                                Prometheus
+    GET  /dashboard, /admin/dashboard.json       the ops page and its state (gateway/dashboard)
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI
+import yaml
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from gateway.dashboard import add_dashboard_routes
+from gateway.errors import Unauthorized, error_body
 from gateway.exchange import Receive, Scope, Send
 from gateway.pipeline import snapshot
 from gateway.protocol import Endpoint
+from gateway.settings import ConfigError, parse_settings
 from gateway.slots import endpoint_key, lane_key
 
 if TYPE_CHECKING:
@@ -78,6 +86,7 @@ async def admin_state(gateway: Gateway) -> dict[str, Any]:
             )
         clusters.append({"name": name, "kind": cluster.kind, "endpoints": endpoints})
     return {
+        "policy_version": gateway.pipeline.policy.version,
         "started_at": gateway.started_at,
         "accepting": gateway.pipeline.accepting,
         "in_flight": gateway.pipeline.in_flight,
@@ -89,6 +98,7 @@ async def admin_state(gateway: Gateway) -> dict[str, Any]:
 
 
 def add_routes(app: FastAPI, gateway: Gateway) -> None:
+    add_dashboard_routes(app, gateway)  # also guards every /admin/* route below
     app.router.routes.append(
         Route("/v1/chat/completions", _ProxyRoute(gateway, "chat"), methods=["POST"])
     )
@@ -97,7 +107,11 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
     )
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> JSONResponse:
+        try:
+            gateway.pipeline.policy.auth.check(request.headers.get("authorization", "").encode())
+        except Unauthorized as exc:
+            return JSONResponse(exc.body(), exc.status)
         data = [
             {
                 "id": name,
@@ -111,7 +125,7 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
             for model in gateway.settings.models
             for name in (model.name, *model.aliases)
         ]
-        return {"object": "list", "data": data}
+        return JSONResponse({"object": "list", "data": data})
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -120,8 +134,45 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
         if not gateway.pipeline.accepting:
-            return JSONResponse({"ready": False, "why": "draining"}, status_code=503)
+            return JSONResponse({"ready": False, "why": {"gateway": "draining"}}, status_code=503)
+        if not gateway.ready:
+            return JSONResponse({"ready": False, "why": gateway.probe.why_not()}, status_code=503)
         return JSONResponse({"ready": True})
+
+    @app.post("/admin/probe")
+    async def probe_now() -> JSONResponse:
+        await gateway.probe.run()
+        lanes = {
+            name: {"passed": c.passed, "detail": c.detail, "seconds": round(c.seconds, 3)}
+            for name, c in gateway.probe.checks.items()
+        }
+        return JSONResponse(
+            {"ready": gateway.ready, "lanes": lanes},
+            status_code=200 if all(c.passed for c in gateway.probe.checks.values()) else 503,
+        )
+
+    @app.post("/admin/reload")
+    async def reload(request: Request) -> JSONResponse:
+        """Re-read the config file, or apply the YAML/JSON policy in the body; all or nothing."""
+        raw = await request.body()
+        try:
+            if raw.strip():
+                data = yaml.safe_load(raw)
+                if not isinstance(data, dict):
+                    raise ConfigError("the policy in the body must be a mapping")
+                result = await gateway.reload(parse_settings(data))
+            else:
+                result = await gateway.reload()
+        except (ConfigError, yaml.YAMLError) as exc:
+            gateway.log.warning("policy.reload_failed", trigger="admin", error=str(exc))
+            return JSONResponse(error_body(str(exc), "invalid_request_error", 400), 400)
+        return JSONResponse(
+            {
+                "version": result.version,
+                "changed": result.changed,
+                "restart_required": list(result.restart_required),
+            }
+        )
 
     @app.get("/admin/state")
     async def state() -> dict[str, Any]:

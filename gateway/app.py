@@ -27,6 +27,7 @@ from engine_pool.cluster import Cluster
 from engine_pool.monitor import EngineMonitor
 from engine_pool.registry import EnginePool
 from gateway.admission import Admission
+from gateway.auth import ClientAuth
 from gateway.engines import EngineEvents, probe_plans
 from gateway.log import Logger, get_logger, swallowed
 from gateway.metrics import Metrics
@@ -92,7 +93,12 @@ class Gateway:
         upstream = Upstream(metrics, log)
         keys = cls.engine_keys_for(settings)
         pipeline = Pipeline(
-            Policy(settings, counter, keys), pool, admission, upstream, metrics, log
+            Policy(settings, counter, keys, ClientAuth.from_settings(settings.auth)),
+            pool,
+            admission,
+            upstream,
+            metrics,
+            log,
         )
         monitor = EngineMonitor(pool, probe_plans(settings), EngineEvents(settings, metrics, log))
         probe = BootProbe(settings, pool, upstream, log, keys)

@@ -98,6 +98,9 @@ class Outbound:
         if not self.started:
             payload = orjson.dumps(exc.body())
             extra = [(k.encode(), v.encode()) for k, v in exc.headers().items()]
+            if isinstance(exc, BodyTooLarge):
+                # The rest of the body is never read: close rather than drain it for keep-alive.
+                extra.append((b"connection", b"close"))
             await self.start(
                 exc.status,
                 [

@@ -32,7 +32,9 @@ from engine_pool.cluster import EngineView
 from engine_pool.picker import order_endpoints
 from engine_pool.registry import EnginePool
 from gateway.admission import Admission, Grant
+from gateway.auth import ClientAuth
 from gateway.errors import (
+    BadRequest,
     GatewayError,
     ModelNotFound,
     NoHealthyCluster,
@@ -120,6 +122,7 @@ class Policy:
     settings: Settings
     counter: TokenCounter
     engine_keys: dict[str, str]
+    auth: ClientAuth
     version: int = 1
     exact_above: int = field(init=False)
 
@@ -162,6 +165,7 @@ class Pipeline:
         try:
             if not self.accepting:
                 raise ShuttingDown("gateway is shutting down", retry_after_s=1)
+            policy.auth.check(header(scope, b"authorization"))
             body = await read_body(
                 scope,
                 receive,
@@ -216,6 +220,12 @@ class Pipeline:
         model = settings.model(request.model)
         if model is None:
             raise ModelNotFound(f"The model `{request.model}` does not exist.", param="model")
+        if model.max_model_len and (request.max_tokens or 0) >= model.max_model_len:
+            raise BadRequest(
+                f"'max_tokens' of {request.max_tokens} leaves no room for a prompt in the "
+                f"model's context of {model.max_model_len} tokens",
+                param="max_tokens",
+            )
         count = await policy.counter.count(
             model.name, request.prompt, exact_above=policy.exact_above
         )

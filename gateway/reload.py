@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from engine_pool.cluster import Cluster
+from gateway.auth import ClientAuth
 from gateway.pipeline import Policy
 from gateway.settings import Settings
 from gateway.tokens import TokenCounter
@@ -94,7 +95,8 @@ async def apply_reload(gateway: Gateway, new: Settings) -> ReloadResult:
             TokenCounter.from_settings, effective, gateway.metrics
         )
     keys = gateway.engine_keys_for(effective)
-    policy = Policy(effective, counter, keys, version=old_policy.version + 1)
+    auth = ClientAuth.from_settings(effective.auth)
+    policy = Policy(effective, counter, keys, auth, version=old_policy.version + 1)
     gateway.pool.reconcile(
         Cluster(name=c.name, kind=c.kind, endpoints=c.endpoints, models=c.models)
         for c in effective.clusters

@@ -14,6 +14,7 @@ from pathlib import Path
 import uvicorn
 
 from gateway.app import create_app
+from gateway.http_protocol import guarded_protocol
 from gateway.log import configure_logging
 from gateway.settings import Settings
 
@@ -25,7 +26,7 @@ def uvicorn_config(settings: Settings, config_path: Path | None = None) -> uvico
         host=settings.server.host,
         port=settings.server.port,
         loop="uvloop" if fast else "asyncio",
-        http="httptools" if fast else "h11",
+        http=guarded_protocol(settings.server) if fast else "h11",
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=int(settings.server.drain_timeout_s) or None,

@@ -51,6 +51,9 @@ class ServerSettings(_Frozen):
     decision_ring_size: int = Field(200, ge=1, le=100_000)
     # At start-up, one tiny real request through each lane; /readyz is 503 until all passed.
     boot_probe: bool = True
+    # A client must send its whole request line and headers within this (slowloris).
+    header_timeout_s: float = Field(10.0, gt=0)
+    max_header_bytes: int = Field(64 * 1024, ge=1024)
     # Reload the policy when the config file changes (SIGHUP and POST /admin/reload always do).
     watch_config: bool = False
     watch_interval_s: float = Field(2.0, gt=0)
@@ -91,6 +94,24 @@ class TokenizerSettings(_Frozen):
             raise ValueError(f"tokenizer source {self.source!r} needs 'name'")
         if self.source in ("hf_json", "tiktoken_file") and not self.path:
             raise ValueError(f"tokenizer source {self.source!r} needs 'path'")
+        return self
+
+
+class AuthSettings(_Frozen):
+    """Client API keys; none configured means the API is open (admin has its own guard)."""
+
+    # Hex SHA-256 digests of accepted keys: `printf %s "$KEY" | sha256sum`.
+    api_key_sha256: tuple[str, ...] = ()
+    # An environment variable holding plain keys separated by commas (hashed at start-up).
+    api_keys_env: str | None = None
+
+    @model_validator(mode="after")
+    def _hex(self) -> AuthSettings:
+        for digest in self.api_key_sha256:
+            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest.lower()):
+                raise ValueError(
+                    f"api_key_sha256 entry {digest[:12]}... is not a SHA-256 hex digest"
+                )
         return self
 
 
@@ -286,6 +307,7 @@ class Settings(_Frozen):
     clusters: tuple[ClusterSettings, ...] = Field(min_length=1)
     lanes: tuple[LaneSettings, ...] = Field(min_length=1)
     state: StateSettings = StateSettings()
+    auth: AuthSettings = AuthSettings()
 
     @model_validator(mode="after")
     def _cross_references(self) -> Settings:

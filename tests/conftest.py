@@ -17,6 +17,7 @@ MODEL = {
     "name": "qwen3.6",
     "aliases": ["Qwen/Qwen3.6-35B-A3B"],
     "tokenizer": {"source": "builtin", "name": "qwen3.6", "chat_template": "chatml"},
+    "max_model_len": 1_048_576,
 }
 
 

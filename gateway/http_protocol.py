@@ -1,0 +1,117 @@
+"""uvicorn's httptools protocol with the limits uvicorn lacks at the connection level.
+
+- A deadline for receiving a request's headers (``server.header_timeout_s``), armed when the
+  connection opens and again after each response on a keep-alive connection: a slowloris
+  client sending a byte at a time is answered 408 and closed at the deadline, instead of
+  holding a connection (and a file descriptor) forever. uvicorn has no such deadline.
+- A cap on the bytes of the request line and headers (``server.max_header_bytes``): 431.
+- Malformed requests (a CR or LF inside a header, a bad request line) are answered 400 in the
+  OpenAI error shape rather than uvicorn's plain text.
+
+``guarded_protocol(settings)`` returns the class uvicorn is configured with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from gateway.errors import error_body
+from gateway.settings import ServerSettings
+
+REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    header_timeout_s: float = 10.0
+    max_header_bytes: int = 64 * 1024
+
+    _header_timer: asyncio.TimerHandle | None = None
+    _header_bytes: int = 0
+    _refused: bool = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._header_bytes = 0
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._too_slow)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _too_slow(self) -> None:
+        self._header_timer = None
+        self._refuse(408, f"request headers not received within {self.header_timeout_s:g}s")
+
+    def _refuse(self, status: int, message: str) -> None:
+        if self._refused or self.transport.is_closing():
+            return
+        self._refused = True
+        payload = orjson.dumps(error_body(message, "invalid_request_error", status))
+        self.transport.write(
+            b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n" % (status, REASONS[status], len(payload)) + payload
+        )
+        self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        super().data_received(data)
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def _count(self, size: int) -> None:
+        self._header_bytes += size
+        if self._header_bytes > self.max_header_bytes:
+            self._refuse(431, f"request line and headers exceed {self.max_header_bytes} bytes")
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        if self._refused:
+            return
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self._refused:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if not self._refused:
+            super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        self._refuse(400, f"malformed HTTP request: {msg}")
+
+
+def guarded_protocol(server: ServerSettings) -> type[GuardedHttpToolsProtocol]:
+    return type(
+        "ShapegateHttpProtocol",
+        (GuardedHttpToolsProtocol,),
+        {
+            "header_timeout_s": server.header_timeout_s,
+            "max_header_bytes": server.max_header_bytes,
+        },
+    )

@@ -1,0 +1,190 @@
+"""Hostile input: every case gets a 4xx in the OpenAI shape; nothing crashes, nothing leaks.
+
+The gateway here runs with shapegate's own HTTP protocol (header deadline and size cap), as
+`shapegate serve` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from gateway.app import create_app
+from gateway.http_protocol import guarded_protocol
+from gateway.settings import parse_settings
+from gateway.tokens import TokenCounter
+from tests.conftest import lanes_config
+from tests.support.fake_engine import FakeEngine
+from tests.support.servers import serve_asgi
+
+
+@asynccontextmanager
+async def guarded_gateway(counter: TokenCounter, engine_url: str, **server: Any) -> Any:
+    config = lanes_config([engine_url], [engine_url])
+    config["server"].update(server)
+    settings = parse_settings(config, environ={})
+    app = create_app(settings, counter)
+    async with serve_asgi(app, http=guarded_protocol(settings.server)) as url:
+        yield url
+
+
+@pytest.fixture
+async def engine() -> Any:
+    fake = FakeEngine()
+    async with serve_asgi(fake) as url:
+        yield fake, url
+
+
+async def raw_exchange(url: str, payload: bytes, timeout: float = 5) -> bytes:
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(payload)
+    await writer.drain()
+    try:
+        return await asyncio.wait_for(reader.read(), timeout)
+    finally:
+        writer.close()
+
+
+def status_and_error(response: bytes) -> tuple[int, dict[str, Any]]:
+    head, _, body = response.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    return status, orjson.loads(body)["error"]
+
+
+async def test_headers_with_cr_or_lf_and_oversized_headers(
+    counter: TokenCounter, engine: Any
+) -> None:
+    async with guarded_gateway(counter, engine[1], max_header_bytes=4096) as url:
+        bad = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+            b"x-evil: a\rb\r\ncontent-length: 2\r\n\r\n{}"
+        )
+        status, error = status_and_error(await raw_exchange(url, bad))
+        assert status == 400 and "malformed" in error["message"] and error["code"] == 400
+        big = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+            + b"x-pad: "
+            + b"a" * 8000
+            + b"\r\ncontent-length: 2\r\n\r\n{}"
+        )
+        status, error = status_and_error(await raw_exchange(url, big))
+        assert status == 431 and "exceed 4096 bytes" in error["message"]
+        assert not engine[0].seen
+
+
+async def test_slowloris_is_cut_at_the_header_deadline_and_others_are_unaffected(
+    counter: TokenCounter, engine: Any
+) -> None:
+    async with guarded_gateway(counter, engine[1], header_timeout_s=1.0) as url:
+        host, port = url.removeprefix("http://").split(":")
+        request = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n"
+
+        async def slow_client() -> tuple[float, bytes]:
+            reader, writer = await asyncio.open_connection(host, int(port))
+            started = time.monotonic()
+            got = b""
+            for i in range(10_000):
+                if reader.at_eof():
+                    break
+                writer.write(request[i % len(request) : i % len(request) + 1])
+                try:
+                    got = await asyncio.wait_for(reader.read(4096), 0.2)
+                    if got or reader.at_eof():
+                        break
+                except TimeoutError:
+                    continue
+                except ConnectionError:
+                    break
+            writer.close()
+            return time.monotonic() - started, got
+
+        async def normal_traffic() -> list[float]:
+            latencies = []
+            async with httpx.AsyncClient() as client:
+                for _ in range(40):
+                    sent = time.monotonic()
+                    r = await client.post(
+                        url + "/v1/chat/completions",
+                        json={"model": "qwen3.6", "messages": [{"role": "user", "content": "hi"}]},
+                    )
+                    assert r.status_code == 200
+                    latencies.append(time.monotonic() - sent)
+                    await asyncio.sleep(0.02)
+            return latencies
+
+        baseline = sorted(await normal_traffic())
+        slow = [asyncio.create_task(slow_client()) for _ in range(200)]
+        await asyncio.sleep(0.2)
+        during = sorted(await normal_traffic())
+        results = await asyncio.gather(*slow)
+    assert all(0.9 < took < 3.0 for took, _ in results), sorted(t for t, _ in results)[-3:]
+    assert sum(b" 408 " in got for _, got in results) >= 190
+    p99_before, p99_during = baseline[-1], during[-1]
+    assert p99_during < max(0.25, 5 * p99_before), (p99_before, p99_during)
+
+
+async def test_a_body_far_over_the_limit_is_refused_without_being_buffered(
+    counter: TokenCounter, engine: Any
+) -> None:
+    limit = 1024 * 1024
+    async with guarded_gateway(counter, engine[1], max_body_bytes=limit) as url:
+        sent = 0
+
+        async def huge() -> Any:
+            nonlocal sent
+            for _ in range(200):  # 200 MiB offered
+                sent += 1024 * 1024
+                yield b"x" * (1024 * 1024)
+
+        async with httpx.AsyncClient(timeout=30) as client:
+            try:
+                r = await client.post(url + "/v1/chat/completions", content=huge())
+                assert r.status_code == 413
+            except httpx.TransportError:
+                pass  # the server may close before the client finishes writing
+        assert sent < 50 * 1024 * 1024, "the gateway kept reading far past its limit"
+
+
+async def test_deep_nesting_big_numbers_and_many_messages(
+    counter: TokenCounter, engine: Any
+) -> None:
+    async with guarded_gateway(counter, engine[1]) as url, httpx.AsyncClient(timeout=30) as client:
+        started = time.monotonic()
+        r = await client.post(url + "/v1/chat/completions", content=b"[" * 100_000 + b"]" * 100_000)
+        assert r.status_code == 400 and time.monotonic() - started < 0.5
+        r = await client.post(
+            url + "/v1/chat/completions",
+            content=(
+                b'{"model":"qwen3.6","messages":[{"role":"user","content":"x"}],'
+                b'"max_tokens":99999999999999999999999}'
+            ),
+        )
+        assert r.status_code == 400
+        r = await client.post(
+            url + "/v1/chat/completions",
+            json={
+                "model": "qwen3.6",
+                "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 10**12,
+            },
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        many = {"model": "qwen3.6", "messages": [{"role": "user", "content": "x"}] * 100_000}
+        started = time.monotonic()
+        r = await client.post(url + "/v1/chat/completions", json=many)
+        assert r.status_code == 200 and time.monotonic() - started < 5
+        state = (await client.get(url + "/admin/state")).json()
+        assert all(lane["slots_in_use"] == 0 for lane in state["lanes"])
+
+
+def test_the_process_never_ran_out_of_file_descriptors() -> None:
+    # The slowloris test above leaves nothing open behind it in this process.
+    assert len(os.listdir("/proc/self/fd")) < 512
