@@ -1,6 +1,7 @@
 """``shapegate demo``: two simulated clusters and the gateway in front, from one command.
 
-Starts four simulated vLLM engines (``fast``: two ``h100-fast``; ``heavy``: two ``h100-heavy``),
+Starts four simulated vLLM engines (each cluster's ``sim_profile``: ``fast``, two ``h100-fast``;
+``heavy``, two ``h100-heavy``),
 then the gateway with ``configs/demo.yaml`` (endpoints and ports rewritten to the ones chosen),
 prints the URLs and runs until Ctrl-C or SIGTERM, stopping every child. ``--burst`` also plays
 traffic shaped like production (mostly ~3k-token prompts with ~37 output tokens, plus a few
@@ -26,7 +27,6 @@ import httpx
 import yaml
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
-ENGINES = {"fast": "h100-fast", "heavy": "h100-heavy"}
 
 
 def demo_config(port: int, engine_base: int) -> dict[str, Any]:
