@@ -143,7 +143,7 @@ async def _run(args: argparse.Namespace) -> int:
                             "--port",
                             port,
                             "--profile",
-                            ENGINES[cluster["name"]],
+                            cluster["sim_profile"],
                             "--time-scale",
                             str(args.time_scale),
                         ],
