@@ -80,3 +80,4 @@ def swallowed(
     )
     if metrics is not None:
         metrics.swallowed_errors.labels(where=where).inc()
+        metrics.events.add("swallowed", where, f"{type(exc).__name__}: {exc}", decision, fields)

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from gateway.dashboard.events import EventRing
+from gateway.dashboard.stats import RollingWindow
+
 # 1 ms .. 30 min: fast-lane TTFT lives at the bottom, heavy-lane prefill at the top.
 LATENCY_BUCKETS = (
     0.001,
@@ -156,6 +159,12 @@ class Metrics:
         self.state_degraded = Gauge(
             "shapegate_state_degraded", "1 while the shared slot store is unreachable.", registry=r
         )
+
+        # Not Prometheus metrics: what the ops dashboard shows (swallowed errors and watchdog
+        # events as a list; per-lane rates and percentiles over the last minutes). They hang
+        # here because everything that reports those events already holds this object.
+        self.events = EventRing()
+        self.window = RollingWindow(self.events)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
