@@ -99,6 +99,13 @@ class EngineEvents:
             self._metrics.watchdog_events.labels(
                 lane=lane, cluster=event.cluster, kind="probe_timeout"
             ).inc()
+            self._metrics.events.add(
+                "watchdog",
+                "engine.probe",
+                event.evidence,
+                "alert_only",
+                {"lane": lane, "cluster": event.cluster, "endpoint": event.url},
+            )
         elif isinstance(event, LoadRead):
             self._failing.discard((event.cluster, event.url))
             for what in ("running", "waiting", "kv_usage"):

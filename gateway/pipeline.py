@@ -11,6 +11,7 @@ outcome:
     client_disconnect  the client left; its queue place or slot and upstream were released
     rejected           the gateway refused the request (bad input, lane full, no lane)
     error              a bug: logged with its traceback, counted, answered with a 500
+    cancelled          cancelled from outside (the server stopped) before it could finish
 
 Every request gets one ``route.decision`` (or ``route.rejected``) and one ``route.finished``.
 """
@@ -73,7 +74,8 @@ class Record:
     endpoint: str
     started: float = field(default_factory=time.monotonic)
     fields: dict[str, Any] = field(default_factory=dict)
-    outcome: str = "error"
+    # Until the request ends; a request cancelled from outside (server shutdown) ends "cancelled".
+    outcome: str = "in_flight"
     in_ring: bool = False
     status: int = 0
     ttft_s: float | None = None
@@ -398,6 +400,8 @@ class Pipeline:
             self.recent.append(record)
 
     def _finish(self, record: Record, out: Outbound) -> None:
+        if record.outcome == "in_flight":
+            record.outcome = "cancelled"
         duration = time.monotonic() - record.started
         lane = record.fields.get("lane", "none")
         cluster = record.fields.get("cluster", "none")
@@ -413,6 +417,9 @@ class Pipeline:
             duration_s=round(duration, 4),
             output_tokens=record.output_tokens,
             chunks=record.chunks,
+            # Why it ended, when not as planned: the error the client was told, the deadline hit.
+            error=record.fields.get("error"),
+            deadline=record.fields.get("deadline"),
         )
         self.metrics.requests.labels(lane=lane, cluster=cluster, outcome=record.outcome).inc()
         if "cluster" in record.fields:

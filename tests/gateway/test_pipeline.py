@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import string
@@ -173,15 +174,20 @@ async def test_body_over_the_limit_is_refused_without_buffering_it(
         [engines["fast"][1]], [engines["heavy"][1]], server={"max_body_bytes": 64 * 1024}
     )
     async with gateway_at(config) as (url, _), httpx.AsyncClient() as client:
-        r = await client.post(url + "/v1/chat/completions", json=chat("x" * 100_000))
-
-        async def unsized() -> Any:
-            for _ in range(100):
-                yield b"x" * 4096
-
-        chunked = await client.post(url + "/v1/chat/completions", content=unsized())
+        r = await client.post(url + "/v1/chat/completions", json=chat("x" * 70_000))
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+        )
+        for _ in range(20):  # 80 KiB, no length declared up front
+            writer.write(b"1000\r\n" + b"x" * 4096 + b"\r\n")
+        await writer.drain()
+        chunked = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
     assert r.status_code == 413 and "exceeds" in r.json()["error"]["message"]
-    assert chunked.status_code == 413
+    assert r.headers["connection"] == "close"
+    assert chunked.startswith(b"HTTP/1.1 413 ")
 
 
 async def test_prompt_above_every_lane_is_rejected(engines: Any, gateway_at: Any) -> None:
