@@ -9,7 +9,8 @@ Contract:
   lane's FIFO queue (``Overloaded`` if the queue is at its depth) and only the head of the queue
   tries the store. It gives up with ``QueueTimeout`` (503) after ``queue.max_wait_s``.
 - The head is woken by any local release, and also polls at ``poll_interval_s`` when the store is
-  shared with other replicas (their releases cannot wake us).
+  shared with other replicas (their releases cannot wake us). A waiter also holds its place in
+  the store's ``waiting`` block (Redis: one arrival-ordered list for the lane across replicas).
 - A waiter cancelled in the queue (its client left) leaves the queue at once and never takes a
   slot. An acquire cancelled while the store call was in flight releases by token, which is
   idempotent, so a half-finished acquire cannot leak.
@@ -113,14 +114,16 @@ class Admission:
         self._queue_changed(lane.name)
         try:
             with anyio.fail_after(lane.queue.max_wait_s):
-                while True:
-                    if queue[0] is waiter:
-                        grant = await self._try(lane, candidates, token, started)
-                        if grant is not None:
-                            return grant
-                    waiter.wake = anyio.Event()
-                    with anyio.move_on_after(self._poll_s):
-                        await waiter.wake.wait()
+                # A shared store keeps the place in a queue shared by every replica.
+                async with self.store.waiting(token, lane_key(lane.name)):
+                    while True:
+                        if queue[0] is waiter:
+                            grant = await self._try(lane, candidates, token, started)
+                            if grant is not None:
+                                return grant
+                        waiter.wake = anyio.Event()
+                        with anyio.move_on_after(self._poll_s):
+                            await waiter.wake.wait()
         except TimeoutError:
             raise QueueTimeout(
                 f"no slot in lane '{lane.name}' within {lane.queue.max_wait_s:g}s",

@@ -40,11 +40,11 @@ from gateway.slots import MemorySlotStore, SlotStore
 from gateway.tokens import TokenCounter
 
 
-def build_store(settings: Settings) -> SlotStore:
+def build_store(settings: Settings, metrics: Metrics, log: Logger) -> SlotStore:
     if settings.state.backend == "redis":
         from gateway.slots_redis import RedisSlotStore
 
-        return RedisSlotStore.from_settings(settings.state)
+        return RedisSlotStore.from_settings(settings.state, metrics, log)
     return MemorySlotStore()
 
 
@@ -88,7 +88,7 @@ class Gateway:
             Cluster(name=c.name, kind=c.kind, endpoints=c.endpoints, models=c.models)
             for c in settings.clusters
         )
-        store = build_store(settings)
+        store = build_store(settings, metrics, log)
         admission = Admission(store, metrics, log, poll_interval_s=settings.state.poll_interval_s)
         upstream = Upstream(metrics, log)
         keys = cls.engine_keys_for(settings)

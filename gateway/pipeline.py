@@ -255,7 +255,9 @@ class Pipeline:
         def candidates() -> Sequence[EngineView]:
             return [v for c in serving for v in order_endpoints(self.pool.views(c), affinity)]
 
-        async with self.admission.slot(lane, candidates, record.request_id) as grant:
+        # The slot token is ours, never the client's request id: two requests sharing an id
+        # must not share (and free) one slot.
+        async with self.admission.slot(lane, candidates, uuid.uuid4().hex) as grant:
             self._decided(record, grant, decision, count)
             with (
                 anyio.CancelScope() as engine_down,

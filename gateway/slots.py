@@ -10,7 +10,10 @@ acquire is idempotent per token and release is exact and idempotent.
     RedisSlotStore    shared by every gateway replica through leases (gateway/slots_redis.py)
 
 ``hold(token, keys)`` is the context a grant lives in: nothing to do in memory, lease renewal
-for Redis. Waiting, fairness and disconnects are admission.py's business, not the store's.
+for Redis. ``waiting(token, lane_key)`` is the context a queued request waits in: nothing in
+memory; for Redis, a place in the lane's waiting list shared by every replica, which
+``try_acquire`` honours (arrival order across replicas) and which is left when the block exits.
+Local waiting, timeouts and disconnects are admission.py's business, not the store's.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ class SlotStore(Protocol):
 
     def hold(self, token: str, keys: Sequence[str]) -> AbstractAsyncContextManager[None]: ...
 
+    def waiting(self, token: str, lane_key: str) -> AbstractAsyncContextManager[None]: ...
+
     async def in_use(self, keys: Sequence[str]) -> dict[str, int]: ...
 
     async def aclose(self) -> None: ...
@@ -81,6 +86,11 @@ class MemorySlotStore:
     @asynccontextmanager
     async def hold(self, token: str, keys: Sequence[str]) -> AsyncIterator[None]:
         # In one process a slot cannot outlive its holder: there is no lease to renew.
+        yield
+
+    @asynccontextmanager
+    async def waiting(self, token: str, lane_key: str) -> AsyncIterator[None]:
+        # admission.py's own FIFO is the whole queue when no other process shares the slots.
         yield
 
     async def in_use(self, keys: Sequence[str]) -> dict[str, int]:

@@ -1,0 +1,33 @@
+"""Redis for the integration tests: the one on 127.0.0.1:6379 if it answers PING, else a
+``redis-server`` started on a free port for the session. Every test gets its own key prefix,
+deleted afterwards, so runs never collide. Tests that stop or freeze Redis start their own
+(``redis_support.own_redis``), never the shared one."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.integration.redis_support import RedisProcess, answers_ping, delete_prefix, new_prefix
+
+SHARED_URL = "redis://127.0.0.1:6379/0"
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    if answers_ping(SHARED_URL):
+        yield SHARED_URL
+        return
+    server = RedisProcess().start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def prefix(redis_url: str) -> Iterator[str]:
+    name = new_prefix()
+    yield name
+    delete_prefix(redis_url, name)

@@ -1,0 +1,338 @@
+"""RedisSlotStore against a real Redis: limits, all-or-nothing, idempotence, reaping, renewal,
+and arrival order across replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import redis
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+
+from engine_pool.cluster import EngineState, EngineView
+from gateway.admission import Admission
+from gateway.log import get_logger
+from gateway.metrics import Metrics
+from gateway.settings import LaneSettings, StateSettings
+from gateway.slots import Limit
+from gateway.slots_redis import RedisSlotStore
+from tests.integration.redis_support import delete_prefix, live_members, new_prefix
+
+LANE = Limit("lane:m", 3)
+ENDPOINTS = {"ep:a": 2, "ep:b": 1, "ep:c": 2}
+TOKENS = [f"t{i}" for i in range(6)]
+REPLICA = {token: i % 2 for i, token in enumerate(TOKENS)}
+ALL_KEYS = [LANE.key, *ENDPOINTS]
+
+
+def store_for(url: str, prefix: str, **state: object) -> RedisSlotStore:
+    spec = StateSettings.model_validate(
+        {"backend": "redis", "redis_url": url, "key_prefix": prefix, **state}
+    )
+    return RedisSlotStore.from_settings(spec, Metrics())
+
+
+class LeaseModel(RuleBasedStateMachine):
+    """Two replicas' stores against a plain-Python model of the same rules, waiting list
+    included. Each token belongs to one replica, as a request does."""
+
+    url = ""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runner = asyncio.Runner()
+        self.prefix = new_prefix()
+        self.stores = [store_for(self.url, self.prefix, lease_ttl_s=60) for _ in range(2)]
+        self.raw = redis.Redis.from_url(self.url)
+        self.held: dict[str, str] = {}  # token -> endpoint key it holds with the lane
+        self.queue: list[str] = []
+        self.frozen: dict[str, str] = {}  # token -> endpoint of a lease left to expire
+
+    def run(self, coro):  # type: ignore[no-untyped-def]
+        return self.runner.run(coro)
+
+    def store(self, token: str) -> RedisSlotStore:
+        return self.stores[REPLICA[token]]
+
+    def count(self, key: str) -> int:
+        return sum(1 for ep in self.held.values() if key in (LANE.key, ep))
+
+    @rule(
+        tokens=st.lists(st.sampled_from(TOKENS), min_size=1, max_size=4),
+        order=st.permutations(sorted(ENDPOINTS)),
+        take=st.integers(1, 3),
+    )
+    def acquire_in_turn(self, tokens: list[str], order: list[str], take: int) -> None:
+        for token in tokens:
+            self.acquire(token, order, take)
+
+    def acquire(self, token: str, order: list[str], take: int) -> None:
+        candidates = [Limit(key, ENDPOINTS[key]) for key in order[:take]]
+        got = self.run(self.store(token).try_acquire(token, LANE, candidates))
+        expected: int | None = None
+        if token in self.held:
+            keys = [c.key for c in candidates]
+            if self.held[token] in keys:
+                expected = keys.index(self.held[token])
+        else:
+            free = LANE.limit - len(self.held)
+            before = self.queue[: self.queue.index(token)] if token in self.queue else self.queue
+            ahead = sum(1 for other in before if REPLICA[other] != REPLICA[token])
+            if free > 0 and ahead < free:
+                for i, c in enumerate(candidates):
+                    if self.count(c.key) < c.limit:
+                        expected = i
+                        break
+            if expected is not None:
+                self.held[token] = candidates[expected].key
+                self.frozen.pop(token, None)
+                if token in self.queue:
+                    self.queue.remove(token)
+        assert got == expected
+
+    @rule(token=st.sampled_from(TOKENS), twice=st.booleans())
+    def release(self, token: str, twice: bool) -> None:
+        for _ in range(2 if twice else 1):
+            self.run(self.store(token).release(token, ALL_KEYS))
+        self.held.pop(token, None)
+
+    @rule(token=st.sampled_from(TOKENS))
+    def renew(self, token: str) -> None:
+        """A live lease is extended; a reaped one (its holder froze) is never brought back."""
+        endpoint = self.held.get(token) or self.frozen.pop(token, None) or "ep:a"
+        alive = self.run(self.store(token).renew(token, [LANE.key, endpoint]))
+        assert alive is (token in self.held)
+
+    @rule(token=st.sampled_from(TOKENS))
+    def freeze_and_expire(self, token: str) -> None:
+        """The holder stopped renewing and its deadline passed: the lease must be reaped."""
+        for key in ALL_KEYS:
+            self.raw.zadd("{" + self.prefix + "}:" + key, {token: 1}, xx=True)
+        endpoint = self.held.pop(token, None)
+        if endpoint is not None:
+            self.frozen[token] = endpoint
+
+    @rule(token=st.sampled_from(TOKENS))
+    def join_queue(self, token: str) -> None:
+        joined = self.run(self.store(token).join(token, LANE.key))
+        assert joined is (token not in self.queue)
+        if token not in self.queue:
+            self.queue.append(token)
+
+    @rule(token=st.sampled_from(TOKENS))
+    def refresh_place(self, token: str) -> None:
+        """A refresh keeps a live place and never puts back one that is gone."""
+        kept = self.run(self.store(token).join(token, LANE.key, mode="refresh"))
+        assert kept is (token in self.queue)
+
+    @rule(token=st.sampled_from(TOKENS))
+    def leave_queue(self, token: str) -> None:
+        self.run(self.store(token).leave(token, LANE.key))
+        if token in self.queue:
+            self.queue.remove(token)
+
+    @invariant()
+    def redis_agrees_with_the_model_and_no_limit_is_exceeded(self) -> None:
+        used = self.run(self.stores[0].in_use(ALL_KEYS))
+        assert used[LANE.key] == len(self.held) <= LANE.limit
+        for key, limit in ENDPOINTS.items():
+            assert used[key] == self.count(key) <= limit
+        live = live_members_by_key(self.raw, self.prefix)
+        for token in TOKENS:  # all or nothing: the lane slot exactly when one endpoint slot
+            holds = [k for k in ALL_KEYS if token in live[k]]
+            assert holds == ([LANE.key, self.held[token]] if token in self.held else [])
+
+    def teardown(self) -> None:
+        for store in self.stores:
+            self.run(store.aclose())
+        self.runner.close()
+        self.raw.close()
+        delete_prefix(self.url, self.prefix)
+
+
+def live_members_by_key(raw: redis.Redis, prefix: str) -> dict[str, set[str]]:
+    secs, micros = raw.time()
+    now_ms = secs * 1000 + micros // 1000
+    pipe = raw.pipeline(transaction=False)
+    for key in ALL_KEYS:
+        pipe.zrangebyscore("{" + prefix + "}:" + key, f"({now_ms}", "+inf")
+    found = pipe.execute()
+    return {
+        key: {m.decode() for m in members} for key, members in zip(ALL_KEYS, found, strict=True)
+    }
+
+
+def test_the_store_follows_the_lease_rules(redis_url: str) -> None:
+    LeaseModel.url = redis_url
+    run_state_machine_as_test(
+        LeaseModel, settings=settings(max_examples=50, stateful_step_count=30, deadline=None)
+    )
+
+
+async def test_an_unrenewed_lease_is_reaped_and_a_held_one_is_not(
+    redis_url: str, prefix: str
+) -> None:
+    store = store_for(redis_url, prefix, lease_ttl_s=0.3)
+    try:
+        assert await store.try_acquire("gone", LANE, [Limit("ep:a", 1)]) == 0
+        assert await store.try_acquire("kept", LANE, [Limit("ep:b", 1)]) == 0
+        started = time.monotonic()
+        async with store.hold("kept", [LANE.key, "ep:b"]):
+            while (await store.in_use(["ep:a"]))["ep:a"]:
+                assert time.monotonic() - started < 0.3 + 1.0
+                await asyncio.sleep(0.02)
+            reaped_after = time.monotonic() - started
+            await asyncio.sleep(max(0.0, 2.0 - reaped_after))  # ~7 TTLs in all
+            assert await store.in_use([LANE.key, "ep:a", "ep:b"]) == {
+                LANE.key: 1,
+                "ep:a": 0,
+                "ep:b": 1,
+            }
+        assert 0.25 <= reaped_after <= 1.3
+        # The block is over: renewal stopped; the release is the caller's (admission's) job.
+        await asyncio.sleep(0.5)
+        assert live_members(redis_url, prefix, "ep:b") == 0
+    finally:
+        await store.aclose()
+
+
+async def test_a_lease_is_not_renewed_past_its_maximum_life(redis_url: str, prefix: str) -> None:
+    store = store_for(redis_url, prefix, lease_ttl_s=0.3, lease_max_life_s=0.6)
+    try:
+        assert await store.try_acquire("runaway", LANE, [Limit("ep:a", 1)]) == 0
+        started = time.monotonic()
+        async with store.hold("runaway", [LANE.key, "ep:a"]):
+            while (await store.in_use([LANE.key]))[LANE.key]:
+                await asyncio.sleep(0.02)
+            lived = time.monotonic() - started
+        assert 0.55 <= lived <= 0.6 + 0.3 + 0.3
+    finally:
+        await store.aclose()
+
+
+def fast_lane(limit: int, max_wait_s: float = 10) -> LaneSettings:
+    return LaneSettings.model_validate(
+        {
+            "name": "fast",
+            "max_prompt_tokens": 100,
+            "clusters": ["c"],
+            "slots": {"lane": limit, "per_endpoint": limit},
+            "queue": {"depth": 100, "max_wait_s": max_wait_s},
+        }
+    )
+
+
+VIEWS = [EngineView("c", "http://a", EngineState.UP, 0)]
+
+
+async def test_waiters_are_served_in_arrival_order_across_replicas(
+    redis_url: str, prefix: str
+) -> None:
+    """Two replicas, one slot: waiters arriving alternately at either are served in arrival
+    order, and one whose client left drops out of the shared list at once."""
+    stores = [store_for(redis_url, prefix, poll_interval_s=0.01) for _ in range(2)]
+    replicas = [Admission(s, Metrics(), get_logger("test"), poll_interval_s=0.01) for s in stores]
+    spec = fast_lane(1)
+    order: list[str] = []
+    raw = redis.Redis.from_url(redis_url)
+
+    async def user(replica: Admission, name: str) -> None:
+        async with replica.slot(spec, lambda: VIEWS, name):
+            order.append(name)
+            await asyncio.sleep(0.03)
+
+    try:
+        async with replicas[1].slot(spec, lambda: VIEWS, "holder"):
+            tasks = {}
+            for i in range(8):
+                name = f"w{i}"
+                tasks[name] = asyncio.create_task(user(replicas[i % 2], name))
+                while name not in waiting(raw, prefix):
+                    await asyncio.sleep(0.002)
+            assert waiting(raw, prefix) == [f"w{i}" for i in range(8)]
+            tasks["w3"].cancel()
+            await asyncio.sleep(0.01)
+            assert waiting(raw, prefix) == ["w0", "w1", "w2", "w4", "w5", "w6", "w7"]
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        assert order == ["w0", "w1", "w2", "w4", "w5", "w6", "w7"]
+        assert waiting(raw, prefix) == []
+        assert await stores[0].in_use(["lane:fast", "ep:c:http://a"]) == {
+            "lane:fast": 0,
+            "ep:c:http://a": 0,
+        }
+    finally:
+        raw.close()
+        for store in stores:
+            await store.aclose()
+
+
+def waiting(raw: redis.Redis, prefix: str) -> list[str]:
+    """The lane's shared waiting list, in order, as tokens."""
+    members = raw.zrange("{" + prefix + "}:queue:lane:fast", 0, -1)
+    return [m.decode().split("|", 1)[1] for m in members]
+
+
+async def test_a_dead_replicas_waiters_stop_holding_up_the_queue(
+    redis_url: str, prefix: str
+) -> None:
+    dead, alive = (store_for(redis_url, prefix, lease_ttl_s=0.3) for _ in range(2))
+    lane, endpoint = Limit("lane:fast", 1), [Limit("ep:a", 1)]
+    try:
+        assert await dead.join("ghost", "lane:fast") is True  # then its replica dies
+        assert await alive.try_acquire("late", lane, endpoint) is None
+        started = time.monotonic()
+        while await alive.try_acquire("late", lane, endpoint) is None:
+            await asyncio.sleep(0.02)
+        assert time.monotonic() - started <= 0.3 + 0.2
+    finally:
+        for store in (dead, alive):
+            await store.aclose()
+
+
+async def test_a_replicas_own_waiters_never_block_its_queue_head(
+    redis_url: str, prefix: str
+) -> None:
+    """Two waiters of one replica whose joins reached Redis in the opposite order: the replica's
+    local head may still go (only it asks), but not past another replica's earlier waiter."""
+    mine, other = (store_for(redis_url, prefix) for _ in range(2))
+    lane, endpoint = Limit("lane:fast", 1), [Limit("ep:a", 1)]
+    try:
+        await mine.join("second", "lane:fast")
+        await mine.join("head", "lane:fast")
+        assert await mine.try_acquire("head", lane, endpoint) == 0
+        await mine.release("head", [lane.key, "ep:a"])
+        await mine.leave("second", "lane:fast")
+        await other.join("earlier", "lane:fast")
+        await mine.join("later", "lane:fast")
+        assert await mine.try_acquire("later", lane, endpoint) is None
+        assert await other.try_acquire("earlier", lane, endpoint) == 0
+    finally:
+        for store in (mine, other):
+            await store.aclose()
+
+
+async def test_a_waiter_whose_place_lapsed_joins_again_at_the_back(
+    redis_url: str, prefix: str
+) -> None:
+    """Its replica stalled past a TTL: the place is gone, but the next try puts the waiter back
+    in the list (behind those who came meanwhile) instead of leaving it outside for ever."""
+    mine, other = (store_for(redis_url, prefix) for _ in range(2))
+    lane, endpoint = Limit("lane:fast", 1), [Limit("ep:a", 1)]
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        assert await other.try_acquire("holder", lane, endpoint) == 0
+        async with mine.waiting("stalled", "lane:fast"):
+            (member,) = raw.zrange("{" + prefix + "}:queue:lane:fast", 0, -1)
+            raw.zadd("{" + prefix + "}:qlive:lane:fast", {member: 1}, xx=True)  # lapsed
+            await other.join("newer", "lane:fast")
+            assert waiting(raw, prefix) == ["stalled", "newer"]  # lapsed, not yet reaped
+            assert await mine.try_acquire("stalled", lane, endpoint) is None
+            assert waiting(raw, prefix) == ["newer", "stalled"]
+            assert await mine.join("stalled", "lane:fast", mode="refresh") is True
+        assert waiting(raw, prefix) == ["newer"]  # leaving the block left the list
+    finally:
+        raw.close()
+        for store in (mine, other):
+            await store.aclose()
