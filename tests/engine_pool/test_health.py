@@ -28,7 +28,12 @@ def test_timeouts_alert_first_and_evict_only_after_the_threshold() -> None:
     assert verdict.alert is not None and verdict.track.state is EngineState.SLOW
     assert run([TIMEOUT] * 3) == [EngineState.SLOW, EngineState.SLOW, EngineState.DOWN]
     assert run([TIMEOUT, TIMEOUT, OK, TIMEOUT, TIMEOUT]) == [
-        EngineState.SLOW, EngineState.SLOW, EngineState.UP, EngineState.SLOW, EngineState.SLOW]
+        EngineState.SLOW,
+        EngineState.SLOW,
+        EngineState.UP,
+        EngineState.SLOW,
+        EngineState.SLOW,
+    ]
 
 
 def test_a_busy_engine_making_progress_is_slow_not_dead() -> None:
@@ -39,7 +44,12 @@ def test_a_busy_engine_making_progress_is_slow_not_dead() -> None:
 def test_recovery_needs_consecutive_successes() -> None:
     assert run([REFUSED, OK, OK]) == [EngineState.DOWN, EngineState.DOWN, EngineState.UP]
     assert run([REFUSED, OK, REFUSED, OK, OK]) == [
-        EngineState.DOWN, EngineState.DOWN, EngineState.DOWN, EngineState.DOWN, EngineState.UP]
+        EngineState.DOWN,
+        EngineState.DOWN,
+        EngineState.DOWN,
+        EngineState.DOWN,
+        EngineState.UP,
+    ]
 
 
 def test_vllm_and_sglang_metrics_are_read() -> None:

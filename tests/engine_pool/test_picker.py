@@ -4,8 +4,9 @@ from engine_pool.cluster import EngineState, EngineView
 from engine_pool.picker import order_endpoints
 
 
-def view(url: str, in_flight: int = 0, state: EngineState = EngineState.UP,
-         waiting: float | None = None) -> EngineView:
+def view(
+    url: str, in_flight: int = 0, state: EngineState = EngineState.UP, waiting: float | None = None
+) -> EngineView:
     return EngineView(cluster="c", url=url, state=state, in_flight=in_flight, waiting=waiting)
 
 

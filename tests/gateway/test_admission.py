@@ -14,15 +14,21 @@ from gateway.slots import Limit, MemorySlotStore
 
 
 def lane(**overrides: object) -> LaneSettings:
-    spec: dict[str, object] = {"name": "fast", "max_prompt_tokens": 100, "clusters": ["c"],
-                               "slots": {"lane": 2, "per_endpoint": 2},
-                               "queue": {"depth": 10, "max_wait_s": 5}}
+    spec: dict[str, object] = {
+        "name": "fast",
+        "max_prompt_tokens": 100,
+        "clusters": ["c"],
+        "slots": {"lane": 2, "per_endpoint": 2},
+        "queue": {"depth": 10, "max_wait_s": 5},
+    }
     spec.update(overrides)
     return LaneSettings.model_validate(spec)
 
 
-VIEWS = [EngineView("c", "http://a", EngineState.UP, 0), EngineView("c", "http://b",
-                                                                     EngineState.UP, 0)]
+VIEWS = [
+    EngineView("c", "http://a", EngineState.UP, 0),
+    EngineView("c", "http://b", EngineState.UP, 0),
+]
 
 
 def admission() -> Admission:
@@ -119,9 +125,10 @@ async def test_slots_are_released_when_the_body_raises() -> None:
 async def test_down_endpoints_are_not_candidates_and_per_endpoint_limits_hold() -> None:
     adm = admission()
     spec = lane(slots={"lane": 10, "per_endpoint": 1}, queue={"depth": 5, "max_wait_s": 0.05})
-    async with adm.slot(spec, lambda: VIEWS, "a") as first, adm.slot(
-        spec, lambda: VIEWS, "b"
-    ) as second:
+    async with (
+        adm.slot(spec, lambda: VIEWS, "a") as first,
+        adm.slot(spec, lambda: VIEWS, "b") as second,
+    ):
         assert {first.url, second.url} == {"http://a", "http://b"}
         with pytest.raises(QueueTimeout):
             async with adm.slot(spec, lambda: VIEWS, "c"):

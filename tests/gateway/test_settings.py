@@ -30,8 +30,7 @@ def test_unknown_keys_are_errors_with_the_path() -> None:
 
 def test_environment_overrides_nested_keys() -> None:
     config = lanes_config(["http://a"], ["http://b"])
-    env = {"SHAPEGATE_STATE__BACKEND": "redis", "SHAPEGATE_SERVER__PORT": "9123",
-           "OTHER": "x"}
+    env = {"SHAPEGATE_STATE__BACKEND": "redis", "SHAPEGATE_SERVER__PORT": "9123", "OTHER": "x"}
     settings = parse_settings(config, environ=env)
     assert settings.state.backend == "redis" and settings.server.port == 9123
     with pytest.raises(ConfigError, match="backend"):
