@@ -82,7 +82,7 @@ class FaultState:
     def __init__(self, spec: FaultSpec | None = None, seed: int | None = None) -> None:
         self.spec = spec or FaultSpec()
         self.injected: Counter[str] = Counter()
-        self._rng = random.Random(seed)  # noqa: S311 - fault dice, not secrets
+        self._rng = random.Random(seed)
 
     def set(self, spec: FaultSpec) -> None:
         self.spec = spec
