@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal
 
 EngineKind = Literal["vllm", "sglang"]
 
@@ -39,6 +39,20 @@ class Engine:
     waiting: float | None = None
     kv_usage: float | None = None
     load_at: float | None = None
+
+    def as_json(self, now: float) -> dict[str, Any]:
+        """The endpoint as the admin state and the dashboard show it."""
+        return {
+            "url": self.url,
+            "state": self.state.value,
+            "evidence": self.evidence,
+            "since": self.changed_at or None,
+            "in_flight": self.in_flight,
+            "running": self.running,
+            "waiting": self.waiting,
+            "kv_usage": self.kv_usage,
+            "load_age_s": None if self.load_at is None else round(max(0.0, now - self.load_at), 1),
+        }
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ the rest answer from config or from snapshots of the gateway's state.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import yaml
@@ -73,16 +74,7 @@ async def admin_state(gateway: Gateway) -> dict[str, Any]:
         for url in cluster.endpoints:
             engine = gateway.pool.engine(name, url)
             endpoints.append(
-                {
-                    "url": url,
-                    "state": engine.state.value,
-                    "evidence": engine.evidence,
-                    "in_flight": engine.in_flight,
-                    "slots_in_use": used[endpoint_key(name, url)],
-                    "running": engine.running,
-                    "waiting": engine.waiting,
-                    "kv_usage": engine.kv_usage,
-                }
+                {**engine.as_json(time.time()), "slots_in_use": used[endpoint_key(name, url)]}
             )
         clusters.append({"name": name, "kind": cluster.kind, "endpoints": endpoints})
     return {

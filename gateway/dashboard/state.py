@@ -160,22 +160,8 @@ async def build_state(gateway: Gateway, watch: StoreWatch | None = None) -> dict
         endpoints = []
         for url in cluster.endpoints:
             engine = gateway.pool.engine(name, url)
-            endpoints.append(
-                {
-                    "url": url,
-                    "state": engine.state.value,
-                    "evidence": engine.evidence,
-                    "since": engine.changed_at or None,
-                    "in_flight": engine.in_flight,
-                    "slots_in_use": used[endpoint_key(name, url)] if used is not None else None,
-                    "running": engine.running,
-                    "waiting": engine.waiting,
-                    "kv_usage": engine.kv_usage,
-                    "load_age_s": None
-                    if engine.load_at is None
-                    else round(max(0.0, wall_now - engine.load_at), 1),
-                }
-            )
+            slots = used[endpoint_key(name, url)] if used is not None else None
+            endpoints.append({**engine.as_json(wall_now), "slots_in_use": slots})
         clusters_out.append({"name": name, "kind": cluster.kind, "endpoints": endpoints})
     recent = list(gateway.pipeline.recent)[-MAX_DECISIONS:]
     return {
