@@ -134,7 +134,8 @@ async def test_a_hung_engine_is_marked_down_and_its_requests_end_with_free_slots
             stuck = asyncio.create_task(
                 client.post(url + "/v1/chat/completions", json=chat(fake={"mode": "hang"}))
             )
-            await asyncio.sleep(0.2)
+            while engine.in_flight < 1:
+                await asyncio.sleep(0.01)
             engine.health_status = None  # accepts, never answers
             started = time.monotonic()
             with capture_logs() as logs:
