@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 
+from engine_pool.sim.counting import RegistryCounter
+from engine_pool.sim.server import SimServer, run_sim
 from gateway.app import create_app
 from gateway.settings import Settings, parse_settings
 from gateway.tokens import TokenCounter
@@ -63,6 +65,21 @@ def counter() -> TokenCounter:
     return TokenCounter.from_settings(
         parse_settings(lanes_config(["http://x"], ["http://y"]), environ={})
     )
+
+
+def chat(text: str, **extra: Any) -> dict[str, Any]:
+    return {"model": "qwen3.6", "messages": [{"role": "user", "content": text}], **extra}
+
+
+@pytest.fixture
+async def sims(counter: TokenCounter) -> AsyncIterator[tuple[SimServer, SimServer]]:
+    """A fast-lane and a heavy-lane simulated engine sharing the session's tokenizer."""
+    shared = RegistryCounter(counter, "qwen3.6")
+    async with (
+        run_sim("h100-fast", time_scale=0.2, counter=shared, seed=1) as fast,
+        run_sim("h100-heavy", time_scale=0.2, counter=shared, seed=2) as heavy,
+    ):
+        yield fast, heavy
 
 
 GatewayFactory = Callable[[dict[str, Any]], Any]

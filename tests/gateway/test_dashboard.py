@@ -4,40 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import httpx
 import pytest
 
-from engine_pool.sim.counting import RegistryCounter
-from engine_pool.sim.server import SimServer, run_sim
+from engine_pool.sim.server import SimServer
 from gateway.app import Gateway, create_app
 from gateway.dashboard.state import StoreWatch, build_state
 from gateway.errors import StateUnavailable
 from gateway.settings import ConfigError, parse_settings
 from gateway.slots import MemorySlotStore
 from gateway.tokens import TokenCounter
-from tests.conftest import lanes_config
+from tests.conftest import chat, lanes_config
 from tests.support.fake_engine import FakeEngine
 from tests.support.servers import free_port, serve_asgi
 
 TOKEN = "s3cret-admin-token-0123456789"
 REMOTE = ("192.0.2.7", 40000)
-
-
-@pytest.fixture
-async def sims(counter: TokenCounter) -> AsyncIterator[tuple[SimServer, SimServer]]:
-    shared = RegistryCounter(counter, "qwen3.6")
-    async with (
-        run_sim("h100-fast", time_scale=0.2, counter=shared, seed=1) as fast,
-        run_sim("h100-heavy", time_scale=0.2, counter=shared, seed=2) as heavy,
-    ):
-        yield fast, heavy
-
-
-def chat(text: str, **extra: Any) -> dict[str, Any]:
-    return {"model": "qwen3.6", "messages": [{"role": "user", "content": text}], **extra}
 
 
 async def until(check: Callable[[], Awaitable[Any]], timeout_s: float = 10.0) -> Any:

@@ -15,28 +15,12 @@ import orjson
 import pytest
 from prometheus_client.utils import floatToGoString
 
-from engine_pool.sim.counting import RegistryCounter
-from engine_pool.sim.server import SimServer, run_sim
+from engine_pool.sim.server import SimServer
 from gateway.metrics import TOKEN_BUCKETS
-from gateway.tokens import TokenCounter
-from tests.conftest import lanes_config
+from tests.conftest import chat, lanes_config
 from tests.support.fake_engine import FakeEngine
 from tests.support.prom import Scrape, parse
 from tests.support.servers import serve_asgi
-
-
-@pytest.fixture
-async def sims(counter: TokenCounter) -> AsyncIterator[tuple[SimServer, SimServer]]:
-    shared = RegistryCounter(counter, "qwen3.6")
-    async with (
-        run_sim("h100-fast", time_scale=0.2, counter=shared, seed=1) as fast,
-        run_sim("h100-heavy", time_scale=0.2, counter=shared, seed=2) as heavy,
-    ):
-        yield fast, heavy
-
-
-def chat(text: str, **extra: Any) -> dict[str, Any]:
-    return {"model": "qwen3.6", "messages": [{"role": "user", "content": text}], **extra}
 
 
 def long_text(words: int) -> str:
