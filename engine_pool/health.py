@@ -2,7 +2,8 @@
 
 Failure classes are distinct, because they mean different things:
 
-    refused / reset / 5xx   the engine is gone or broken: DOWN at once
+    refused / reset / 5xx   the engine is gone or broken: DOWN at once (a reset is asked again
+                            once on a fresh connection: a kept-alive one may just have expired)
     timeout                 the engine is slow: an alert (``engine.slow``); DOWN only after the
                             lane's ``down_after_timeouts`` in a row, and never while the engine's
                             token counters still advance (busy with a long prefill, not dead)
@@ -87,12 +88,24 @@ def judge(track: Track, result: ProbeResult, progressing: bool, limits: Threshol
     return Verdict(Track(EngineState.UP, successes_in_a_row=successes), ok)
 
 
+# What a request meets on a kept-alive connection the server closed at that very moment.
+CLOSED_UNDER_US = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+
 async def probe(client: httpx.AsyncClient, url: str, timeout_s: float) -> ProbeResult:
     """One liveness probe; a timeout is reported as such, never as a failure."""
     started = time.monotonic()
     try:
         with anyio.fail_after(timeout_s):
-            response = await client.get(url)
+            try:
+                response = await client.get(url)
+            except CLOSED_UNDER_US:
+                # The pooled connection was closed by the engine's keep-alive timer as the probe
+                # went out (uvicorn, so vLLM and SGLang, closes idle connections after 5 s, the
+                # default probe interval): the engine never read the probe. Ask once more, on a
+                # connection of its own; a dead engine fails that one too.
+                async with httpx.AsyncClient(timeout=timeout_s) as fresh:
+                    response = await fresh.get(url)
     except TimeoutError:
         return ProbeResult(
             "timeout", f"no answer within {timeout_s:g}s", time.monotonic() - started

@@ -7,7 +7,10 @@ Histogram buckets span milliseconds to many minutes because a heavy lane's TTFT 
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 from gateway.dashboard.events import EventRing
 from gateway.dashboard.stats import RollingWindow
@@ -53,6 +56,7 @@ TOKEN_BUCKETS = (
     1048576,
 )
 OUTPUT_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 32768)
+M = TypeVar("M", bound=MetricWrapperBase)
 COUNT_BUCKETS = (0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
 
 
@@ -165,6 +169,21 @@ class Metrics:
         # here because everything that reports those events already holds this object.
         self.events = EventRing()
         self.window = RollingWindow(self.events)
+
+        self._children: dict[tuple[int, tuple[str, ...]], MetricWrapperBase] = {}
+
+    def child(self, metric: M, *labels: str) -> M:
+        """``metric.labels(*labels)`` (values in declaration order), remembered.
+
+        prometheus_client validates and takes a lock on every ``labels`` call; the request path
+        makes about ten a request (and one per streamed chunk). Label values come from the
+        policy and a fixed set of outcomes, so this holds no more than the metrics' own children.
+        """
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found  # type: ignore[return-value]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -5,13 +5,21 @@ Contract:
   re-serialisation) and yields an ``UpstreamResponse`` once the engine answered with headers. It
   raises ``UpstreamError`` (502) for a refused, reset or otherwise failed connection and
   ``DeadlineHit`` (504) for a connect or first-byte deadline.
-- Leaving the ``async with`` always closes the upstream response, shielded from cancellation and
-  bounded in time: an engine whose client left sees its connection closed and aborts the request.
-- ``UpstreamResponse.chunks(watch)`` yields the raw bytes as they arrive (no decoding, no
-  buffering), bounding the first chunk by the first-byte deadline and later ones by the idle one.
+- Leaving the ``async with`` always closes the upstream response: a response read to its end
+  returns its connection to the pool, any other is closed, synchronously (no await, so no
+  cancellation can interrupt it): an engine whose client left sees its connection closed and
+  aborts the request.
+- ``UpstreamResponse.chunks(watch)`` yields the raw body bytes as they arrive (transfer
+  encoding removed, nothing else decoded, no buffering): everything received since the last
+  chunk in one piece, so a burst of SSE events costs one write to the client, not one each. The
+  first chunk is bounded by the first-byte deadline, later ones by the idle one.
 - Only an allowlist of client headers reaches the engine; the client's Authorization only if the
   cluster says so; a per-cluster engine key replaces it when set. Hop-by-hop headers never pass
   in either direction.
+
+The HTTP client is ``gateway.http1`` (httptools over asyncio, a LIFO keep-alive pool), not
+httpx: see that module for the profile that chose it. Its pool cannot be poisoned by cancelled
+requests (encode/httpcore#1093): taking a connection and owning it happen with no await between.
 """
 
 from __future__ import annotations
@@ -20,13 +28,11 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-import anyio
-import httpx
-
 from gateway.errors import UpstreamError
-from gateway.log import Logger, swallowed
+from gateway.http1 import Connection, ConnectionLost, Origin, Pool, PoolTimeout, request_head
+from gateway.log import Logger
 from gateway.metrics import Metrics
-from gateway.watchdog import DeadlineHit, Watch
+from gateway.watchdog import DeadlineHit, Phase, Watch
 
 FORWARDED_REQUEST_HEADERS = frozenset(
     {"content-type", "accept", "user-agent", "traceparent", "tracestate", "x-request-id"}
@@ -48,7 +54,9 @@ HOP_BY_HOP = frozenset(
         "server",
     }
 )
-CLOSE_TIMEOUT_S = 2.0
+# Admission bounds how many requests reach the pool, so a pool with room hands out a connection
+# at once; a request that waited this long fails (502) rather than queueing a second time.
+POOL_WAIT_S = 1.0
 
 
 def upstream_headers(
@@ -70,14 +78,18 @@ def upstream_headers(
     return out
 
 
+_HOP_BY_HOP_BYTES = frozenset(name.encode() for name in HOP_BY_HOP)
+
+
 def response_headers(
-    engine_headers: httpx.Headers, extra: Mapping[str, str]
+    engine_headers: Iterable[tuple[bytes, bytes]], extra: Mapping[str, str]
 ) -> list[tuple[bytes, bytes]]:
-    """The engine's response headers minus hop-by-hop ones, plus ours."""
+    """The engine's response headers (lower-case names) minus hop-by-hop ones, plus ours."""
+    ours = {name.encode("latin-1") for name in extra}
     out = [
-        (name.encode("latin-1"), value.encode("latin-1"))
-        for name, value in engine_headers.multi_items()
-        if name.lower() not in HOP_BY_HOP and name.lower() not in extra
+        (name, value)
+        for name, value in engine_headers
+        if name not in _HOP_BY_HOP_BYTES and name not in ours
     ]
     out.extend((name.encode("latin-1"), value.encode("latin-1")) for name, value in extra.items())
     return out
@@ -86,88 +98,81 @@ def response_headers(
 @dataclass(slots=True)
 class UpstreamResponse:
     status: int
-    headers: httpx.Headers
-    _response: httpx.Response
+    headers: list[tuple[bytes, bytes]]
+    _conn: Connection
 
     async def chunks(self, watch: Watch) -> AsyncIterator[bytes]:
-        stream = self._response.aiter_raw()
-        phase: str = "first_byte"
+        conn = self._conn
+        phase: Phase = "first_byte"
         while True:
-            try:
-                with watch.within("first_byte" if phase == "first_byte" else "idle"):
-                    chunk = await anext(stream)
-            except StopAsyncIteration:
+            if conn.has_bytes():
+                chunk = await conn.next_bytes()  # returns at once: no deadline to arm
+            else:
+                try:
+                    with watch.within(phase):
+                        chunk = await conn.next_bytes()
+                except ConnectionLost as exc:
+                    raise UpstreamError(f"engine connection failed mid-response: {exc}") from exc
+            if not chunk:
                 return
-            except httpx.HTTPError as exc:
-                raise UpstreamError(f"engine connection failed mid-response: {_why(exc)}") from exc
             phase = "idle"
-            if chunk:
-                yield chunk
+            yield chunk
 
     async def read(self, watch: Watch) -> bytes:
         parts = [chunk async for chunk in self.chunks(watch)]
         return b"".join(parts)
 
 
-def _why(exc: httpx.HTTPError) -> str:
+def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 class Upstream:
-    """One pooled HTTP client for every engine; per-request deadlines come from the watchdog."""
+    """One connection pool for every engine; per-request deadlines come from the watchdog.
+
+    ``max_connections`` bounds the connections to each engine. Admission bounds how many
+    requests reach the pool, so a pool with room hands out a connection at once; one that waits
+    ``POOL_WAIT_S`` fails the request with ``PoolTimeout`` (502) rather than queueing it twice.
+    """
 
     def __init__(self, metrics: Metrics, log: Logger, max_connections: int = 4096) -> None:
         self._metrics = metrics
         self._log = log
-        self._client = httpx.AsyncClient(
-            limits=httpx.Limits(
-                max_connections=max_connections,
-                max_keepalive_connections=512,
-                keepalive_expiry=30.0,
-            ),
-            # Reads are bounded by the watchdog, which knows the lane; httpx's own are off.
-            timeout=httpx.Timeout(None, connect=10.0, pool=30.0),
-            follow_redirects=False,
-        )
+        self._pool = Pool(max_connections=max_connections, pool_timeout_s=POOL_WAIT_S)
 
     @asynccontextmanager
     async def open(
         self, url: str, body: bytes, headers: Mapping[str, str], watch: Watch
     ) -> AsyncIterator[UpstreamResponse]:
-        request = self._client.build_request(
-            "POST",
-            url,
-            content=body,
-            headers=headers,
-            timeout=httpx.Timeout(None, connect=watch.deadlines.connect_s, pool=30.0),
-        )
+        try:
+            origin, target = Origin.of(url)
+        except ValueError as exc:
+            raise UpstreamError(f"engine request failed: {exc}") from exc
+        head = request_head("POST", target, origin.authority, headers, len(body))
+        conn: Connection | None = None
         try:
             with watch.within("first_byte"):
-                response = await self._client.send(request, stream=True)
-        except httpx.ConnectTimeout as exc:
-            raise DeadlineHit("connect", watch.deadlines.connect_s) from exc
-        except httpx.HTTPError as exc:
+                try:
+                    conn = await self._pool.request(origin, head, body, watch.deadlines.connect_s)
+                except TimeoutError as exc:
+                    raise DeadlineHit("connect", watch.deadlines.connect_s) from exc
+                status, response_headers = await conn.headers()
+        except (OSError, ConnectionLost, PoolTimeout) as exc:
+            self._close(conn)
             raise UpstreamError(f"engine request failed: {_why(exc)}") from exc
+        except BaseException:
+            self._close(conn)
+            raise
         try:
-            yield UpstreamResponse(response.status_code, response.headers, response)
+            yield UpstreamResponse(status, response_headers, conn)
         finally:
-            await self._close(response, url)
+            self._close(conn)
 
-    async def _close(self, response: httpx.Response, url: str) -> None:
-        with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT_S) as scope:
-            try:
-                await response.aclose()
-            except httpx.HTTPError as exc:
-                swallowed(
-                    self._log,
-                    self._metrics,
-                    "proxy.close",
-                    exc,
-                    decision="connection_dropped",
-                    url=url,
-                )
-        if scope.cancelled_caught:
-            self._log.warning("upstream.close_timeout", url=url, seconds=CLOSE_TIMEOUT_S)
+    def _close(self, conn: Connection | None) -> None:
+        """Back to the pool if the response was read to its end, else closed: the engine sees
+        its client leave. Synchronous, so a cancellation cannot interrupt it."""
+        if conn is not None:
+            self._pool.release(conn)
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        self._pool.close()

@@ -8,6 +8,7 @@ closes every client. The exit code is 0 after a clean drain.
 from __future__ import annotations
 
 import importlib.util
+import math
 import signal
 from pathlib import Path
 
@@ -29,7 +30,9 @@ def uvicorn_config(settings: Settings, config_path: Path | None = None) -> uvico
         http=guarded_protocol(settings.server) if fast else "h11",
         log_level="warning",
         access_log=False,
-        timeout_graceful_shutdown=int(settings.server.drain_timeout_s) or None,
+        # uvicorn takes whole seconds: round up, never down to 0 or None, which would be "wait
+        # for ever" for a drain deadline below a second.
+        timeout_graceful_shutdown=math.ceil(settings.server.drain_timeout_s),
         h11_max_incomplete_event_size=64 * 1024,
         limit_concurrency=None,
     )

@@ -13,6 +13,12 @@ import importlib
 
 SUITES: tuple[str, ...] = (
     "gateway.bench.count",
+    "gateway.bench.overhead",
+    "gateway.bench.lanes",
+    "gateway.bench.memory",
+    "gateway.bench.every",  # shapegate bench all
+    "gateway.bench.readme",  # shapegate bench readme
+    "gateway.bench.soak",  # shapegate bench soak
     # one module path a line
 )
 

@@ -59,11 +59,15 @@ def register(suites: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def run(args: argparse.Namespace) -> int:
+    from gateway.bench.harness import machine
+
+    info = machine()  # before the run: its load average is what the run competed with
     all_cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     with _one_core() as cpus:
         settings = _settings(args.config)
         result = _measure(settings, smoke=args.smoke, all_cpus=all_cpus)
     result["cpu_affinity"] = cpus
+    result["machine"] = info
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "count.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
@@ -212,7 +216,10 @@ def _measure(settings: Settings, *, smoke: bool, all_cpus: set[int] | None) -> d
         "model": model,
         "tokenizer": counter.tokenizer_id(model),
         "exact_above": exact_above,
-        "versions": {name: _version(name) for name in ("gigatoken", "tokenizers", "tiktoken")},
+        "versions": {
+            name: _version(name)
+            for name in ("gigatoken", "gigatoken-cachefix", "tokenizers", "tiktoken")
+        },
         "python": platform.python_version(),
         "load_s": round(load_s, 3),
         "rss_mb": {
@@ -471,7 +478,7 @@ def _table(result: dict[str, Any]) -> str:
         f"exact_above={result['exact_above']}  load={result['load_s']}s  "
         f"rss after load={result['rss_mb']['after_load']} MB, after counting "
         f"{result['rss_mb']['after_counting_less_bench_texts']} MB (gigatoken's pre-token cache "
-        "grows with every new word it sees, and has no bound)",
+        "grows with every new word it sees; gigatoken-cachefix bounds it)",
         "",
         f"{'size':>5} {'tokens':>8} {'decide p50':>11} {'how':>6} {'exact p50':>10} "
         f"{'cache p50':>10} {'HF p50':>9} {'x HF':>7} {'jinja decide':>12}",

