@@ -29,9 +29,11 @@ from engine_pool.registry import EnginePool
 from gateway.admission import Admission
 from gateway.auth import ClientAuth
 from gateway.engines import EngineEvents, probe_plans
+from gateway.exchange import Receive, Scope, Send
 from gateway.log import Logger, get_logger, swallowed
 from gateway.metrics import Metrics
 from gateway.pipeline import Pipeline, Policy
+from gateway.protocol import Endpoint
 from gateway.proxy import Upstream
 from gateway.readiness import BootProbe
 from gateway.reload import ReloadResult, apply_reload
@@ -199,7 +201,7 @@ class Gateway:
 
 def create_app(
     settings: Settings, counter: TokenCounter | None = None, config_path: Path | None = None
-) -> FastAPI:
+) -> ShapegateApp:
     from gateway.api import add_routes
 
     gateway = Gateway.build(settings, counter, config_path)
@@ -234,4 +236,29 @@ def create_app(
         title="shapegate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
     add_routes(app, gateway)
-    return app
+    return ShapegateApp(app, gateway)
+
+
+PROXY_PATHS: dict[str, Endpoint] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+}
+
+
+class ShapegateApp:
+    """The ASGI app: the two proxy routes go straight to the pipeline, everything else (and the
+    lifespan) to FastAPI. The hot path skips the middleware stack, which the overhead
+    benchmark's profile showed at 6-8% of a request's CPU; the routes stay registered in
+    FastAPI too, so nothing depends on this shortcut for correctness."""
+
+    def __init__(self, api: FastAPI, gateway: Gateway) -> None:
+        self.api = api
+        self.gateway = gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            endpoint = PROXY_PATHS.get(scope["path"])
+            if endpoint is not None:
+                await self.gateway.pipeline.handle(endpoint, scope, receive, send)
+                return
+        await self.api(scope, receive, send)
