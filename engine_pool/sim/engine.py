@@ -133,10 +133,14 @@ class SimEngine:
     def abort(self, key: str, reason: str = "client_disconnect") -> bool:
         """Free the request's seat and KV now; True if it was still in the engine."""
         stream = self._streams.pop(key, None)
-        if not self._scheduler.abort(key) or stream is None:
+        in_engine = self._scheduler.abort(key)
+        if stream is None:
             return False
+        # Marked even when its last step already ran but is not delivered yet (the engine loop
+        # sleeps until the step's end): the client left before the tokens reached it, and a
+        # record left "running" for ever would read as engine work leaked.
         self._mark_aborted(stream.record, reason)
-        return True
+        return in_engine
 
     def crash(self, reason: str = "crash") -> None:
         for key in self._scheduler.abort_all():
