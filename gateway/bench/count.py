@@ -37,6 +37,7 @@ from typing import Any
 import orjson
 
 from gateway.bench.corpus import KINDS, Corpus
+from gateway.bench.harness import target_lines
 from gateway.protocol import ChatPrompt, parse_request
 from gateway.settings import ModelSettings, Settings, TokenizerSettings, load_settings
 from gateway.tokenizers.vocab import Vocabulary
@@ -509,8 +510,5 @@ def _table(result: dict[str, Any]) -> str:
             f"{c['bytes_per_token']:>9} {c['chars_over_4_vs_real']:>15}"
         )
     lines.append("")
-    for t in result["targets"]:
-        lines.append(
-            f"{'met ' if t['met'] else 'MISS'} {t['target']}: {t['value']} (limit {t['limit']})"
-        )
+    lines.extend(target_lines(result["targets"]))
     return "\n".join(lines)

@@ -199,6 +199,14 @@ def write_json(out: Path, name: str, result: dict[str, Any]) -> Path:
     return path
 
 
+def target_lines(targets: list[dict[str, Any]]) -> list[str]:
+    """One line a target: met or MISS, the value and the limit."""
+    return [
+        f"{'met ' if t['met'] else 'MISS'} {t['target']}: {t['value']} (limit {t['limit']})"
+        for t in targets
+    ]
+
+
 def machine_line(info: dict[str, Any]) -> str:
     load = ", ".join(f"{x:g}" for x in info["load_average"])
     return f"machine: {info['cpu']}, {info['cores']} cores, load average {load} at start"

@@ -27,7 +27,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from gateway.bench.harness import machine, machine_line, write_json
+from gateway.bench.harness import machine, machine_line, target_lines, write_json
 from gateway.fleet_sim import CountBy
 from gateway.replay import SimReport, cluster_profiles, plot, simulate
 from gateway.settings import Settings, load_settings
@@ -235,8 +235,5 @@ def table(result: dict[str, Any]) -> str:
             f"shared [{mon['min']:.2f}-{mon['max']:.2f}]"
         )
     lines.append("")
-    for t in result["targets"]:
-        lines.append(
-            f"{'met ' if t['met'] else 'MISS'} {t['target']}: {t['value']} (limit {t['limit']})"
-        )
+    lines.extend(target_lines(result["targets"]))
     return "\n".join(lines)

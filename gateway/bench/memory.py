@@ -45,6 +45,7 @@ from gateway.bench.harness import (
     pin_self,
     start_gateway,
     start_upstream,
+    target_lines,
     two_core_plan,
     write_json,
 )
@@ -286,10 +287,7 @@ def table(result: dict[str, Any]) -> str:
             f"second half ({a['errors']} errors)"
         )
     lines.append("")
-    for t in result["targets"]:
-        lines.append(
-            f"{'met ' if t['met'] else 'MISS'} {t['target']}: {t['value']} (limit {t['limit']})"
-        )
+    lines.extend(target_lines(result["targets"]))
     return "\n".join(lines)
 
 

@@ -40,6 +40,7 @@ from gateway.bench.harness import (
     pin_self,
     start_gateway,
     start_upstream,
+    target_lines,
     two_core_plan,
     write_json,
 )
@@ -288,10 +289,7 @@ def table(result: dict[str, Any]) -> str:
             f"{s['highest_clean_rps']} requests/s"
         )
     lines.append("")
-    for t in result["targets"]:
-        lines.append(
-            f"{'met ' if t['met'] else 'MISS'} {t['target']}: {t['value']} (limit {t['limit']})"
-        )
+    lines.extend(target_lines(result["targets"]))
     return "\n".join(lines)
 
 
