@@ -57,6 +57,8 @@ TOKEN_BUCKETS = (
 )
 OUTPUT_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 32768)
 M = TypeVar("M", bound=MetricWrapperBase)
+# Engine's prompt count minus ours: 0 when tokenizer and template match the engine's.
+DRIFT_BUCKETS = (-256, -64, -16, -8, -4, -2, -1, 0, 1, 2, 4, 8, 16, 64, 256)
 COUNT_BUCKETS = (0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
 
 
@@ -96,15 +98,15 @@ class Metrics:
         )
         self.prompt_tokens = Histogram(
             "shapegate_prompt_tokens",
-            "Prompt tokens per request.",
+            "Prompt tokens per request, counted exactly (never the byte bound).",
             ["lane"],
             buckets=TOKEN_BUCKETS,
             registry=r,
         )
         self.output_tokens = Histogram(
             "shapegate_output_tokens",
-            "Output tokens per request, where known.",
-            ["lane"],
+            "Output tokens per request: the engine's usage, else one per SSE content event.",
+            ["lane", "source"],
             buckets=OUTPUT_BUCKETS,
             registry=r,
         )
@@ -158,6 +160,19 @@ class Metrics:
             "shapegate_swallowed_errors",
             "Exceptions handled without re-raising.",
             ["where"],
+            registry=r,
+        )
+        self.count_drift = Histogram(
+            "shapegate_count_drift_tokens",
+            "Engine's usage.prompt_tokens minus the gateway's exact count, per request.",
+            ["model", "route"],
+            buckets=DRIFT_BUCKETS,
+            registry=r,
+        )
+        self.engine_check_failures = Counter(
+            "shapegate_engine_check_failures",
+            "Failed health probes and metrics scrapes (an engine's failures, not the gateway's).",
+            ["cluster", "endpoint", "check"],
             registry=r,
         )
         self.state_degraded = Gauge(

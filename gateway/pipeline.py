@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import orjson
 
 from engine_pool.cluster import EngineView
 from engine_pool.picker import order_endpoints
 from engine_pool.registry import EnginePool
 from gateway.admission import Admission, Grant
 from gateway.auth import ClientAuth
+from gateway.drift import DriftWatch
 from gateway.errors import (
     BadRequest,
     GatewayError,
@@ -62,6 +62,7 @@ from gateway.proxy import Upstream, response_headers, upstream_headers
 from gateway.settings import ClusterSettings, LaneSettings, Settings
 from gateway.tokens import TokenCount, TokenCounter
 from gateway.trace import TraceWriter
+from gateway.usage import ExactCount, engine_usage, sse_events
 from gateway.watchdog import DeadlineHit, Watch, deadlines_for
 
 UPSTREAM_PATH = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -116,25 +117,6 @@ def request_id_from(scope: Scope) -> str:
     return uuid.uuid4().hex
 
 
-def _usage_tokens(payload: bytes) -> int | None:
-    """completion_tokens from a JSON body or the last SSE event that carries usage."""
-    at = payload.rfind(b'"usage"')
-    if at < 0:
-        return None
-    start = payload.rfind(b"{", 0, at)
-    end = payload.find(b"\n", at)
-    candidates = (payload, payload[start : end if end > 0 else None])
-    for blob in candidates:
-        try:
-            usage = orjson.loads(blob.removeprefix(b"data: ")).get("usage") or {}
-        except (orjson.JSONDecodeError, AttributeError):
-            continue
-        tokens = usage.get("completion_tokens")
-        if isinstance(tokens, int):
-            return tokens
-    return None
-
-
 @dataclass(frozen=True, slots=True)
 class Policy:
     """What a request is admitted under: settings, tokenizers and engine keys, swapped whole on
@@ -174,6 +156,7 @@ class Pipeline:
         self.recent: deque[Record] = deque(maxlen=policy.settings.server.decision_ring_size)
         trace_file = policy.settings.state.trace_file
         self.trace = TraceWriter(Path(trace_file)) if trace_file else None
+        self.drift = DriftWatch(metrics, log)
         self.accepting = True
         self.in_flight = 0
 
@@ -288,18 +271,34 @@ class Pipeline:
                 self.pool.track(grant.cluster, grant.url, engine_down) as engine,
             ):
                 cluster = settings.cluster(grant.cluster)
-                await self._forward(
-                    request,
-                    scope,
-                    body,
-                    grant,
-                    lane,
-                    cluster,
-                    policy.engine_keys.get(cluster.name),
-                    count,
-                    out,
-                    record,
-                )
+                exact = ExactCount.start(policy.counter, count)
+                try:
+                    await self._forward(
+                        request,
+                        scope,
+                        body,
+                        grant,
+                        lane,
+                        cluster,
+                        policy.engine_keys.get(cluster.name),
+                        exact,
+                        out,
+                        record,
+                    )
+                finally:
+                    record.fields["prompt_tokens"] = exact.settle(
+                        self.log, self.metrics, record.request_id
+                    )
+                theirs = record.fields.get("engine_prompt_tokens")
+                if theirs is not None:
+                    record.fields["count_drift"] = self.drift.observe(
+                        model=model.name,
+                        route=request.endpoint,
+                        ours=record.fields["prompt_tokens"],
+                        theirs=theirs,
+                        tokenizer=count.tokenizer,
+                        template=model.tokenizer.chat_template,
+                    )
             if engine_down.cancelled_caught and not out.finished:
                 raise UpstreamError(f"engine was marked down mid-request: {engine.evidence}")
 
@@ -312,11 +311,12 @@ class Pipeline:
         lane: LaneSettings,
         cluster: ClusterSettings,
         engine_key: str | None,
-        count: TokenCount,
+        exact: ExactCount,
         out: Outbound,
         record: Record,
     ) -> None:
-        watch = Watch(deadlines_for(lane.timeouts, count.tokens))
+        # Deadlines grow with the figure that decided the lane (a bound errs long).
+        watch = Watch(deadlines_for(lane.timeouts, exact.decided_by))
         headers = upstream_headers(
             scope.get("headers", ()),
             record.request_id,
@@ -327,22 +327,26 @@ class Pipeline:
             "x-request-id": record.request_id,
             "x-shapegate-lane": grant.lane,
             "x-shapegate-cluster": grant.cluster,
-            "x-shapegate-prompt-tokens": str(count.tokens),
         }
+        bound = record.fields.get("prompt_tokens_bound")
+        if bound is not None:
+            ours["x-shapegate-prompt-tokens-bound"] = str(bound)
         url = grant.url.rstrip("/") + UPSTREAM_PATH[request.endpoint]
         async with self.upstream.open(url, body, headers, watch) as response:
             record.status = response.status
+            # Counted while the engine worked: done by now, so the header carries tokens.
+            ours["x-shapegate-prompt-tokens"] = str(await exact.tokens())
             if not (request.stream and response.status == 200):
                 payload = await response.read(watch)
                 record.ttft_s = time.monotonic() - record.started
-                record.output_tokens = _usage_tokens(payload)
+                usage = engine_usage(payload)
                 await out.start(
                     response.status, response_headers(response.headers, ours), streaming=False
                 )
                 await out.body(payload, more=False)
                 record.outcome = "upstream_error" if record.status >= 500 else "ok"
             else:
-                last, tail = 0.0, b""
+                last, tail, events = 0.0, b"", 0
                 async for chunk in response.chunks(watch):
                     now = time.monotonic()
                     if not out.started:
@@ -356,13 +360,20 @@ class Pipeline:
                         )
                     last = now
                     record.chunks += 1
+                    events += sse_events(chunk)
                     tail = (tail + chunk)[-4096:]
                     await out.body(chunk, more=True)
                 if not out.started:
                     await out.start(200, response_headers(response.headers, ours), streaming=True)
                 await out.body(b"", more=False)
                 record.outcome = "ok"
-                record.output_tokens = _usage_tokens(tail)
+                usage = engine_usage(tail)
+                if usage.completion_tokens is None:
+                    # No usage chunk: one token per content event (chat opens with a role event).
+                    estimate = max(0, events - (1 if request.endpoint == "chat" else 0))
+                    record.fields["output_tokens_estimate"] = estimate
+            record.output_tokens = usage.completion_tokens
+            record.fields["engine_prompt_tokens"] = usage.prompt_tokens
 
     def _decision_fields(
         self,
@@ -378,7 +389,13 @@ class Pipeline:
             "stream": request.stream,
             "body_bytes": request.body_bytes,
             "prompt_bytes": count.prompt_bytes,
-            "prompt_tokens": count.tokens,
+            # Tokens only when counted exactly; a bound that decided goes by its own name (the
+            # exact count follows, made while the engine works, in route.finished).
+            **(
+                {"prompt_tokens_bound": count.tokens}
+                if count.exact is None
+                else {"prompt_tokens": count.tokens}
+            ),
             "count_method": count.method,
             "count_ms": round(count.seconds * 1000, 3),
             "tokenizer": count.tokenizer,
@@ -397,7 +414,6 @@ class Pipeline:
             self.metrics.route_decisions, grant.lane, decision.reason, count.method
         ).inc()
         self.metrics.child(self.metrics.queue_wait, grant.lane).observe(grant.queued_s)
-        self.metrics.child(self.metrics.prompt_tokens, grant.lane).observe(count.tokens)
 
     def _fail(self, record: Record, exc: GatewayError) -> None:
         record.status = exc.status
@@ -432,6 +448,7 @@ class Pipeline:
         lane = record.fields.get("lane", "none")
         cluster = record.fields.get("cluster", "none")
         record.fields["duration_s"] = round(duration, 4)
+        f = record.fields
         self.log.info(
             "route.finished",
             request_id=record.request_id,
@@ -441,7 +458,11 @@ class Pipeline:
             status=out.status or record.status,
             ttft_s=None if record.ttft_s is None else round(record.ttft_s, 4),
             duration_s=round(duration, 4),
+            prompt_tokens=f.get("prompt_tokens"),
+            engine_prompt_tokens=f.get("engine_prompt_tokens"),
+            count_drift=f.get("count_drift"),
             output_tokens=record.output_tokens,
+            output_tokens_estimate=f.get("output_tokens_estimate"),
             chunks=record.chunks,
             # Why it ended, when not as planned: the error the client was told, the deadline hit.
             error=record.fields.get("error"),
@@ -452,15 +473,20 @@ class Pipeline:
             self.metrics.child(self.metrics.e2e, lane, cluster).observe(duration)
             if record.ttft_s is not None:
                 self.metrics.child(self.metrics.ttft, lane, cluster).observe(record.ttft_s)
-            if record.output_tokens is not None:
-                self.metrics.child(self.metrics.output_tokens, lane).observe(record.output_tokens)
-            if self.trace is not None:
-                f = record.fields
+            if f.get("prompt_tokens") is not None:
+                self.metrics.child(self.metrics.prompt_tokens, lane).observe(f["prompt_tokens"])
+            output, source = record.output_tokens, "usage"
+            if output is None:
+                output, source = f.get("output_tokens_estimate"), "sse_estimate"
+            if output is not None:
+                self.metrics.child(self.metrics.output_tokens, lane, source).observe(output)
+            # A trace line holds tokens or nothing: never a bound standing in for them.
+            if self.trace is not None and f.get("prompt_tokens") is not None:
                 self.trace.record(
                     model=f["model"],
                     prompt_tokens=f["prompt_tokens"],
                     prompt_bytes=f["prompt_bytes"],
-                    output_tokens=record.output_tokens or 0,
+                    output_tokens=output or 0,
                     stream=f["stream"],
                     prompt_chars=None,
                     prefix=None,

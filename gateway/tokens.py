@@ -8,7 +8,9 @@ Contract:
   1. ``bound``: UTF-8 bytes of everything the template renders (of its NFC form where the
      tokenizer normalises). A byte-level BPE never emits more tokens than bytes, and each special
      token is one token for many bytes, so this is an upper bound (property-tested). Below
-     ``exact_above`` it decides the route and no tokenizer runs.
+     ``exact_above`` it decides the route and no tokenizer runs on the request's path; it is
+     never a token figure (``TokenCount.exact`` is None). ``exact(count)`` finishes it later
+     from the plan the count kept (the pipeline runs it while the engine works).
   2. ``cache``: every piece of the prompt was counted before. A rendered prompt is cut before each
      ``<|im_start|>`` (one piece a ChatML message); special tokens are split out before any BPE
      runs, so piece counts add up exactly to the whole (tested against the full render). The LRU
@@ -39,7 +41,7 @@ import time
 import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from jinja2 import TemplateError
@@ -68,11 +70,19 @@ INLINE_MAX_CHARS = GIL_FREE_ABOVE_CHARS
 
 @dataclass(frozen=True, slots=True)
 class TokenCount:
+    # The figure the lane is decided by: the exact count, or with method "bound" an upper bound
+    # in UTF-8 bytes. Report ``exact`` as tokens, never a bound (``TokenCounter.exact`` ends it).
     tokens: int
     method: Method
     tokenizer: str
     prompt_bytes: int
     seconds: float
+    # What ``TokenCounter.exact`` needs to finish a bound without planning the prompt again.
+    plan: _Plan | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def exact(self) -> int | None:
+        return None if self.method == "bound" else self.tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +189,17 @@ class TokenCounter:
         plan = self._plan(model, prompt, exact_above)
         if plan is None or plan.bound < exact_above:
             return self._answer(plan, prompt, started)
+        return await self._exact(plan, started)
+
+    async def exact(self, count: TokenCount) -> TokenCount:
+        """The exact count of a prompt whose ``count`` settled for its bound (``count`` itself
+        when it is exact already), from the plan it kept: a cached piece costs one hash, a
+        missing one is encoded as ``count`` would (inline when small, else in the worker)."""
+        if count.method != "bound" or count.plan is None:
+            return count
+        return await self._exact(count.plan, time.perf_counter())
+
+    async def _exact(self, plan: _Plan, started: float) -> TokenCount:
         counts, misses, keys = self._lookup(plan)
         if misses:
             texts = [plan.pieces[i] for i in misses]
@@ -288,7 +309,7 @@ class TokenCounter:
     def _answer(self, plan: _Plan | None, prompt: Prompt, started: float) -> TokenCount:
         """The count that needs no tokenizer: the bound, or the length of token-id prompts."""
         if plan is not None:
-            return self._done(plan.bound, "bound", plan.vocab.id, plan.prompt_bytes, started)
+            return self._done(plan.bound, "bound", plan.vocab.id, plan.prompt_bytes, started, plan)
         assert isinstance(prompt, CompletionPrompt)
         tokens = max((len(ids) for ids in prompt.token_ids), default=0)
         return self._done(tokens, "exact", "token_ids", 0, started)
@@ -318,12 +339,18 @@ class TokenCounter:
         return self._done(tokens, method, plan.vocab.id, plan.prompt_bytes, started)
 
     def _done(
-        self, tokens: int, method: Method, tokenizer: str, prompt_bytes: int, started: float
+        self,
+        tokens: int,
+        method: Method,
+        tokenizer: str,
+        prompt_bytes: int,
+        started: float,
+        plan: _Plan | None = None,
     ) -> TokenCount:
         seconds = time.perf_counter() - started
         if self._metrics is not None:
             self._metrics.count_seconds.labels(method=method).observe(seconds)
-        return TokenCount(int(tokens), method, tokenizer, prompt_bytes, seconds)
+        return TokenCount(int(tokens), method, tokenizer, prompt_bytes, seconds, plan)
 
 
 def _fallback_logger(

@@ -179,6 +179,8 @@ async def build_state(gateway: Gateway, watch: StoreWatch | None = None) -> dict
         "clusters": clusters_out,
         "decisions": [decision_row(r, wall_now, mono_now) for r in reversed(recent)],
         "events": metrics.events.recent(),
+        # Our exact prompt counts against the engines' usage: a badge when they disagree.
+        "count_drift": gateway.pipeline.drift.as_json(),
         "totals": {
             "swallowed": _counter_totals(metrics.swallowed_errors.collect(), "where"),
             "watchdog": _counter_totals(metrics.watchdog_events.collect(), "kind"),

@@ -1,0 +1,114 @@
+"""Every figure named tokens is tokens: header, logs, histogram and captured trace carry the exact
+count (equal to the engine's usage), and the free byte bound goes only by its own name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+from structlog.testing import capture_logs
+
+from engine_pool.sim.counting import RegistryCounter
+from engine_pool.sim.server import run_sim
+from gateway.protocol import parse_request
+from gateway.tokens import TokenCounter
+from gateway.trace import read_trace
+from gateway.usage import engine_usage, sse_events
+from tests.conftest import chat, lanes_config
+from tests.support.prom import parse
+
+# ChatML renders this as 15 Qwen3.6 tokens; its UTF-8 bound is 75.
+QUESTION = "What is the capital of France?"
+
+
+def test_the_question_is_15_tokens_and_its_bound_is_not(counter: TokenCounter) -> None:
+    prompt = parse_request("chat", orjson.dumps(chat(QUESTION))).prompt
+    assert counter.count_sync("qwen3.6", prompt, exact_above=0).tokens == 15
+    bound = counter.count_sync("qwen3.6", prompt, exact_above=2000)
+    assert bound.method == "bound" and bound.exact is None and bound.tokens > 60
+
+
+async def test_a_15_token_prompt_reports_15_in_header_log_histogram_and_trace(
+    counter: TokenCounter, gateway_at: Any, tmp_path: Path
+) -> None:
+    trace = tmp_path / "live.jsonl"
+    async with run_sim(
+        "h100-fast", time_scale=0.05, counter=RegistryCounter(counter, "qwen3.6")
+    ) as sim:
+        config = lanes_config([sim.url], [sim.url], state={"trace_file": str(trace)})
+        async with gateway_at(config) as (url, _), httpx.AsyncClient(base_url=url) as client:
+            with capture_logs() as logs:
+                r = await client.post("/v1/chat/completions", json=chat(QUESTION, max_tokens=4))
+            metrics = parse((await client.get("/metrics")).text)
+    assert r.status_code == 200, r.text
+    engine_says = r.json()["usage"]["prompt_tokens"]
+    assert engine_says == 15
+    assert r.headers["x-shapegate-prompt-tokens"] == "15"
+    assert int(r.headers["x-shapegate-prompt-tokens-bound"]) > 15
+    decision = next(e for e in logs if e["event"] == "route.decision")
+    finished = next(e for e in logs if e["event"] == "route.finished")
+    assert decision["count_method"] == "bound" and "prompt_tokens" not in decision
+    assert decision["prompt_tokens_bound"] == int(r.headers["x-shapegate-prompt-tokens-bound"])
+    assert finished["prompt_tokens"] == 15 and finished["engine_prompt_tokens"] == 15
+    assert finished["count_drift"] == 0
+    assert metrics.value("shapegate_prompt_tokens_sum", lane="fast") == 15
+    assert metrics.value("shapegate_prompt_tokens_count", lane="fast") == 1
+    assert metrics.value("shapegate_count_drift_tokens_bucket", le="0.0") == 1
+    assert metrics.value("shapegate_count_drift_tokens_bucket", le="-1.0") == 0
+    assert [(t.prompt_tokens, t.output_tokens) for t in read_trace(trace)] == [(15, 4)]
+    assert not [e for e in logs if e["event"] == "count.drift"]
+
+
+async def test_a_stream_without_usage_gets_an_output_estimate_named_so(
+    counter: TokenCounter, gateway_at: Any
+) -> None:
+    async with run_sim(
+        "h100-fast", time_scale=0.05, counter=RegistryCounter(counter, "qwen3.6")
+    ) as sim:
+        config = lanes_config([sim.url], [sim.url])
+        async with gateway_at(config) as (url, _), httpx.AsyncClient(base_url=url) as client:
+            with capture_logs() as logs:
+                r = await client.post(
+                    "/v1/chat/completions", json=chat(QUESTION, max_tokens=6, stream=True)
+                )
+            metrics = parse((await client.get("/metrics")).text)
+    assert r.status_code == 200 and r.headers["x-shapegate-prompt-tokens"] == "15"
+    finished = next(e for e in logs if e["event"] == "route.finished")
+    assert finished["output_tokens"] is None and finished["output_tokens_estimate"] == 6
+    assert finished["prompt_tokens"] == 15 and finished["engine_prompt_tokens"] is None
+    assert metrics.value("shapegate_output_tokens_sum", lane="fast", source="sse_estimate") == 6
+    assert metrics.value("shapegate_output_tokens_count", source="usage") == 0
+
+
+async def test_a_counted_prompt_reports_the_same_count_everywhere(
+    counter: TokenCounter, gateway_at: Any
+) -> None:
+    # Above the bound's reach the count that decides is exact already: no bound header then.
+    async with run_sim(
+        "h100-fast", time_scale=0.05, counter=RegistryCounter(counter, "qwen3.6")
+    ) as sim:
+        config = lanes_config([sim.url], [sim.url], threshold=20)
+        async with gateway_at(config) as (url, _), httpx.AsyncClient(base_url=url) as client:
+            with capture_logs() as logs:
+                r = await client.post("/v1/chat/completions", json=chat(QUESTION, max_tokens=2))
+    assert r.status_code == 200
+    assert r.headers["x-shapegate-prompt-tokens"] == "15"
+    assert "x-shapegate-prompt-tokens-bound" not in r.headers
+    decision = next(e for e in logs if e["event"] == "route.decision")
+    assert decision["prompt_tokens"] == 15 and decision["count_method"] in ("exact", "cache")
+    assert "prompt_tokens_bound" not in decision
+
+
+def test_engine_usage_reads_json_bodies_and_the_last_sse_usage_event() -> None:
+    body = b'{"choices":[],"usage":{"prompt_tokens":15,"completion_tokens":4,"total_tokens":19}}'
+    assert engine_usage(body).prompt_tokens == 15 and engine_usage(body).completion_tokens == 4
+    stream = (
+        b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
+        b'data: {"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":1}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    assert (engine_usage(stream).prompt_tokens, engine_usage(stream).completion_tokens) == (9, 1)
+    assert engine_usage(b'data: {"choices":[]}\n\n').prompt_tokens is None
+    assert sse_events(stream) == 2
