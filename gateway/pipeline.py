@@ -13,7 +13,8 @@ outcome:
     error              a bug: logged with its traceback, counted, answered with a 500
     cancelled          cancelled from outside (the server stopped) before it could finish
 
-Every request gets one ``route.decision`` (or ``route.rejected``) and one ``route.finished``.
+Every request gets one ``route.decision`` (or ``route.rejected``) and one ``route.finished``;
+step 9 (record) is gateway/record.py's ``Recorder``, which this file calls at each step.
 """
 
 from __future__ import annotations
@@ -21,10 +22,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -54,34 +53,17 @@ from gateway.exchange import (
     read_body,
     watch_disconnect,
 )
-from gateway.lanes import Decision, choose_lane, exact_count_above
+from gateway.lanes import choose_lane, exact_count_above
 from gateway.log import Logger, swallowed
 from gateway.metrics import Metrics
 from gateway.protocol import Endpoint, RoutedRequest, parse_request, prefix_key
 from gateway.proxy import Upstream, response_headers, upstream_headers
+from gateway.record import Record, Recorder, Routed
 from gateway.settings import ClusterSettings, LaneSettings, Settings
 from gateway.tokens import TokenCount, TokenCounter
-from gateway.trace import TraceWriter
-from gateway.watchdog import DeadlineHit, Watch, deadlines_for
+from gateway.watchdog import Watch, deadlines_for
 
 UPSTREAM_PATH = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
-
-
-@dataclass(slots=True)
-class Record:
-    """What the decision log and the dashboard's ring keep about one request."""
-
-    request_id: str
-    endpoint: str
-    started: float = field(default_factory=time.monotonic)
-    fields: dict[str, Any] = field(default_factory=dict)
-    # Until the request ends; a request cancelled from outside (server shutdown) ends "cancelled".
-    outcome: str = "in_flight"
-    in_ring: bool = False
-    status: int = 0
-    ttft_s: float | None = None
-    output_tokens: int | None = None
-    chunks: int = 0
 
 
 def _first(group: BaseExceptionGroup[Any]) -> BaseException:
@@ -162,18 +144,15 @@ class Pipeline:
         pool: EnginePool,
         admission: Admission,
         upstream: Upstream,
-        metrics: Metrics,
-        log: Logger,
+        recorder: Recorder,
     ) -> None:
         self.policy = policy
         self.pool = pool
         self.admission = admission
         self.upstream = upstream
-        self.metrics = metrics
-        self.log = log
-        self.recent: deque[Record] = deque(maxlen=policy.settings.server.decision_ring_size)
-        trace_file = policy.settings.state.trace_file
-        self.trace = TraceWriter(Path(trace_file)) if trace_file else None
+        self.recorder = recorder
+        self.metrics = recorder.metrics
+        self.log = recorder.log
         self.accepting = True
         self.in_flight = 0
 
@@ -213,7 +192,7 @@ class Pipeline:
         except* GatewayError as refusal:
             exc = _first(refusal)
             assert isinstance(exc, GatewayError)
-            self._fail(record, exc)
+            self.recorder.refused(record, exc)
             await out.error(exc, ids)
         except* Exception as bug:  # the request boundary: a bug must not kill the server
             exc = _first(bug)
@@ -230,7 +209,7 @@ class Pipeline:
             await out.error(GatewayError("internal gateway error"), ids)
         finally:
             self.in_flight -= 1
-            self._finish(record, out)
+            self.recorder.finished(record, out.status)
 
     async def _route(
         self,
@@ -257,8 +236,7 @@ class Pipeline:
         )
         healthy = self.pool.healthy_clusters()
         decision = choose_lane(count.tokens, settings.lanes, healthy)
-        record.fields.update(self._decision_fields(request, count, decision, healthy))
-        self._remember(record)
+        self.recorder.decided(record, Routed.of(request, count, decision, healthy))
         if decision.lane is None:
             raise PromptTooLong(
                 f"prompt of {count.tokens} tokens is above every lane's range "
@@ -282,7 +260,7 @@ class Pipeline:
         # The slot token is ours, never the client's request id: two requests sharing an id
         # must not share (and free) one slot.
         async with self.admission.slot(lane, candidates, uuid.uuid4().hex) as grant:
-            self._decided(record, grant, decision, count)
+            self.recorder.admitted(record, grant)
             with (
                 anyio.CancelScope() as engine_down,
                 self.pool.track(grant.cluster, grant.url, engine_down) as engine,
@@ -342,20 +320,13 @@ class Pipeline:
                 await out.body(payload, more=False)
                 record.outcome = "upstream_error" if record.status >= 500 else "ok"
             else:
-                last, tail = 0.0, b""
+                tail = b""
                 async for chunk in response.chunks(watch):
-                    now = time.monotonic()
+                    self.recorder.chunk(record, time.monotonic())
                     if not out.started:
-                        record.ttft_s = now - record.started
                         await out.start(
                             200, response_headers(response.headers, ours), streaming=True
                         )
-                    else:
-                        self.metrics.child(self.metrics.itl, grant.lane, grant.cluster).observe(
-                            now - last
-                        )
-                    last = now
-                    record.chunks += 1
                     tail = (tail + chunk)[-4096:]
                     await out.body(chunk, more=True)
                 if not out.started:
@@ -363,122 +334,3 @@ class Pipeline:
                 await out.body(b"", more=False)
                 record.outcome = "ok"
                 record.output_tokens = _usage_tokens(tail)
-
-    def _decision_fields(
-        self,
-        request: RoutedRequest,
-        count: TokenCount,
-        decision: Decision,
-        healthy: dict[str, bool],
-    ) -> dict[str, Any]:
-        lane = decision.lane
-        candidates = (*lane.clusters, *lane.emergency_clusters) if lane else ()
-        return {
-            "model": request.model,
-            "stream": request.stream,
-            "body_bytes": request.body_bytes,
-            "prompt_bytes": count.prompt_bytes,
-            "prompt_tokens": count.tokens,
-            "count_method": count.method,
-            "count_ms": round(count.seconds * 1000, 3),
-            "tokenizer": count.tokenizer,
-            "max_tokens": request.max_tokens,
-            "lane": decision.lane_name,
-            "reason": decision.reason,
-            "cluster_health": {c: healthy.get(c, True) for c in candidates},
-        }
-
-    def _decided(self, record: Record, grant: Grant, decision: Decision, count: TokenCount) -> None:
-        record.fields.update(
-            cluster=grant.cluster, endpoint=grant.url, queue_wait_s=round(grant.queued_s, 4)
-        )
-        self.log.info("route.decision", request_id=record.request_id, **record.fields)
-        self.metrics.child(
-            self.metrics.route_decisions, grant.lane, decision.reason, count.method
-        ).inc()
-        self.metrics.child(self.metrics.queue_wait, grant.lane).observe(grant.queued_s)
-        self.metrics.child(self.metrics.prompt_tokens, grant.lane).observe(count.tokens)
-
-    def _fail(self, record: Record, exc: GatewayError) -> None:
-        record.status = exc.status
-        if isinstance(exc, DeadlineHit):
-            record.outcome = "timeout"
-            record.fields["deadline"] = exc.kind
-            self.metrics.watchdog_events.labels(
-                lane=record.fields.get("lane", "none"),
-                cluster=record.fields.get("cluster", "none"),
-                kind=exc.kind,
-            ).inc()
-        elif "cluster" in record.fields and exc.status >= 500:
-            record.outcome = "upstream_error"
-        else:
-            record.outcome = "rejected"
-        record.fields["error"] = exc.message
-        if "cluster" not in record.fields:
-            self.log.info(
-                "route.rejected", request_id=record.request_id, status=exc.status, **record.fields
-            )
-            self._remember(record)
-
-    def _remember(self, record: Record) -> None:
-        if not record.in_ring:
-            record.in_ring = True
-            self.recent.append(record)
-
-    def _finish(self, record: Record, out: Outbound) -> None:
-        if record.outcome == "in_flight":
-            record.outcome = "cancelled"
-        duration = time.monotonic() - record.started
-        lane = record.fields.get("lane", "none")
-        cluster = record.fields.get("cluster", "none")
-        record.fields["duration_s"] = round(duration, 4)
-        self.log.info(
-            "route.finished",
-            request_id=record.request_id,
-            lane=lane,
-            cluster=cluster,
-            outcome=record.outcome,
-            status=out.status or record.status,
-            ttft_s=None if record.ttft_s is None else round(record.ttft_s, 4),
-            duration_s=round(duration, 4),
-            output_tokens=record.output_tokens,
-            chunks=record.chunks,
-            # Why it ended, when not as planned: the error the client was told, the deadline hit.
-            error=record.fields.get("error"),
-            deadline=record.fields.get("deadline"),
-        )
-        self.metrics.child(self.metrics.requests, lane, cluster, record.outcome).inc()
-        if "cluster" in record.fields:
-            self.metrics.child(self.metrics.e2e, lane, cluster).observe(duration)
-            if record.ttft_s is not None:
-                self.metrics.child(self.metrics.ttft, lane, cluster).observe(record.ttft_s)
-            if record.output_tokens is not None:
-                self.metrics.child(self.metrics.output_tokens, lane).observe(record.output_tokens)
-            if self.trace is not None:
-                f = record.fields
-                self.trace.record(
-                    model=f["model"],
-                    prompt_tokens=f["prompt_tokens"],
-                    prompt_bytes=f["prompt_bytes"],
-                    output_tokens=record.output_tokens or 0,
-                    stream=f["stream"],
-                    prompt_chars=None,
-                    prefix=None,
-                )
-        self.metrics.window.observe(record)
-
-
-def snapshot(records: Sequence[Record]) -> list[dict[str, Any]]:
-    """The recent decisions, newest first, as plain JSON for the admin state and dashboard."""
-    return [
-        {
-            "request_id": r.request_id,
-            "endpoint": r.endpoint,
-            "outcome": r.outcome,
-            "status": r.status,
-            "ttft_s": r.ttft_s,
-            "output_tokens": r.output_tokens,
-            **r.fields,
-        }
-        for r in reversed(records)
-    ]
