@@ -26,7 +26,6 @@ from starlette.routing import Route
 from gateway.dashboard import add_dashboard_routes
 from gateway.errors import Unauthorized, error_body
 from gateway.exchange import Receive, Scope, Send
-from gateway.pipeline import snapshot
 from gateway.protocol import Endpoint
 from gateway.settings import ConfigError, parse_settings
 from gateway.slots import endpoint_key, lane_key
@@ -85,7 +84,7 @@ async def admin_state(gateway: Gateway) -> dict[str, Any]:
         "state_backend": settings.state.backend,
         "lanes": lanes,
         "clusters": clusters,
-        "decisions": snapshot(gateway.pipeline.recent),
+        "decisions": gateway.recorder.snapshot(),
     }
 
 

@@ -36,6 +36,7 @@ from gateway.pipeline import Pipeline, Policy
 from gateway.protocol import Endpoint
 from gateway.proxy import Upstream
 from gateway.readiness import BootProbe
+from gateway.record import Recorder
 from gateway.reload import ReloadResult, apply_reload
 from gateway.settings import ConfigError, Settings, load_settings
 from gateway.slots import MemorySlotStore, SlotStore
@@ -99,8 +100,12 @@ class Gateway:
             pool,
             admission,
             upstream,
-            metrics,
-            log,
+            Recorder(
+                metrics,
+                log,
+                ring_size=settings.server.decision_ring_size,
+                trace_file=settings.state.trace_file,
+            ),
         )
         monitor = EngineMonitor(pool, probe_plans(settings), EngineEvents(settings, metrics, log))
         probe = BootProbe(settings, pool, upstream, log, keys)
@@ -127,6 +132,10 @@ class Gateway:
     def settings(self) -> Settings:
         """The policy in force for new requests."""
         return self.pipeline.policy.settings
+
+    @property
+    def recorder(self) -> Recorder:
+        return self.pipeline.recorder
 
     @property
     def counter(self) -> TokenCounter:
@@ -218,8 +227,8 @@ def create_app(
             background.start_soon(gateway.run_monitor)
             if settings.server.boot_probe:
                 background.start_soon(gateway.probe.run_until_ready)
-            if gateway.pipeline.trace is not None:
-                background.start_soon(gateway.pipeline.trace.run)
+            if gateway.recorder.trace is not None:
+                background.start_soon(gateway.recorder.trace.run)
             if config_path is not None:
                 background.start_soon(gateway.reload_on_signal)
                 if settings.server.watch_config:

@@ -13,7 +13,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.metrics import MetricWrapperBase
 
 from gateway.dashboard.events import EventRing
-from gateway.dashboard.stats import RollingWindow
 
 # 1 ms .. 30 min: fast-lane TTFT lives at the bottom, heavy-lane prefill at the top.
 LATENCY_BUCKETS = (
@@ -179,11 +178,10 @@ class Metrics:
             "shapegate_state_degraded", "1 while the shared slot store is unreachable.", registry=r
         )
 
-        # Not Prometheus metrics: what the ops dashboard shows (swallowed errors and watchdog
-        # events as a list; per-lane rates and percentiles over the last minutes). They hang
-        # here because everything that reports those events already holds this object.
+        # Not a Prometheus metric: the swallowed errors and watchdog events the ops dashboard
+        # lists. It hangs here because everything that reports those events already holds this
+        # object. (The per-lane rolling window belongs to gateway/record.py's Recorder.)
         self.events = EventRing()
-        self.window = RollingWindow(self.events)
 
         self._children: dict[tuple[int, tuple[str, ...]], MetricWrapperBase] = {}
 

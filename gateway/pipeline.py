@@ -13,7 +13,8 @@ outcome:
     error              a bug: logged with its traceback, counted, answered with a 500
     cancelled          cancelled from outside (the server stopped) before it could finish
 
-Every request gets one ``route.decision`` (or ``route.rejected``) and one ``route.finished``.
+Every request gets one ``route.decision`` (or ``route.rejected``) and one ``route.finished``;
+step 9 (record) is gateway/record.py's ``Recorder``, which this file calls at each step.
 """
 
 from __future__ import annotations
@@ -21,10 +22,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -34,7 +33,6 @@ from engine_pool.picker import order_endpoints
 from engine_pool.registry import EnginePool
 from gateway.admission import Admission, Grant
 from gateway.auth import ClientAuth
-from gateway.drift import DriftWatch
 from gateway.errors import (
     BadRequest,
     GatewayError,
@@ -54,35 +52,18 @@ from gateway.exchange import (
     read_body,
     watch_disconnect,
 )
-from gateway.lanes import Decision, choose_lane, exact_count_above
+from gateway.lanes import choose_lane, exact_count_above
 from gateway.log import Logger, swallowed
 from gateway.metrics import Metrics
 from gateway.protocol import Endpoint, RoutedRequest, parse_request, prefix_key
 from gateway.proxy import Upstream, response_headers, upstream_headers
+from gateway.record import Record, Recorder, Routed
 from gateway.settings import ClusterSettings, LaneSettings, Settings
-from gateway.tokens import TokenCount, TokenCounter
-from gateway.trace import TraceWriter
+from gateway.tokens import TokenCounter
 from gateway.usage import ExactCount, engine_usage, sse_events
-from gateway.watchdog import DeadlineHit, Watch, deadlines_for
+from gateway.watchdog import Watch, deadlines_for
 
 UPSTREAM_PATH = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
-
-
-@dataclass(slots=True)
-class Record:
-    """What the decision log and the dashboard's ring keep about one request."""
-
-    request_id: str
-    endpoint: str
-    started: float = field(default_factory=time.monotonic)
-    fields: dict[str, Any] = field(default_factory=dict)
-    # Until the request ends; a request cancelled from outside (server shutdown) ends "cancelled".
-    outcome: str = "in_flight"
-    in_ring: bool = False
-    status: int = 0
-    ttft_s: float | None = None
-    output_tokens: int | None = None
-    chunks: int = 0
 
 
 def _first(group: BaseExceptionGroup[Any]) -> BaseException:
@@ -144,19 +125,15 @@ class Pipeline:
         pool: EnginePool,
         admission: Admission,
         upstream: Upstream,
-        metrics: Metrics,
-        log: Logger,
+        recorder: Recorder,
     ) -> None:
         self.policy = policy
         self.pool = pool
         self.admission = admission
         self.upstream = upstream
-        self.metrics = metrics
-        self.log = log
-        self.recent: deque[Record] = deque(maxlen=policy.settings.server.decision_ring_size)
-        trace_file = policy.settings.state.trace_file
-        self.trace = TraceWriter(Path(trace_file)) if trace_file else None
-        self.drift = DriftWatch(metrics, log)
+        self.recorder = recorder
+        self.metrics = recorder.metrics
+        self.log = recorder.log
         self.accepting = True
         self.in_flight = 0
 
@@ -196,7 +173,7 @@ class Pipeline:
         except* GatewayError as refusal:
             exc = _first(refusal)
             assert isinstance(exc, GatewayError)
-            self._fail(record, exc)
+            self.recorder.refused(record, exc)
             await out.error(exc, ids)
         except* Exception as bug:  # the request boundary: a bug must not kill the server
             exc = _first(bug)
@@ -213,7 +190,7 @@ class Pipeline:
             await out.error(GatewayError("internal gateway error"), ids)
         finally:
             self.in_flight -= 1
-            self._finish(record, out)
+            self.recorder.finished(record, out.status)
 
     async def _route(
         self,
@@ -240,8 +217,7 @@ class Pipeline:
         )
         healthy = self.pool.healthy_clusters()
         decision = choose_lane(count.tokens, settings.lanes, healthy)
-        record.fields.update(self._decision_fields(request, count, decision, healthy))
-        self._remember(record)
+        self.recorder.decided(record, Routed.of(request, count, decision, healthy))
         if decision.lane is None:
             raise PromptTooLong(
                 f"prompt of {count.tokens} tokens is above every lane's range "
@@ -265,7 +241,7 @@ class Pipeline:
         # The slot token is ours, never the client's request id: two requests sharing an id
         # must not share (and free) one slot.
         async with self.admission.slot(lane, candidates, uuid.uuid4().hex) as grant:
-            self._decided(record, grant, decision, count)
+            self.recorder.admitted(record, grant)
             with (
                 anyio.CancelScope() as engine_down,
                 self.pool.track(grant.cluster, grant.url, engine_down) as engine,
@@ -286,19 +262,8 @@ class Pipeline:
                         record,
                     )
                 finally:
-                    record.fields["prompt_tokens"] = exact.settle(
-                        self.log, self.metrics, record.request_id
-                    )
-                theirs = record.fields.get("engine_prompt_tokens")
-                if theirs is not None:
-                    record.fields["count_drift"] = self.drift.observe(
-                        model=model.name,
-                        route=request.endpoint,
-                        ours=record.fields["prompt_tokens"],
-                        theirs=theirs,
-                        tokenizer=count.tokenizer,
-                        template=model.tokenizer.chat_template,
-                    )
+                    record.prompt_tokens = exact.settle(self.log, self.metrics, record.request_id)
+                self.recorder.engine_counted(record, model.name, model.tokenizer.chat_template)
             if engine_down.cancelled_caught and not out.finished:
                 raise UpstreamError(f"engine was marked down mid-request: {engine.evidence}")
 
@@ -328,9 +293,8 @@ class Pipeline:
             "x-shapegate-lane": grant.lane,
             "x-shapegate-cluster": grant.cluster,
         }
-        bound = record.fields.get("prompt_tokens_bound")
-        if bound is not None:
-            ours["x-shapegate-prompt-tokens-bound"] = str(bound)
+        if exact.bound is not None:
+            ours["x-shapegate-prompt-tokens-bound"] = str(exact.bound)
         url = grant.url.rstrip("/") + UPSTREAM_PATH[request.endpoint]
         async with self.upstream.open(url, body, headers, watch) as response:
             record.status = response.status
@@ -346,20 +310,13 @@ class Pipeline:
                 await out.body(payload, more=False)
                 record.outcome = "upstream_error" if record.status >= 500 else "ok"
             else:
-                last, tail, events = 0.0, b"", 0
+                tail, events = b"", 0
                 async for chunk in response.chunks(watch):
-                    now = time.monotonic()
+                    self.recorder.chunk(record, time.monotonic())
                     if not out.started:
-                        record.ttft_s = now - record.started
                         await out.start(
                             200, response_headers(response.headers, ours), streaming=True
                         )
-                    else:
-                        self.metrics.child(self.metrics.itl, grant.lane, grant.cluster).observe(
-                            now - last
-                        )
-                    last = now
-                    record.chunks += 1
                     events += sse_events(chunk)
                     tail = (tail + chunk)[-4096:]
                     await out.body(chunk, more=True)
@@ -370,141 +327,6 @@ class Pipeline:
                 usage = engine_usage(tail)
                 if usage.completion_tokens is None:
                     # No usage chunk: one token per content event (chat opens with a role event).
-                    estimate = max(0, events - (1 if request.endpoint == "chat" else 0))
-                    record.fields["output_tokens_estimate"] = estimate
+                    record.output_tokens_estimate = max(0, events - (request.endpoint == "chat"))
             record.output_tokens = usage.completion_tokens
-            record.fields["engine_prompt_tokens"] = usage.prompt_tokens
-
-    def _decision_fields(
-        self,
-        request: RoutedRequest,
-        count: TokenCount,
-        decision: Decision,
-        healthy: dict[str, bool],
-    ) -> dict[str, Any]:
-        lane = decision.lane
-        candidates = (*lane.clusters, *lane.emergency_clusters) if lane else ()
-        return {
-            "model": request.model,
-            "stream": request.stream,
-            "body_bytes": request.body_bytes,
-            "prompt_bytes": count.prompt_bytes,
-            # Tokens only when counted exactly; a bound that decided goes by its own name (the
-            # exact count follows, made while the engine works, in route.finished).
-            **(
-                {"prompt_tokens_bound": count.tokens}
-                if count.exact is None
-                else {"prompt_tokens": count.tokens}
-            ),
-            "count_method": count.method,
-            "count_ms": round(count.seconds * 1000, 3),
-            "tokenizer": count.tokenizer,
-            "max_tokens": request.max_tokens,
-            "lane": decision.lane_name,
-            "reason": decision.reason,
-            "cluster_health": {c: healthy.get(c, True) for c in candidates},
-        }
-
-    def _decided(self, record: Record, grant: Grant, decision: Decision, count: TokenCount) -> None:
-        record.fields.update(
-            cluster=grant.cluster, endpoint=grant.url, queue_wait_s=round(grant.queued_s, 4)
-        )
-        self.log.info("route.decision", request_id=record.request_id, **record.fields)
-        self.metrics.child(
-            self.metrics.route_decisions, grant.lane, decision.reason, count.method
-        ).inc()
-        self.metrics.child(self.metrics.queue_wait, grant.lane).observe(grant.queued_s)
-
-    def _fail(self, record: Record, exc: GatewayError) -> None:
-        record.status = exc.status
-        if isinstance(exc, DeadlineHit):
-            record.outcome = "timeout"
-            record.fields["deadline"] = exc.kind
-            self.metrics.watchdog_events.labels(
-                lane=record.fields.get("lane", "none"),
-                cluster=record.fields.get("cluster", "none"),
-                kind=exc.kind,
-            ).inc()
-        elif "cluster" in record.fields and exc.status >= 500:
-            record.outcome = "upstream_error"
-        else:
-            record.outcome = "rejected"
-        record.fields["error"] = exc.message
-        if "cluster" not in record.fields:
-            self.log.info(
-                "route.rejected", request_id=record.request_id, status=exc.status, **record.fields
-            )
-            self._remember(record)
-
-    def _remember(self, record: Record) -> None:
-        if not record.in_ring:
-            record.in_ring = True
-            self.recent.append(record)
-
-    def _finish(self, record: Record, out: Outbound) -> None:
-        if record.outcome == "in_flight":
-            record.outcome = "cancelled"
-        duration = time.monotonic() - record.started
-        lane = record.fields.get("lane", "none")
-        cluster = record.fields.get("cluster", "none")
-        record.fields["duration_s"] = round(duration, 4)
-        f = record.fields
-        self.log.info(
-            "route.finished",
-            request_id=record.request_id,
-            lane=lane,
-            cluster=cluster,
-            outcome=record.outcome,
-            status=out.status or record.status,
-            ttft_s=None if record.ttft_s is None else round(record.ttft_s, 4),
-            duration_s=round(duration, 4),
-            prompt_tokens=f.get("prompt_tokens"),
-            engine_prompt_tokens=f.get("engine_prompt_tokens"),
-            count_drift=f.get("count_drift"),
-            output_tokens=record.output_tokens,
-            output_tokens_estimate=f.get("output_tokens_estimate"),
-            chunks=record.chunks,
-            # Why it ended, when not as planned: the error the client was told, the deadline hit.
-            error=record.fields.get("error"),
-            deadline=record.fields.get("deadline"),
-        )
-        self.metrics.child(self.metrics.requests, lane, cluster, record.outcome).inc()
-        if "cluster" in record.fields:
-            self.metrics.child(self.metrics.e2e, lane, cluster).observe(duration)
-            if record.ttft_s is not None:
-                self.metrics.child(self.metrics.ttft, lane, cluster).observe(record.ttft_s)
-            if f.get("prompt_tokens") is not None:
-                self.metrics.child(self.metrics.prompt_tokens, lane).observe(f["prompt_tokens"])
-            output, source = record.output_tokens, "usage"
-            if output is None:
-                output, source = f.get("output_tokens_estimate"), "sse_estimate"
-            if output is not None:
-                self.metrics.child(self.metrics.output_tokens, lane, source).observe(output)
-            # A trace line holds tokens or nothing: never a bound standing in for them.
-            if self.trace is not None and f.get("prompt_tokens") is not None:
-                self.trace.record(
-                    model=f["model"],
-                    prompt_tokens=f["prompt_tokens"],
-                    prompt_bytes=f["prompt_bytes"],
-                    output_tokens=output or 0,
-                    stream=f["stream"],
-                    prompt_chars=None,
-                    prefix=None,
-                )
-        self.metrics.window.observe(record)
-
-
-def snapshot(records: Sequence[Record]) -> list[dict[str, Any]]:
-    """The recent decisions, newest first, as plain JSON for the admin state and dashboard."""
-    return [
-        {
-            "request_id": r.request_id,
-            "endpoint": r.endpoint,
-            "outcome": r.outcome,
-            "status": r.status,
-            "ttft_s": r.ttft_s,
-            "output_tokens": r.output_tokens,
-            **r.fields,
-        }
-        for r in reversed(records)
-    ]
+            record.engine_prompt_tokens = usage.prompt_tokens

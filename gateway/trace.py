@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import anyio
 import orjson
@@ -155,11 +155,20 @@ class TraceWriter:
         self._max = max_buffer
         self._origin = time.monotonic()
 
-    def record(self, **shape: Any) -> None:
+    def record(
+        self, model: str, prompt_tokens: int, prompt_bytes: int, output_tokens: int, stream: bool
+    ) -> None:
         if len(self._buffer) >= self._max:
             self.dropped += 1
             return
-        shape["t"] = round(time.monotonic() - self._origin, 3)
+        shape = TraceRecord(
+            t=round(time.monotonic() - self._origin, 3),
+            model=model,
+            prompt_tokens=prompt_tokens,
+            prompt_bytes=prompt_bytes,
+            output_tokens=output_tokens,
+            stream=stream,
+        )
         self._buffer.append(orjson.dumps(shape) + b"\n")
 
     def flush(self) -> None:

@@ -60,16 +60,15 @@ def sse_events(chunk: bytes) -> int:
 class ExactCount:
     """Our exact prompt count, finished while the engine works when the bound decided."""
 
-    __slots__ = ("_count", "_task")
+    __slots__ = ("_count", "_task", "bound", "decided_by")
 
     def __init__(self, count: TokenCount, task: asyncio.Task[TokenCount] | None) -> None:
         self._count = count
         self._task = task
-
-    @property
-    def decided_by(self) -> int:
-        """The figure the lane was decided by (the bound, or the exact count)."""
-        return self._count.tokens
+        # The figure the lane was decided by, and the UTF-8 bound when that was it (a bound is
+        # never to be reported as tokens).
+        self.decided_by = count.tokens
+        self.bound = count.tokens if count.exact is None else None
 
     @classmethod
     def start(cls, counter: TokenCounter, count: TokenCount) -> ExactCount:
@@ -78,30 +77,32 @@ class ExactCount:
         return cls(count, asyncio.get_running_loop().create_task(counter.exact(count)))
 
     async def tokens(self) -> int:
-        if self._task is not None:
-            self._count = await self._task
-            self._task = None
+        task, self._task = self._task, None
+        if task is not None:
+            self._count = await task
         assert self._count.exact is not None
         return self._count.exact
 
     def settle(self, log: Logger, metrics: Metrics, request_id: str) -> int | None:
         """The exact count if it finished; one still running is cancelled (None)."""
         task, self._task = self._task, None
-        if task is not None:
-            if not task.done():
-                task.cancel()
-                return None
-            exc = None if task.cancelled() else task.exception()
-            if exc is not None:
-                swallowed(
-                    log,
-                    metrics,
-                    "usage.exact_count",
-                    exc,
-                    "prompt_tokens_unknown",
-                    request_id=request_id,
-                )
-                return None
-            if not task.cancelled():
-                self._count = task.result()
+        if task is None:
+            return self._count.exact
+        if not task.done():
+            task.cancel()
+            return None
+        if task.cancelled():
+            return None
+        exc = task.exception()
+        if exc is not None:
+            swallowed(
+                log,
+                metrics,
+                "usage.exact_count",
+                exc,
+                "prompt_tokens_unknown",
+                request_id=request_id,
+            )
+            return None
+        self._count = task.result()
         return self._count.exact

@@ -1,7 +1,7 @@
 """The ops dashboard: a single page served by the gateway and the JSON state it polls.
 
 events.py   a bounded ring of swallowed errors and watchdog events (``metrics.events``)
-stats.py    the rolling per-lane window of rates and percentiles (``metrics.window``)
+stats.py    the rolling per-lane window of rates and percentiles (``Recorder.window``)
 state.py    the JSON state, built at a bounded rate
 guard.py    who may read ``/admin/*`` and ``/dashboard`` (bearer token or loopback only)
 routes.py   the routes; ``add_dashboard_routes(app, gateway)`` is the one entry point

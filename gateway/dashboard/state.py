@@ -31,16 +31,26 @@ from gateway.slots import endpoint_key, lane_key
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
-    from gateway.pipeline import Record
+    from gateway.record import Record
 
 MAX_DECISIONS = 500
 MAX_TEXT = 120
-# Decision fields the table shows; anything else in a record stays in the log.
+# Fields of ``Record.as_json()`` the table shows; anything else stays in the log.
 DECISION_FIELDS = (
+    "request_id",
+    "endpoint_kind",
+    "outcome",
+    "status",
+    "ttft_s",
+    "output_tokens",
+    "output_tokens_estimate",
     "model",
     "stream",
     "body_bytes",
     "prompt_tokens",
+    "prompt_tokens_bound",
+    "engine_prompt_tokens",
+    "count_drift",
     "count_method",
     "count_ms",
     "max_tokens",
@@ -60,19 +70,12 @@ def _short(value: Any) -> Any:
 
 
 def decision_row(record: Record, wall_now: float, mono_now: float) -> dict[str, Any]:
-    fields = record.fields
-    finished = "duration_s" in fields
-    row = {key: _short(fields.get(key)) for key in DECISION_FIELDS}
+    # A record joins the ring when its lane is decided, long before it finishes.
+    data = record.as_json()
+    row = {key: _short(data[key]) for key in DECISION_FIELDS}
     row.update(
-        request_id=_short(record.request_id),
         at=round(wall_now - (mono_now - record.started), 3),
-        endpoint_kind=record.endpoint,
-        # A record joins the ring when its lane is decided, long before it finishes.
-        outcome=record.outcome if finished else "in_flight",
-        status=record.status or None,
-        ttft_s=None if record.ttft_s is None else round(record.ttft_s, 4),
-        output_tokens=record.output_tokens,
-        age_s=None if finished else round(mono_now - record.started, 3),
+        age_s=None if record.finished else round(mono_now - record.started, 3),
     )
     return row
 
@@ -116,7 +119,7 @@ def _sample(gateway: Gateway, name: str, **labels: str) -> float | None:
 
 
 async def build_state(gateway: Gateway, watch: StoreWatch | None = None) -> dict[str, Any]:
-    settings, metrics, window = gateway.settings, gateway.metrics, gateway.metrics.window
+    settings, metrics, window = gateway.settings, gateway.metrics, gateway.recorder.window
     mono_now, wall_now = time.monotonic(), time.time()
     used = await _slots(gateway, watch or StoreWatch())
     lanes = []
@@ -163,7 +166,7 @@ async def build_state(gateway: Gateway, watch: StoreWatch | None = None) -> dict
             slots = used[endpoint_key(name, url)] if used is not None else None
             endpoints.append({**engine.as_json(wall_now), "slots_in_use": slots})
         clusters_out.append({"name": name, "kind": cluster.kind, "endpoints": endpoints})
-    recent = list(gateway.pipeline.recent)[-MAX_DECISIONS:]
+    recent = list(gateway.recorder.recent)[-MAX_DECISIONS:]
     return {
         "generated_at": wall_now,
         "started_at": gateway.started_at,
@@ -180,7 +183,7 @@ async def build_state(gateway: Gateway, watch: StoreWatch | None = None) -> dict
         "decisions": [decision_row(r, wall_now, mono_now) for r in reversed(recent)],
         "events": metrics.events.recent(),
         # Our exact prompt counts against the engines' usage: a badge when they disagree.
-        "count_drift": gateway.pipeline.drift.as_json(),
+        "count_drift": gateway.recorder.drift.as_json(),
         "totals": {
             "swallowed": _counter_totals(metrics.swallowed_errors.collect(), "where"),
             "watchdog": _counter_totals(metrics.watchdog_events.collect(), "kind"),

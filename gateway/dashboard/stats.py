@@ -4,10 +4,10 @@ Prometheus keeps the authoritative histograms; this window exists so the ops pag
 is each lane doing right now" without a Prometheus server next to the gateway.
 
 Contract:
-- ``RollingWindow.observe(record)`` takes one finished request (the pipeline calls it once, at
-  the end of ``_finish``): it counts the request in its lane's current time bucket by outcome,
-  adds its TTFT and duration when it reached an engine, and reports a request that ended in a
-  watchdog deadline to the event ring as a ``watchdog`` event.
+- ``RollingWindow.observe(record)`` takes one finished request (gateway/record.py's
+  ``Recorder`` calls it once, as the request finishes): it counts the request in its lane's
+  current time bucket by outcome, adds its TTFT and duration when it was admitted, and reports
+  a request that ended in a watchdog deadline to the event ring as a ``watchdog`` event.
 - ``gauge(lane, slots_in_use, queue_depth)`` samples the lane's gauges into the current bucket
   (the bucket keeps the maximum); the dashboard samples them each time it builds its state.
 - ``lane_json(lane)`` answers the request rate over the last minute, p50/p95/p99 of TTFT and
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from gateway.dashboard.events import EventRing
 
 if TYPE_CHECKING:
-    from gateway.pipeline import Record
+    from gateway.record import Record
 
 BIN_FLOOR_S = 1e-4
 BIN_GROWTH = 1.04
@@ -168,16 +168,15 @@ class RollingWindow:
 
     def observe(self, record: Record, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        fields = record.fields
-        lane_name = str(fields.get("lane") or "none")
+        lane_name = record.lane
+        outcome = record.outcome or "in_flight"
         lane, index = self._lane(lane_name, now)
         bucket = lane.bucket(index)
-        bucket.outcomes[record.outcome] += 1
-        lane.span_outcomes[record.outcome] += 1
-        if "cluster" in fields:
-            duration = fields.get("duration_s")
-            if isinstance(duration, int | float):
-                at = bin_of(duration)
+        bucket.outcomes[outcome] += 1
+        lane.span_outcomes[outcome] += 1
+        if record.grant is not None:
+            if record.duration_s is not None:
+                at = bin_of(record.duration_s)
                 bucket.e2e[at] += 1
                 lane.span_e2e[at] += 1
             if record.ttft_s is not None:
@@ -185,16 +184,17 @@ class RollingWindow:
                 bucket.ttft[at] += 1
                 lane.span_ttft[at] += 1
         if record.outcome == "timeout" and self.events is not None:
+            grant = record.grant
             self.events.add(
                 "watchdog",
                 "pipeline.deadline",
-                str(fields.get("error", "deadline hit")),
+                record.error or "deadline hit",
                 "answered_timeout",
                 {
-                    "deadline": fields.get("deadline"),
+                    "deadline": record.deadline,
                     "lane": lane_name,
-                    "cluster": fields.get("cluster"),
-                    "endpoint": fields.get("endpoint"),
+                    "cluster": grant.cluster if grant else None,
+                    "endpoint": grant.url if grant else None,
                     "request_id": record.request_id,
                 },
             )

@@ -9,26 +9,32 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gateway.admission import Grant
 from gateway.dashboard.events import EventRing
 from gateway.dashboard.guard import admin_access
 from gateway.dashboard.stats import RollingWindow, bin_of, bin_value, quantiles
-from gateway.pipeline import Record
+from gateway.record import Outcome, Record, Routed
+from gateway.tokens import TokenCount
+from gateway.watchdog import Phase
 
 
 def record(
     lane: str = "fast",
-    outcome: str = "ok",
+    outcome: Outcome = "ok",
     ttft: float | None = 0.1,
     duration: float = 0.5,
     cluster: str | None = "fast",
-    **fields: Any,
+    deadline: Phase | None = None,
+    error: str | None = None,
+    endpoint: str = "http://e:1",
 ) -> Record:
+    count = TokenCount(tokens=100, method="bound", tokenizer="t", prompt_bytes=100, seconds=0.0)
     r = Record(request_id=f"r{random.random()}", endpoint="chat")
-    r.fields.update(lane=lane, duration_s=duration, **fields)
+    r.routed = Routed("m", False, 100, None, count, lane, "in_range", {})
     if cluster is not None:
-        r.fields["cluster"] = cluster
-    r.outcome = outcome
-    r.ttft_s = ttft
+        r.grant = Grant("slot", lane, cluster, endpoint, (), 0.0)
+    r.outcome, r.ttft_s, r.duration_s = outcome, ttft, duration
+    r.deadline, r.error = deadline, error
     return r
 
 
