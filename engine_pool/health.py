@@ -52,6 +52,8 @@ class Verdict:
     evidence: str
     # An alert-class event to raise (a slow probe), separate from any state change.
     alert: str | None = None
+    # What the probe itself answered.
+    probe: Outcome = "ok"
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +64,10 @@ class Thresholds:
 
 def judge(track: Track, result: ProbeResult, progressing: bool, limits: Thresholds) -> Verdict:
     """The next state of an endpoint after one probe."""
+    return replace(_judge(track, result, progressing, limits), probe=result.outcome)
+
+
+def _judge(track: Track, result: ProbeResult, progressing: bool, limits: Thresholds) -> Verdict:
     if result.outcome == "failed":
         return Verdict(Track(EngineState.DOWN), f"probe failed: {result.detail}")
     if result.outcome == "timeout":

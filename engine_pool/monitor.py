@@ -7,13 +7,18 @@ Contract:
   rate the lanes set, whatever the request rate.
 - Everything the gateway should log or count comes out through ``on_event`` as plain data:
   ``StateChange`` (once per transition, with evidence), ``SlowProbe`` (alert class: it pages
-  nobody and evicts nothing by itself), ``LoadRead`` and ``ScrapeFailed``.
+  nobody and evicts nothing by itself), ``LoadRead``, ``ProbeFailed`` and ``ScrapeFailed``.
+- A failed scrape says whether the engine is known alive (``engine_alive``): routable, and a
+  probe succeeded since its scrapes began to fail. Only then is the failure unexpected (the
+  engine answers but its /metrics does not); an engine that is down, or died a moment ago and
+  is not yet caught by its prober, fails its scrapes as a matter of course.
 - An endpoint that goes DOWN has its in-flight requests cancelled by the pool (see
   ``EnginePool.set_state``), so they end with an error and free their slots at once.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -53,13 +58,21 @@ class LoadRead:
 
 
 @dataclass(frozen=True, slots=True)
+class ProbeFailed:
+    cluster: str
+    url: str
+    evidence: str
+
+
+@dataclass(frozen=True, slots=True)
 class ScrapeFailed:
     cluster: str
     url: str
     error: BaseException
+    engine_alive: bool
 
 
-MonitorEvent = StateChange | SlowProbe | LoadRead | ScrapeFailed
+MonitorEvent = StateChange | SlowProbe | LoadRead | ProbeFailed | ScrapeFailed
 
 
 class EngineMonitor:
@@ -73,6 +86,8 @@ class EngineMonitor:
         self._plans = list(plans)
         self._on_event = on_event
         self._progress = {(p.cluster, p.url): Progress() for p in self._plans}
+        # When each endpoint last answered a probe (monotonic seconds).
+        self._probe_ok_at: dict[tuple[str, str], float] = {}
 
     async def run(self) -> None:
         limits = httpx.Limits(max_connections=2 * len(self._plans) + 4)
@@ -88,6 +103,10 @@ class EngineMonitor:
         progress = self._progress[(plan.cluster, plan.url)]
 
         def report(verdict: Verdict) -> None:
+            if verdict.probe == "ok":
+                self._probe_ok_at[(plan.cluster, plan.url)] = time.monotonic()
+            elif verdict.probe == "failed":
+                self._on_event(ProbeFailed(plan.cluster, plan.url, verdict.evidence))
             if verdict.alert is not None:
                 self._on_event(SlowProbe(plan.cluster, plan.url, verdict.alert))
             change = self._pool.set_state(
@@ -109,6 +128,7 @@ class EngineMonitor:
     async def _scrape_forever(self, client: httpx.AsyncClient, plan: ProbePlan) -> None:
         progress = self._progress[(plan.cluster, plan.url)]
         url = plan.url.rstrip("/") + "/metrics"
+        failing_since: float | None = None
         while True:
             try:
                 with anyio.fail_after(max(plan.scrape_interval_s, 1.0)):
@@ -117,8 +137,13 @@ class EngineMonitor:
                 load = parse_load(plan.kind, response.text)
             except (httpx.HTTPError, TimeoutError) as exc:
                 progress.update(None)
-                self._on_event(ScrapeFailed(plan.cluster, plan.url, exc))
+                if failing_since is None:
+                    failing_since = time.monotonic()
+                probed = self._probe_ok_at.get((plan.cluster, plan.url), -1.0)
+                alive = probed > failing_since and self._pool.routable(plan.cluster, plan.url)
+                self._on_event(ScrapeFailed(plan.cluster, plan.url, exc, alive))
             else:
+                failing_since = None
                 progress.update(load.tokens_total)
                 self._pool.set_load(
                     plan.cluster,

@@ -84,6 +84,10 @@ class EnginePool:
             if e.cluster == cluster
         ]
 
+    def routable(self, cluster: str, url: str) -> bool:
+        engine = self._engines.get((cluster, url))
+        return engine is not None and engine.state.routable
+
     def healthy_clusters(self) -> dict[str, bool]:
         healthy = dict.fromkeys(self.clusters, False)
         for engine in self._engines.values():

@@ -7,14 +7,24 @@ be judged by a fast lane's clock.
 
 Events become: ``engine.state_changed`` (info, once per transition, with evidence) and
 ``shapegate_engine_up``; ``engine.slow`` (a warning and ``watchdog_events{kind=probe_timeout}``,
-an alert that evicts nothing); load gauges; a failed scrape is counted every time and logged
-when an endpoint's scrapes start failing, not on every interval.
+an alert that evicts nothing); load gauges. Every failed probe and scrape counts in
+``shapegate_engine_check_failures_total{cluster, endpoint, check}``: an engine failing is the
+engine's news (its state change is logged once), not an error of ours. Only a scrape failing
+while the engine is known alive (it answers probes) is unexpected: that one is also a swallowed
+error, logged when the endpoint's scrapes start failing, not on every interval.
 """
 
 from __future__ import annotations
 
 from engine_pool.health import Thresholds
-from engine_pool.monitor import LoadRead, MonitorEvent, ProbePlan, ScrapeFailed, SlowProbe
+from engine_pool.monitor import (
+    LoadRead,
+    MonitorEvent,
+    ProbeFailed,
+    ProbePlan,
+    ScrapeFailed,
+    SlowProbe,
+)
 from engine_pool.registry import StateChange
 from gateway.log import Logger, swallowed
 from gateway.metrics import Metrics
@@ -114,8 +124,18 @@ class EngineEvents:
                     self._metrics.engine_load.labels(
                         cluster=event.cluster, endpoint=event.url, what=what
                     ).set(value)
+        elif isinstance(event, ProbeFailed):
+            self._metrics.engine_check_failures.labels(
+                cluster=event.cluster, endpoint=event.url, check="probe"
+            ).inc()
         elif isinstance(event, ScrapeFailed):
+            self._metrics.engine_check_failures.labels(
+                cluster=event.cluster, endpoint=event.url, check="scrape"
+            ).inc()
             key = (event.cluster, event.url)
+            if not event.engine_alive:
+                # Down, or dead a moment ago and not yet caught by its prober: expected.
+                return
             if key in self._failing:
                 self._metrics.swallowed_errors.labels(where="load.scrape").inc()
             else:

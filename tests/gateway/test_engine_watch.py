@@ -14,6 +14,7 @@ from structlog.testing import capture_logs
 
 from tests.conftest import lanes_config
 from tests.support.fake_engine import FakeEngine
+from tests.support.prom import parse
 from tests.support.servers import free_port, serve_asgi
 
 FAST_HEALTH = {
@@ -213,3 +214,66 @@ async def test_a_stalled_stream_hits_the_idle_deadline(gateway_at: Any) -> None:
             )
             await asyncio.sleep(0.1)
             assert not engine.open_requests()
+
+
+async def test_an_engine_dead_for_4_minutes_of_scrapes_moves_no_swallowed_error(
+    gateway_at: Any,
+) -> None:
+    """4 minutes at the default 5 s scrape and probe intervals are 48 cycles each; here they
+    run every 50 ms. A dead engine's failed checks are the engine's news, counted on their own."""
+    quick = {**FAST_HEALTH, "interval_s": 0.05, "scrape_interval_s": 0.05}
+    survivor, doomed = FakeEngine(), FakeEngine()
+    async with AsyncExitStack() as doomed_stack, serve_asgi(survivor) as survivor_url:
+        doomed_url = await doomed_stack.enter_async_context(serve_asgi(doomed))
+        config = watched([survivor_url, doomed_url], [survivor_url])
+        config["lanes"][0]["health"] = quick
+        async with gateway_at(config) as (url, _), httpx.AsyncClient() as client:
+
+            async def scrape() -> Any:
+                return parse((await client.get(url + "/metrics")).text)
+
+            async def scraped_ok() -> bool:
+                return (await scrape()).has("shapegate_engine_load", endpoint=doomed_url)
+
+            await wait_for(scraped_ok)
+            await doomed_stack.aclose()  # killed: every check now meets a refused connection
+            await wait_for(is_state(client, url, doomed_url, "down"), timeout=2)
+            failed = {"cluster": "fast", "endpoint": doomed_url}
+
+            async def four_minutes_of_cycles() -> bool:
+                m = await scrape()
+                scrapes = m.value("shapegate_engine_check_failures_total", check="scrape", **failed)
+                probes = m.value("shapegate_engine_check_failures_total", check="probe", **failed)
+                return scrapes >= 48 and probes >= 48
+
+            await wait_for(four_minutes_of_cycles, timeout=30)
+            replies = [
+                await client.post(url + "/v1/chat/completions", json=chat()) for _ in range(5)
+            ]
+            m = await scrape()
+    assert [r.status_code for r in replies] == [200] * 5
+    assert m.value("shapegate_swallowed_errors_total") == 0
+    assert m.value("shapegate_engine_up", **failed) == 0
+
+
+async def test_an_engine_alive_whose_metrics_fail_is_still_a_swallowed_error(
+    gateway_at: Any,
+) -> None:
+    engine = FakeEngine()
+    engine.metrics_status = 404  # e.g. SGLang started without --enable-metrics
+    async with serve_asgi(engine) as engine_url:
+        config = watched([engine_url], [engine_url])
+        for lane in config["lanes"]:
+            lane["health"] = {**FAST_HEALTH, "interval_s": 0.05, "scrape_interval_s": 0.05}
+        async with gateway_at(config) as (url, _), httpx.AsyncClient() as client:
+            with capture_logs() as logs:
+
+                async def swallowed() -> bool:
+                    m = parse((await client.get(url + "/metrics")).text)
+                    return m.value("shapegate_swallowed_errors_total", where="load.scrape") >= 3
+
+                await wait_for(swallowed)
+    lines = [e for e in logs if e["event"] == "error.swallowed" and e["where"] == "load.scrape"]
+    # Logged once per endpoint (the engine serves both clusters here), counted every time.
+    assert sorted(line["cluster"] for line in lines) == ["fast", "heavy"]
+    assert {line["decision"] for line in lines} == {"route_without_load"}

@@ -51,6 +51,8 @@ class FakeEngine:
         # GET /health answers this status (None: never answers, like a hung engine).
         self.health_status: int | None = 200
         self.health_delay = 0.0
+        # GET /metrics answers this status (an engine started without its metrics, say).
+        self.metrics_status = 200
         self.generated = 0
 
     async def _get(self, path: str, send: Any) -> None:
@@ -60,7 +62,7 @@ class FakeEngine:
             await asyncio.sleep(self.health_delay)
             status, payload = self.health_status, b""
         elif path == "/metrics":
-            status = 200
+            status = self.metrics_status
             payload = (
                 f'vllm:num_requests_running{{model_name="qwen3.6"}} {self.in_flight}\n'
                 f'vllm:num_requests_waiting{{model_name="qwen3.6"}} 0\n'
