@@ -36,6 +36,9 @@ _VLLM_0_33_0 = frozenset(
         "--kv-cache-dtype",
         "--speculative-config",
         "--trust-remote-code",
+        # FrontendArgs.enable_force_include_usage: a usage chunk closes every stream, so the
+        # gateway knows every request's output tokens (vllm/entrypoints/openai/cli_args.py).
+        "--enable-force-include-usage",
         # accepted in ``extra_args``
         "--api-key",
         "--async-scheduling",
@@ -128,6 +131,7 @@ OWNED_FLAGS: dict[EngineKind, frozenset[str]] = {
             "--kv-cache-dtype",
             "--speculative-config",
             "--trust-remote-code",
+            "--enable-force-include-usage",
             # The key comes from the cluster's api_key_env, never from the config file.
             "--api-key",
         }

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 Style = Literal["shell", "k8s", "compose"]
 
+FORCE_USAGE_FLAG = "--enable-force-include-usage"
 # What vLLM reads when ``--api-key`` is absent; keeps the key out of the process list.
 _VLLM_API_KEY_ENV = "VLLM_API_KEY"
 
@@ -173,6 +174,10 @@ def _vllm(
         if spec.prompt_lookup_min is not None:
             config["prompt_lookup_min"] = spec.prompt_lookup_min
         argv += ["--speculative-config", json.dumps(config, separators=(",", ":"))]
+    # Output tokens for every request, streams whose client asked no usage included; gated on
+    # the pinned release having the flag (the gateway estimates from SSE events otherwise).
+    if FORCE_USAGE_FLAG in KNOWN_FLAGS.get(("vllm", p.version), ()):
+        argv.append(FORCE_USAGE_FLAG)
     # max_num_partial_prefills is never emitted: profile_problems refuses anything but 1.
     env: list[tuple[str, Arg]] = []
     if api_key_env:

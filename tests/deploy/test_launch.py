@@ -47,6 +47,7 @@ BARE = {
     "--enable-request-id-headers",
     "--disable-uvicorn-access-log",
     "--enforce-eager",
+    "--enable-force-include-usage",
 }
 
 
@@ -197,6 +198,19 @@ def test_vllm_key_travels_in_the_environment_not_the_command_line() -> None:
     assert command.env == (("VLLM_API_KEY", EnvRef("ENGINE_KEY")),)
     assert command.environment("k8s") == {"VLLM_API_KEY": "$(ENGINE_KEY)"}
     assert command.shell().startswith('VLLM_API_KEY="${ENGINE_KEY}" vllm serve org/weights ')
+
+
+def test_vllm_streams_carry_usage_where_the_pinned_release_has_the_flag(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    settings = parse_settings(policy(profile()))
+    assert "--enable-force-include-usage" in render_command(settings, "c").flags()
+    # A release without the flag gets none: the gateway estimates output tokens from SSE then.
+    without = KNOWN_FLAGS[("vllm", "0.33.0")] - {"--enable-force-include-usage"}
+    monkeypatch.setitem(KNOWN_FLAGS, ("vllm", "0.33.0"), without)
+    assert "--enable-force-include-usage" not in render_command(settings, "c").flags()
+    sglang = parse_settings(policy(profile(version="0.5.23"), kind="sglang"))
+    assert "--enable-force-include-usage" not in render_command(sglang, "c").flags()
 
 
 def test_shell_form_splits_back_into_the_same_arguments() -> None:
