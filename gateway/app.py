@@ -84,13 +84,14 @@ class Gateway:
         counter: TokenCounter | None = None,
         config_path: Path | None = None,
     ) -> Gateway:
-        metrics = Metrics()
+        metrics = Metrics(settings.lanes)
         log = get_logger("gateway")
         counter = counter or TokenCounter.from_settings(settings, metrics)
         pool = EnginePool(
             Cluster(name=c.name, kind=c.kind, endpoints=c.endpoints, models=c.models)
             for c in settings.clusters
         )
+        metrics.watch_in_flight(lambda: ((e.cluster, e.url, e.in_flight) for e in pool.engines()))
         store = build_store(settings, metrics, log)
         admission = Admission(store, metrics, log, poll_interval_s=settings.state.poll_interval_s)
         upstream = Upstream(metrics, log)

@@ -2,15 +2,28 @@
 
 Names and labels are part of the interface (dashboards and alert rules query them). There is no
 module-level registry: each ``create_app`` builds its own ``Metrics`` so tests stay independent.
-Histogram buckets span milliseconds to many minutes because a heavy lane's TTFT is minutes.
+Latency buckets span a millisecond to the longest deadline of the policy's lanes
+(``latency_buckets(lanes)``: every lane's first-byte, idle and total deadline is a bucket edge,
+so the top bucket is at or above the longest ``total_s``); a heavy lane's TTFT is minutes.
+Per-endpoint families (in-flight, TTFT, e2e) carry the policy's endpoints as labels: bounded.
 """
 
 from __future__ import annotations
 
-from typing import TypeVar
+import platform
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from prometheus_client import Metric
+
+    from gateway.settings import LaneSettings
 
 from gateway.dashboard.events import EventRing
 
@@ -55,21 +68,63 @@ TOKEN_BUCKETS = (
     1048576,
 )
 OUTPUT_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 32768)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
 M = TypeVar("M", bound=MetricWrapperBase)
+
+
+def latency_buckets(lanes: Sequence[LaneSettings] = ()) -> tuple[float, ...]:
+    """The base buckets plus every lane deadline: a request that ran to its lane's total_s is
+    counted below +Inf, and a deadline hit falls on a bucket edge."""
+    edges = set(LATENCY_BUCKETS)
+    for lane in lanes:
+        t = lane.timeouts
+        edges.update((t.first_byte_s, t.idle_s, t.total_s))
+    return tuple(sorted(edges))
+
+
+def status_class(status: int) -> str:
+    return f"{status // 100}xx" if 100 <= status < 600 else "none"
+
+
+class _InFlight(Collector):
+    """``shapegate_endpoint_in_flight``, read from the pool at scrape time (no per-request cost)."""
+
+    def __init__(self, read: Callable[[], Iterable[tuple[str, str, int]]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "shapegate_endpoint_in_flight",
+            "Requests in flight on each endpoint (this replica).",
+            labels=["cluster", "endpoint"],
+        )
+        for cluster, endpoint, n in self._read():
+            family.add_metric([cluster, endpoint], n)
+        yield family
+
+
 # Engine's prompt count minus ours: 0 when tokenizer and template match the engine's.
 DRIFT_BUCKETS = (-256, -64, -16, -8, -4, -2, -1, 0, 1, 2, 4, 8, 16, 64, 256)
 COUNT_BUCKETS = (0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, lanes: Sequence[LaneSettings] = ()) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        latency = latency_buckets(lanes)
         self.requests = Counter(
             "shapegate_requests",
-            "Requests finished, by outcome.",
-            ["lane", "cluster", "outcome"],
+            "Requests finished, by outcome and the status class the client got.",
+            ["lane", "cluster", "outcome", "status_class"],
             registry=r,
         )
+        self.build_info = Gauge(
+            "shapegate_build_info",
+            "Always 1; the labels say what runs.",
+            ["version", "python"],
+            registry=r,
+        )
+        self.build_info.labels(version=_version(), python=platform.python_version()).set(1)
         self.route_decisions = Counter(
             "shapegate_route_decisions",
             "Routing decisions made.",
@@ -92,7 +147,7 @@ class Metrics:
             "shapegate_queue_wait_seconds",
             "Time spent waiting for a slot.",
             ["lane"],
-            buckets=LATENCY_BUCKETS,
+            buckets=latency,
             registry=r,
         )
         self.prompt_tokens = Histogram(
@@ -113,7 +168,7 @@ class Metrics:
             "shapegate_ttft_seconds",
             "Time to first token, measured at the gateway.",
             ["lane", "cluster"],
-            buckets=LATENCY_BUCKETS,
+            buckets=latency,
             registry=r,
         )
         self.itl = Histogram(
@@ -127,7 +182,28 @@ class Metrics:
             "shapegate_e2e_seconds",
             "Request duration, admission to last byte.",
             ["lane", "cluster"],
-            buckets=LATENCY_BUCKETS,
+            buckets=latency,
+            registry=r,
+        )
+        self.endpoint_ttft = Histogram(
+            "shapegate_endpoint_ttft_seconds",
+            "Time to first token by engine endpoint, measured at the gateway.",
+            ["cluster", "endpoint"],
+            buckets=latency,
+            registry=r,
+        )
+        self.endpoint_e2e = Histogram(
+            "shapegate_endpoint_e2e_seconds",
+            "Request duration by engine endpoint, admission to last byte.",
+            ["cluster", "endpoint"],
+            buckets=latency,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "shapegate_tpot_seconds",
+            "Time per output token after the first, of streamed requests.",
+            ["lane"],
+            buckets=TPOT_BUCKETS,
             registry=r,
         )
         self.count_seconds = Histogram(
@@ -198,5 +274,16 @@ class Metrics:
             found = self._children[key] = metric.labels(*labels)
         return found  # type: ignore[return-value]
 
+    def watch_in_flight(self, read: Callable[[], Iterable[tuple[str, str, int]]]) -> None:
+        """Export per-endpoint in-flight counts, read by ``read`` at each scrape."""
+        self.registry.register(_InFlight(read))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _version() -> str:
+    try:
+        return version("shapegate")
+    except PackageNotFoundError:
+        return "unknown"

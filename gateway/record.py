@@ -37,7 +37,7 @@ from gateway.drift import DriftWatch
 from gateway.errors import GatewayError
 from gateway.lanes import Decision, Reason
 from gateway.log import Logger
-from gateway.metrics import Metrics
+from gateway.metrics import Metrics, status_class
 from gateway.protocol import Endpoint, RoutedRequest
 from gateway.tokens import TokenCount
 from gateway.trace import TraceWriter
@@ -296,11 +296,14 @@ class Recorder:
             deadline=record.deadline,
         )
         m = self.metrics
-        m.child(m.requests, lane, cluster, record.outcome).inc()
-        if record.admitted:
+        m.child(m.requests, lane, cluster, record.outcome, status_class(record.status)).inc()
+        if record.grant is not None:
+            url = record.grant.url
             m.child(m.e2e, lane, cluster).observe(duration)
+            m.child(m.endpoint_e2e, cluster, url).observe(duration)
             if record.ttft_s is not None:
                 m.child(m.ttft, lane, cluster).observe(record.ttft_s)
+                m.child(m.endpoint_ttft, cluster, url).observe(record.ttft_s)
             if record.prompt_tokens is not None:
                 m.child(m.prompt_tokens, lane).observe(record.prompt_tokens)
             output, source = record.output_tokens, "usage"
@@ -308,6 +311,8 @@ class Recorder:
                 output, source = record.output_tokens_estimate, "sse_estimate"
             if output is not None:
                 m.child(m.output_tokens, lane, source).observe(output)
+                if record.chunks > 1 and output > 1 and record.ttft_s is not None:
+                    m.child(m.tpot, lane).observe((duration - record.ttft_s) / (output - 1))
             # A trace line holds tokens or nothing: never a bound standing in for them.
             if self.trace is not None and record.routed and record.prompt_tokens is not None:
                 routed = record.routed

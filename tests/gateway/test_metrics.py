@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from importlib.metadata import version
 from typing import Any
 
 import httpx
@@ -16,7 +17,8 @@ import pytest
 from prometheus_client.utils import floatToGoString
 
 from engine_pool.sim.server import SimServer
-from gateway.metrics import TOKEN_BUCKETS
+from gateway.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, Metrics, latency_buckets
+from gateway.settings import parse_settings
 from tests.conftest import chat, lanes_config
 from tests.support.fake_engine import FakeEngine
 from tests.support.prom import Scrape, parse
@@ -224,3 +226,43 @@ async def test_requests_are_counted_by_outcome(gateway_at: Any) -> None:
         == 1
     )
     assert m.value("shapegate_slots_in_use") == 0
+
+
+def test_latency_buckets_reach_the_longest_lane_deadline() -> None:
+    config = lanes_config(["http://x"], ["http://y"])
+    config["lanes"][1]["timeouts"] = {"first_byte_s": 900, "idle_s": 120, "total_s": 3600}
+    settings = parse_settings(config, environ={})
+    metrics = Metrics(settings.lanes)
+    assert latency_buckets(settings.lanes)[-1] == 3600 > LATENCY_BUCKETS[-1]
+    metrics.e2e.labels(lane="heavy", cluster="heavy").observe(3000)
+    m = parse(metrics.render().decode())
+    assert m.value("shapegate_e2e_seconds_bucket", lane="heavy", le="1800.0") == 0
+    assert m.value("shapegate_e2e_seconds_bucket", lane="heavy", le="3600.0") == 1
+    assert m.value("shapegate_build_info", version=version("shapegate")) == 1
+
+
+async def test_per_endpoint_in_flight_ttft_and_e2e_and_time_per_output_token(
+    sims: tuple[SimServer, SimServer], gateway_at: Any
+) -> None:
+    fast, heavy = sims
+    endpoint = {"cluster": "fast", "endpoint": fast.url}
+    async with (
+        gateway_at(lanes_config([fast.url], [heavy.url])) as (url, _),
+        httpx.AsyncClient(base_url=url, timeout=30) as client,
+    ):
+        options = {"stream": True, "max_tokens": 64}  # ~0.3 s of decoding at this pace
+        held = asyncio.create_task(stream_chat(client, chat("hold on", **options)))
+
+        async def in_flight() -> bool:
+            return (await scrape(client)).value("shapegate_endpoint_in_flight", **endpoint) == 1
+
+        await until(in_flight)
+        await held
+        m = await scrape(client)
+    assert m.value("shapegate_endpoint_in_flight", **endpoint) == 0
+    assert m.value("shapegate_endpoint_in_flight", cluster="heavy", endpoint=heavy.url) == 0
+    assert m.value("shapegate_endpoint_ttft_seconds_count", **endpoint) == 1
+    assert m.value("shapegate_endpoint_e2e_seconds_count", **endpoint) == 1
+    assert m.value("shapegate_tpot_seconds_count", lane="fast") == 1
+    ok = {"outcome": "ok", "status_class": "2xx"}
+    assert m.value("shapegate_requests_total", lane="fast", **ok) == 1

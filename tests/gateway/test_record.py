@@ -62,7 +62,12 @@ def test_an_admitted_request_logs_one_decision_and_one_finish_with_typed_fields(
     assert finished["event"] == "route.finished" and finished["outcome"] == "ok"
     assert finished["ttft_s"] == 0.5 and finished["chunks"] == 2 and finished["status"] == 200
     m = rec.metrics
-    assert sample(m, "shapegate_requests_total", lane="fast", cluster="fast-a", outcome="ok") == 1
+    ok = {"lane": "fast", "cluster": "fast-a", "outcome": "ok", "status_class": "2xx"}
+    assert sample(m, "shapegate_requests_total", **ok) == 1
+    assert sample(
+        m, "shapegate_endpoint_e2e_seconds_count", cluster="fast-a", endpoint="http://e:1"
+    )
+    assert sample(m, "shapegate_endpoint_ttft_seconds_sum", cluster="fast-a", endpoint="http://e:1")
     assert sample(m, "shapegate_itl_seconds_count", lane="fast", cluster="fast-a") == 1
     assert sample(m, "shapegate_prompt_tokens_sum", lane="fast") == 1234
     assert rec.window.lane_json("fast", record.started + 1)["outcomes"] == {"ok": 1}
@@ -92,9 +97,9 @@ def test_refusals_before_admission_are_rejected_and_logged_once() -> None:
     assert unparsed.outcome == no_lane.outcome == "rejected"
     assert [r["request_id"] for r in rec.snapshot()] == ["r1", "r2"]  # each in the ring once
     m = rec.metrics
-    assert (
-        sample(m, "shapegate_requests_total", lane="none", cluster="none", outcome="rejected") == 2
-    )
+    rejected = {"lane": "none", "cluster": "none", "outcome": "rejected"}
+    assert sample(m, "shapegate_requests_total", status_class="4xx", **rejected) == 1  # 400
+    assert sample(m, "shapegate_requests_total", status_class="5xx", **rejected) == 1  # 503
     assert sample(m, "shapegate_e2e_seconds_count", lane="none", cluster="none") is None
 
 
