@@ -39,14 +39,24 @@ class Engine:
     waiting: float | None = None
     kv_usage: float | None = None
     load_at: float | None = None
+    # From the requests it served (latency.py): TTFT p95 and, when it is an outlier among its
+    # cluster's peers, why. Reported, never a reason to stop routing to it.
+    ttft_p95: float | None = None
+    slow: str | None = None
+    slow_since: float | None = None
 
     def as_json(self, now: float) -> dict[str, Any]:
         """The endpoint as the admin state and the dashboard show it."""
+        slow = self.slow is not None and self.state is EngineState.UP
         return {
             "url": self.url,
-            "state": self.state.value,
-            "evidence": self.evidence,
-            "since": self.changed_at or None,
+            # Up by its probes but an outlier in the requests it serves: slow, with evidence.
+            "state": EngineState.SLOW.value if slow else self.state.value,
+            "evidence": self.slow if slow else self.evidence,
+            "since": (self.slow_since if slow else self.changed_at) or None,
+            "probe_evidence": self.evidence,
+            "slow_evidence": self.slow,
+            "ttft_p95_s": None if self.ttft_p95 is None else round(self.ttft_p95, 4),
             "in_flight": self.in_flight,
             "running": self.running,
             "waiting": self.waiting,

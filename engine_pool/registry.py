@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import anyio
 
 from engine_pool.cluster import Cluster, Engine, EngineState, EngineView
+from engine_pool.latency import Latency, LatencyBook
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +46,8 @@ class EnginePool:
             key: set() for key in self._engines
         }
         self._retired: dict[tuple[str, str], Engine] = {}
+        # What requests measured on each endpoint; judged against its peers (latency.py).
+        self.latency = LatencyBook()
 
     def reconcile(self, clusters: Iterable[Cluster]) -> None:
         """Adopt a new cluster list (a policy reload). Endpoints that stay keep their state and
@@ -58,6 +61,7 @@ class EnginePool:
                 self._scopes[key] = set()
         for key in [k for k in self._engines if k not in wanted]:
             self._retired[key] = self._engines.pop(key)
+        self.latency.forget(wanted)
         self._drop_idle_retired()
 
     def _drop_idle_retired(self) -> None:
@@ -126,6 +130,18 @@ class EnginePool:
             return
         engine.running, engine.waiting, engine.kv_usage = running, waiting, kv_usage
         engine.load_at = time.time()
+
+    def set_latency(self, cluster: str, url: str, latency: Latency) -> bool:
+        """Record an endpoint's judged latency; True when it turned slow or recovered."""
+        engine = self._engines.get((cluster, url))
+        if engine is None:
+            return False
+        engine.ttft_p95 = latency.ttft_p95
+        changed = (engine.slow is None) != (latency.slow is None)
+        if changed:
+            engine.slow_since = time.time() if latency.slow is not None else None
+        engine.slow = latency.slow
+        return changed
 
     @contextmanager
     def track(self, cluster: str, url: str, scope: anyio.CancelScope) -> Iterator[Engine]:

@@ -28,7 +28,7 @@ from engine_pool.monitor import EngineMonitor
 from engine_pool.registry import EnginePool
 from gateway.admission import Admission
 from gateway.auth import ClientAuth
-from gateway.engines import EngineEvents, probe_plans
+from gateway.engines import EngineEvents, probe_plans, watch_latency
 from gateway.exchange import Receive, Scope, Send
 from gateway.log import Logger, get_logger, swallowed
 from gateway.metrics import Metrics
@@ -106,6 +106,7 @@ class Gateway:
                 log,
                 ring_size=settings.server.decision_ring_size,
                 trace_file=settings.state.trace_file,
+                latency=pool.latency,
             ),
         )
         monitor = EngineMonitor(pool, probe_plans(settings), EngineEvents(settings, metrics, log))
@@ -226,6 +227,7 @@ def create_app(
         )
         async with anyio.create_task_group() as background:
             background.start_soon(gateway.run_monitor)
+            background.start_soon(watch_latency, gateway.pool, gateway.metrics, gateway.log)
             if settings.server.boot_probe:
                 background.start_soon(gateway.probe.run_until_ready)
             if gateway.recorder.trace is not None:

@@ -12,11 +12,20 @@ an alert that evicts nothing); load gauges. Every failed probe and scrape counts
 engine's news (its state change is logged once), not an error of ours. Only a scrape failing
 while the engine is known alive (it answers probes) is unexpected: that one is also a swallowed
 error, logged when the endpoint's scrapes start failing, not on every interval.
+
+``watch_latency`` judges, every ``JUDGE_INTERVAL_S``, each endpoint's request latencies against
+its cluster's peers (engine_pool/latency.py): ``engine.slow_requests`` (warning, with evidence)
+when one turns slow, ``engine.slow_recovered`` when it no longer is, ``shapegate_engine_slow``.
 """
 
 from __future__ import annotations
 
+import time
+
+import anyio
+
 from engine_pool.health import Thresholds
+from engine_pool.latency import judge
 from engine_pool.monitor import (
     LoadRead,
     MonitorEvent,
@@ -25,7 +34,7 @@ from engine_pool.monitor import (
     ScrapeFailed,
     SlowProbe,
 )
-from engine_pool.registry import StateChange
+from engine_pool.registry import EnginePool, StateChange
 from gateway.log import Logger, swallowed
 from gateway.metrics import Metrics
 from gateway.settings import HealthSettings, LaneSettings, Settings
@@ -149,3 +158,27 @@ class EngineEvents:
                     cluster=event.cluster,
                     endpoint=event.url,
                 )
+
+
+# How often endpoints' request latencies are judged against their peers (O(samples) a round).
+JUDGE_INTERVAL_S = 5.0
+
+
+def judge_latency(pool: EnginePool, metrics: Metrics, log: Logger) -> None:
+    """One round: each endpoint's TTFT p95 and slow state from the requests it served."""
+    for (cluster, url), latency in judge(pool.latency, time.monotonic()).items():
+        if pool.set_latency(cluster, url, latency):
+            if latency.slow is not None:
+                log.warning(
+                    "engine.slow_requests", cluster=cluster, endpoint=url, evidence=latency.slow
+                )
+            else:
+                log.info("engine.slow_recovered", cluster=cluster, endpoint=url)
+        metrics.engine_slow.labels(cluster=cluster, endpoint=url).set(latency.slow is not None)
+
+
+async def watch_latency(pool: EnginePool, metrics: Metrics, log: Logger) -> None:
+    """``judge_latency`` every ``JUDGE_INTERVAL_S``; slow is reported, routing is unchanged."""
+    while True:
+        await anyio.sleep(JUDGE_INTERVAL_S)
+        judge_latency(pool, metrics, log)

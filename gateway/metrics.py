@@ -244,6 +244,12 @@ class Metrics:
             buckets=DRIFT_BUCKETS,
             registry=r,
         )
+        self.engine_slow = Gauge(
+            "shapegate_engine_slow",
+            "1 while the endpoint's TTFT or time per token is an outlier among its peers.",
+            ["cluster", "endpoint"],
+            registry=r,
+        )
         self.engine_check_failures = Counter(
             "shapegate_engine_check_failures",
             "Failed health probes and metrics scrapes (an engine's failures, not the gateway's).",

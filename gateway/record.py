@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from engine_pool.latency import LatencyBook
 from gateway.admission import Grant
 from gateway.dashboard.stats import RollingWindow
 from gateway.drift import DriftWatch
@@ -186,8 +187,10 @@ class Recorder:
         log: Logger,
         ring_size: int,
         trace_file: str | None = None,
+        latency: LatencyBook | None = None,
     ) -> None:
         self.metrics = metrics
+        self.latency = latency
         self.log = log
         self.recent: deque[Record] = deque(maxlen=ring_size)
         self.trace = TraceWriter(Path(trace_file)) if trace_file else None
@@ -311,8 +314,22 @@ class Recorder:
                 output, source = record.output_tokens_estimate, "sse_estimate"
             if output is not None:
                 m.child(m.output_tokens, lane, source).observe(output)
-                if record.chunks > 1 and output > 1 and record.ttft_s is not None:
-                    m.child(m.tpot, lane).observe((duration - record.ttft_s) / (output - 1))
+            per_token = None
+            if output and output > 1 and record.chunks > 1 and record.ttft_s is not None:
+                per_token = (duration - record.ttft_s) / (output - 1)
+                m.child(m.tpot, lane).observe(per_token)
+            # Streamed answers only: a non-streamed one's first byte is its last.
+            if (
+                self.latency is not None
+                and record.routed is not None
+                and record.routed.stream
+                and record.outcome == "ok"
+                and record.ttft_s is not None
+                and record.prompt_tokens is not None
+            ):
+                self.latency.observe(
+                    cluster, url, record.prompt_tokens, record.ttft_s, per_token, time.monotonic()
+                )
             # A trace line holds tokens or nothing: never a bound standing in for them.
             if self.trace is not None and record.routed and record.prompt_tokens is not None:
                 routed = record.routed

@@ -10,8 +10,13 @@ from contextlib import AsyncExitStack
 from typing import Any
 
 import httpx
+import pytest
 from structlog.testing import capture_logs
 
+from engine_pool.sim.counting import RegistryCounter
+from engine_pool.sim.server import run_sim
+from gateway import engines
+from gateway.tokens import TokenCounter
 from tests.conftest import lanes_config
 from tests.support.fake_engine import FakeEngine
 from tests.support.prom import parse
@@ -277,3 +282,45 @@ async def test_an_engine_alive_whose_metrics_fail_is_still_a_swallowed_error(
     # Logged once per endpoint (the engine serves both clusters here), counted every time.
     assert sorted(line["cluster"] for line in lines) == ["fast", "heavy"]
     assert {line["decision"] for line in lines} == {"route_without_load"}
+
+
+async def test_an_engine_slow_to_first_token_among_its_peers_is_shown_slow_and_still_routed(
+    counter: TokenCounter, gateway_at: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(engines, "JUDGE_INTERVAL_S", 0.1)
+    shared = RegistryCounter(counter, "qwen3.6")
+    async with (
+        run_sim("h100-fast", time_scale=0.05, counter=shared, seed=1) as good,
+        run_sim("h100-fast", time_scale=0.05, counter=shared, seed=2) as slow,
+    ):
+        await slow.set_faults({"first_byte_delay_s": 0.8})  # probes still answer at once
+        config = lanes_config([good.url, slow.url], [good.url])
+        async with gateway_at(config) as (url, _), httpx.AsyncClient(base_url=url) as client:
+            with capture_logs() as logs:
+                for _ in range(6):  # in pairs, so least-in-flight spreads them over both
+                    pair = [chat(stream=True, max_tokens=4) for _ in range(2)]
+                    replies = await asyncio.gather(
+                        *(client.post("/v1/chat/completions", json=p) for p in pair)
+                    )
+                    assert [r.status_code for r in replies] == [200, 200]
+                await wait_for(is_state(client, url, slow.url, "slow"), timeout=5)
+                state = (await client.get("/admin/state")).json()
+                metrics = parse((await client.get("/metrics")).text)
+                # Slow is shown, never a reason to stop routing: both still take requests.
+                before = len(slow.requests())
+                for _ in range(3):
+                    pair = [chat(stream=True, max_tokens=4) for _ in range(2)]
+                    await asyncio.gather(
+                        *(client.post("/v1/chat/completions", json=p) for p in pair)
+                    )
+                assert len(slow.requests()) > before
+    fast = next(c for c in state["clusters"] if c["name"] == "fast")
+    shown = {e["url"]: e for e in fast["endpoints"]}
+    assert shown[good.url]["state"] == "up" and shown[good.url]["slow_evidence"] is None
+    evidence = shown[slow.url]["evidence"]
+    assert evidence.startswith("TTFT median") and "1 peer" in evidence
+    assert shown[slow.url]["ttft_p95_s"] >= 0.8 > shown[good.url]["ttft_p95_s"]
+    assert metrics.value("shapegate_engine_slow", endpoint=slow.url) == 1
+    assert metrics.value("shapegate_engine_slow", endpoint=good.url) == 0
+    warned = [e for e in logs if e["event"] == "engine.slow_requests"]
+    assert [e["endpoint"] for e in warned] == [slow.url]
