@@ -247,7 +247,7 @@ class Pipeline:
                 self.pool.track(grant.cluster, grant.url, engine_down) as engine,
             ):
                 cluster = settings.cluster(grant.cluster)
-                exact = ExactCount.start(policy.counter, count)
+                exact = ExactCount(policy.counter, count)
                 try:
                     await self._forward(
                         request,
@@ -262,7 +262,7 @@ class Pipeline:
                         record,
                     )
                 finally:
-                    record.prompt_tokens = exact.settle(self.log, self.metrics, record.request_id)
+                    record.prompt_tokens = exact.settle()
                 self.recorder.engine_counted(record, model.name, model.tokenizer.chat_template)
             if engine_down.cancelled_caught and not out.finished:
                 raise UpstreamError(f"engine was marked down mid-request: {engine.evidence}")
@@ -296,7 +296,7 @@ class Pipeline:
         if exact.bound is not None:
             ours["x-shapegate-prompt-tokens-bound"] = str(exact.bound)
         url = grant.url.rstrip("/") + UPSTREAM_PATH[request.endpoint]
-        async with self.upstream.open(url, body, headers, watch) as response:
+        async with self.upstream.open(url, body, headers, watch, exact.meanwhile) as response:
             record.status = response.status
             # Counted while the engine worked: done by now, so the header carries tokens.
             ours["x-shapegate-prompt-tokens"] = str(await exact.tokens())

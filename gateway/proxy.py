@@ -1,8 +1,10 @@
 """Forwarding to an engine and relaying its bytes back, unchanged.
 
 Contract:
-- ``Upstream.open(url, body, headers, watch)`` sends the client's original body bytes (never a
-  re-serialisation) and yields an ``UpstreamResponse`` once the engine answered with headers. It
+- ``Upstream.open(url, body, headers, watch, meanwhile)`` sends the client's original body bytes
+  (never a re-serialisation) and yields an ``UpstreamResponse`` once the engine answered with
+  headers; ``meanwhile`` (optional, synchronous) runs once the request is written, before the
+  wait for the answer: work that overlaps the engine's instead of delaying the request. It
   raises ``UpstreamError`` (502) for a refused, reset or otherwise failed connection and
   ``DeadlineHit`` (504) for a connect or first-byte deadline.
 - Leaving the ``async with`` always closes the upstream response: a response read to its end
@@ -24,7 +26,7 @@ requests (encode/httpcore#1093): taking a connection and owning it happen with n
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -142,7 +144,12 @@ class Upstream:
 
     @asynccontextmanager
     async def open(
-        self, url: str, body: bytes, headers: Mapping[str, str], watch: Watch
+        self,
+        url: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        watch: Watch,
+        meanwhile: Callable[[], None] | None = None,
     ) -> AsyncIterator[UpstreamResponse]:
         try:
             origin, target = Origin.of(url)
@@ -156,6 +163,8 @@ class Upstream:
                     conn = await self._pool.request(origin, head, body, watch.deadlines.connect_s)
                 except TimeoutError as exc:
                     raise DeadlineHit("connect", watch.deadlines.connect_s) from exc
+                if meanwhile is not None:
+                    meanwhile()  # the request is written: this overlaps the engine's work
                 status, response_headers = await conn.headers()
         except (OSError, ConnectionLost, PoolTimeout) as exc:
             self._close(conn)

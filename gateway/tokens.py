@@ -199,17 +199,35 @@ class TokenCounter:
             return count
         return await self._exact(count.plan, time.perf_counter())
 
+    def exact_now(self, count: TokenCount) -> TokenCount | None:
+        """``exact(count)`` when it can be had inline (the missing pieces small and the encoder
+        free), else None: then ``exact`` finishes it in the worker."""
+        if count.method != "bound" or count.plan is None:
+            return count
+        started, plan = time.perf_counter(), count.plan
+        counts, misses, keys = self._lookup(plan)
+        if misses:
+            found = self._count_inline(plan, misses)
+            if found is None:
+                return None
+            self._store(counts, misses, keys, found)
+        return self._total(plan, counts, "exact" if misses else "cache", started)
+
+    def _count_inline(self, plan: _Plan, misses: list[int]) -> list[int] | None:
+        texts = [plan.pieces[i] for i in misses]
+        if self._executor is None:
+            return plan.vocab.encoder.count_many(texts)
+        if sum(len(text) for text in texts) <= INLINE_MAX_CHARS:
+            return plan.vocab.encoder.try_count_many(texts)  # None while a worker holds it
+        return None
+
     async def _exact(self, plan: _Plan, started: float) -> TokenCount:
         counts, misses, keys = self._lookup(plan)
         if misses:
-            texts = [plan.pieces[i] for i in misses]
-            found = None
-            if self._executor is None:
-                found = plan.vocab.encoder.count_many(texts)
-            elif sum(len(text) for text in texts) <= INLINE_MAX_CHARS:
-                found = plan.vocab.encoder.try_count_many(texts)  # None while a worker holds it
+            found = self._count_inline(plan, misses)
             if found is None:
                 loop = asyncio.get_running_loop()
+                texts = [plan.pieces[i] for i in misses]
                 found = await loop.run_in_executor(
                     self._executor, plan.vocab.encoder.count_many, texts
                 )
@@ -349,7 +367,7 @@ class TokenCounter:
     ) -> TokenCount:
         seconds = time.perf_counter() - started
         if self._metrics is not None:
-            self._metrics.count_seconds.labels(method=method).observe(seconds)
+            self._metrics.child(self._metrics.count_seconds, method).observe(seconds)
         return TokenCount(int(tokens), method, tokenizer, prompt_bytes, seconds, plan)
 
 

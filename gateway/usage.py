@@ -1,13 +1,15 @@
 """The token figures of one request: our exact prompt count and what the engine reports.
 
 Contract:
-- ``ExactCount.start(counter, count)``: when the lane was decided by the free UTF-8 bound, the
-  exact count is finished by a task started just before the request goes to the engine, so it
-  runs while the engine works (off the request's critical path); ``await tokens()`` before the
-  response headers go out (by then it has long finished: a small prompt costs microseconds when
-  cached, well under a millisecond when not). A count that was exact already costs nothing.
-  ``settle()`` at the end gives the figure if known and cancels a count still running, so no
-  task outlives its request; a count that failed is reported through ``swallowed``.
+- ``ExactCount(counter, count)``: when the lane was decided by the free UTF-8 bound, the exact
+  count is finished from the plan the bound kept, by ``meanwhile()``, which the proxy calls once
+  the request is written to the engine and before it waits for the answer: it runs while the
+  engine works, off the request's critical path, inline (a small prompt costs microseconds when
+  its pieces are cached, well under a millisecond when not; no task, which would cost more than
+  the count). ``await tokens()`` before the response headers go out; only a count that needs
+  the worker (large uncached pieces, or the encoder busy) waits there. ``settle()`` at the end
+  gives the figure (a request whose engine was never reached gets it there). A count that was
+  exact already costs nothing.
 - ``engine_usage(payload)``: ``usage.prompt_tokens`` and ``usage.completion_tokens`` from a
   JSON body or the last SSE event that carries usage (None for each where absent).
 - ``sse_events(chunk)``: the SSE data events in a relayed chunk, for an output-token estimate
@@ -17,13 +19,10 @@ Contract:
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
 import orjson
 
-from gateway.log import Logger, swallowed
-from gateway.metrics import Metrics
 from gateway.tokens import TokenCount, TokenCounter
 
 
@@ -58,51 +57,32 @@ def sse_events(chunk: bytes) -> int:
 
 
 class ExactCount:
-    """Our exact prompt count, finished while the engine works when the bound decided."""
+    """Our exact prompt count; when the bound decided the lane, finished while the engine works."""
 
-    __slots__ = ("_count", "_task", "bound", "decided_by")
+    __slots__ = ("_count", "_counter", "bound", "decided_by")
 
-    def __init__(self, count: TokenCount, task: asyncio.Task[TokenCount] | None) -> None:
+    def __init__(self, counter: TokenCounter, count: TokenCount) -> None:
+        self._counter = counter
         self._count = count
-        self._task = task
         # The figure the lane was decided by, and the UTF-8 bound when that was it (a bound is
         # never to be reported as tokens).
         self.decided_by = count.tokens
         self.bound = count.tokens if count.exact is None else None
 
-    @classmethod
-    def start(cls, counter: TokenCounter, count: TokenCount) -> ExactCount:
-        if count.exact is not None:
-            return cls(count, None)
-        return cls(count, asyncio.get_running_loop().create_task(counter.exact(count)))
+    def meanwhile(self) -> None:
+        """The request is on its way to the engine: count now, inline, when that is possible."""
+        if self._count.exact is None:
+            self._count = self._counter.exact_now(self._count) or self._count
 
     async def tokens(self) -> int:
-        task, self._task = self._task, None
-        if task is not None:
-            self._count = await task
+        """The exact count, finished in the counting worker if ``meanwhile`` could not."""
+        if self._count.exact is None:
+            self._count = await self._counter.exact(self._count)
         assert self._count.exact is not None
         return self._count.exact
 
-    def settle(self, log: Logger, metrics: Metrics, request_id: str) -> int | None:
-        """The exact count if it finished; one still running is cancelled (None)."""
-        task, self._task = self._task, None
-        if task is None:
-            return self._count.exact
-        if not task.done():
-            task.cancel()
-            return None
-        if task.cancelled():
-            return None
-        exc = task.exception()
-        if exc is not None:
-            swallowed(
-                log,
-                metrics,
-                "usage.exact_count",
-                exc,
-                "prompt_tokens_unknown",
-                request_id=request_id,
-            )
-            return None
-        self._count = task.result()
+    def settle(self) -> int | None:
+        """The exact count at the request's end (None only if it needed the worker and the
+        request ended before it could wait for it)."""
+        self.meanwhile()
         return self._count.exact

@@ -18,6 +18,7 @@ from gateway.trace import read_trace
 from gateway.usage import engine_usage, sse_events
 from tests.conftest import chat, lanes_config
 from tests.support.prom import parse
+from tests.support.servers import free_port
 
 # ChatML renders this as 15 Qwen3.6 tokens; its UTF-8 bound is 75.
 QUESTION = "What is the capital of France?"
@@ -112,3 +113,14 @@ def test_engine_usage_reads_json_bodies_and_the_last_sse_usage_event() -> None:
     assert (engine_usage(stream).prompt_tokens, engine_usage(stream).completion_tokens) == (9, 1)
     assert engine_usage(b'data: {"choices":[]}\n\n').prompt_tokens is None
     assert sse_events(stream) == 2
+
+
+async def test_a_request_whose_engine_refused_still_logs_its_exact_count(gateway_at: Any) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: connection refused
+    async with gateway_at(lanes_config([dead], [dead])) as (url, _):
+        async with httpx.AsyncClient(base_url=url) as client:
+            with capture_logs() as logs:
+                r = await client.post("/v1/chat/completions", json=chat(QUESTION))
+    assert r.status_code == 502
+    finished = next(e for e in logs if e["event"] == "route.finished")
+    assert finished["outcome"] == "upstream_error" and finished["prompt_tokens"] == 15
