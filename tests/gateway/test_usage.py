@@ -15,10 +15,9 @@ from engine_pool.sim.server import run_sim
 from gateway.protocol import parse_request
 from gateway.tokens import TokenCounter
 from gateway.trace import read_trace
-from gateway.usage import engine_usage, sse_events
+from gateway.usage import ExactCount, engine_usage, sse_events
 from tests.conftest import chat, lanes_config
 from tests.support.prom import parse
-from tests.support.servers import free_port
 
 # ChatML renders this as 15 Qwen3.6 tokens; its UTF-8 bound is 75.
 QUESTION = "What is the capital of France?"
@@ -115,12 +114,16 @@ def test_engine_usage_reads_json_bodies_and_the_last_sse_usage_event() -> None:
     assert sse_events(stream) == 2
 
 
-async def test_a_request_whose_engine_refused_still_logs_its_exact_count(gateway_at: Any) -> None:
-    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: connection refused
-    async with gateway_at(lanes_config([dead], [dead])) as (url, _):
-        async with httpx.AsyncClient(base_url=url) as client:
-            with capture_logs() as logs:
-                r = await client.post("/v1/chat/completions", json=chat(QUESTION))
-    assert r.status_code == 502
-    finished = next(e for e in logs if e["event"] == "route.finished")
-    assert finished["outcome"] == "upstream_error" and finished["prompt_tokens"] == 15
+async def test_exact_count_finishes_meanwhile_or_at_the_latest_when_settled(
+    counter: TokenCounter,
+) -> None:
+    prompt = parse_request("chat", orjson.dumps(chat(QUESTION))).prompt
+    bound = await counter.count("qwen3.6", prompt, exact_above=2000)
+    overlapped = ExactCount(counter, bound)
+    assert (overlapped.bound, overlapped.decided_by) == (bound.tokens, bound.tokens)
+    overlapped.meanwhile()  # what the proxy calls once the request is written
+    assert await overlapped.tokens() == 15
+    # A request that never reached its engine (refused, say) still reports tokens.
+    assert ExactCount(counter, bound).settle() == 15
+    exact = await counter.count("qwen3.6", prompt, exact_above=0)
+    assert ExactCount(counter, exact).bound is None and ExactCount(counter, exact).settle() == 15
