@@ -254,3 +254,78 @@ async def test_with_a_token_the_page_asks_for_it_and_reads_it_from_the_fragment(
             )
             assert lanes == ["fast", "heavy"]
             assert page.errors == []
+
+
+# Everything inside a lane card stays inside it (no value spills out, no stat scrolls), the
+# engines table needs no horizontal scroll, and neither does the page.
+OVERFLOW = """(() => {
+  const bad = [];
+  const px = (r) => `${Math.round(r.left)}..${Math.round(r.right)}`;
+  for (const card of document.querySelectorAll('.lane')) {
+    const box = card.getBoundingClientRect();
+    for (const el of card.querySelectorAll('*')) {
+      const r = el.getBoundingClientRect();
+      if (r.width && (r.right > box.right + 0.5 || r.left < box.left - 0.5)) {
+        bad.push(`lane ${card.dataset.lane}: <${el.tagName.toLowerCase()} class="${el.className}">`
+          + ` "${el.textContent.slice(0, 30)}" at ${px(r)} outside the card ${px(box)}`);
+      }
+    }
+    for (const el of card.querySelectorAll('.stat, .stat .v, .lane-head, .chart-head')) {
+      if (el.scrollWidth > el.clientWidth + 1) {
+        bad.push(`lane ${card.dataset.lane}: .${el.className} holds ${el.scrollWidth}px in `
+          + `${el.clientWidth}px`);
+      }
+    }
+  }
+  const engines = document.querySelector('#engines').closest('.scroll');
+  if (engines.scrollWidth > engines.clientWidth + 1) {
+    bad.push(`engines table is ${engines.scrollWidth}px wide in ${engines.clientWidth}px`);
+  }
+  const page = document.documentElement;
+  if (page.scrollWidth > window.innerWidth) bad.push('the page scrolls sideways');
+  return bad;
+})()"""
+
+
+@pytest.mark.parametrize("width", [1280, 1440])
+async def test_dashboard_is_readable_without_horizontal_overflow(
+    counter: TokenCounter, gateway_at: Any, width: int
+) -> None:
+    async with engines(counter) as sims:
+        fast = [s.url for s in sims[:2]]
+        heavy = [s.url for s in sims[2:]]
+        async with gateway_at(policy(fast, heavy)) as (url, _settings):
+            stop = asyncio.Event()
+            load = asyncio.create_task(traffic(url, stop, []))
+            try:
+                async with chromium(width, 900) as page:
+                    await page.goto(url + "/dashboard")
+                    await page.wait_for("document.body.dataset.ready === 'true'")
+                    await page.wait_for(LANES_FILLED)
+                    # Engines carry their load and a TTFT p95 once requests came back.
+                    await page.wait_for(
+                        "[...document.querySelectorAll('#engines tbody tr td:last-child')]"
+                        ".filter(td => td.textContent !== 'never').length === 4"
+                    )
+                    await page.wait_for(
+                        "[...document.querySelectorAll('#engines tbody tr td.ttft')]"
+                        ".filter(td => td.textContent !== '—').length >= 2"
+                    )
+                    # Big numbers too: a heavy TTFT of minutes in every percentile slot.
+                    await asyncio.sleep(2.0)
+                    problems = await page.evaluate(OVERFLOW)
+                    await page.screenshot(artifact_dir() / f"dashboard-{width}.png", width)
+                    assert problems == []
+                    assert page.errors == []
+                    # The check sees an overflow when there is one (before the next refresh).
+                    seen = await page.evaluate(
+                        "(() => { document.querySelector('[data-lane=fast] .stat .v')"
+                        ".textContent = '9'.repeat(90);"
+                        " document.querySelector('#engines tbody td.mono')"
+                        ".textContent = 'x'.repeat(400); return " + OVERFLOW + "; })()"
+                    )
+                    assert any(p.startswith("lane fast") for p in seen), seen
+                    assert any(p.startswith("engines table") for p in seen), seen
+            finally:
+                stop.set()
+                await asyncio.gather(load, return_exceptions=True)

@@ -200,28 +200,37 @@
       ctx.strokeStyle = s.color; ctx.lineWidth = k === 0 ? 1.6 : 1.2;
       ctx.globalAlpha = s.dim ? 0.75 : 1;
       ctx.setLineDash(s.dash ? [3, 2] : []);
-      let open = false, lone = [];
-      ctx.beginPath();
+      // Contiguous runs of samples; a gap (no sample) is never bridged by a ramp. A gauge
+      // (s.step) holds its value until the next sample: drawn as steps, not slopes.
+      const runs = [];
+      let run = null;
       for (let i = 0; i < n; i++) {
         const v = s.values[i];
-        if (v === null || v === undefined) { open = false; continue; }
-        const prevNull = i === 0 || s.values[i - 1] === null;
-        const nextNull = i === n - 1 || s.values[i + 1] === null || s.values[i + 1] === undefined;
-        if (prevNull && nextNull) lone.push([x(i), y(v)]);
-        if (open) ctx.lineTo(x(i), y(v)); else { ctx.moveTo(x(i), y(v)); open = true; }
+        if (v === null || v === undefined) { run = null; continue; }
+        if (!run) { run = []; runs.push(run); }
+        run.push([x(i), y(v)]);
       }
+      const trace = (pts) => {
+        ctx.moveTo(pts[0][0], pts[0][1]);
+        for (let j = 1; j < pts.length; j++) {
+          if (s.step) ctx.lineTo(pts[j][0], pts[j - 1][1]);
+          ctx.lineTo(pts[j][0], pts[j][1]);
+        }
+      };
+      ctx.beginPath();
+      for (const pts of runs) trace(pts);
       ctx.stroke();
       ctx.fillStyle = s.color;
-      for (const [px, py] of lone) { ctx.beginPath(); ctx.arc(px, py, 1.8, 0, 7); ctx.fill(); }
+      for (const pts of runs) {
+        if (pts.length === 1) { ctx.beginPath(); ctx.arc(pts[0][0], pts[0][1], 1.8, 0, 7); ctx.fill(); }
+      }
       if (k === 0 && s.fill) {
-        ctx.globalAlpha = 0.12; ctx.beginPath(); let started = false, first = 0, lastX = 0;
-        for (let i = 0; i < n; i++) {
-          const v = s.values[i];
-          if (v === null || v === undefined) continue;
-          if (!started) { ctx.moveTo(x(i), y(0)); first = x(i); started = true; }
-          ctx.lineTo(x(i), y(v)); lastX = x(i);
+        ctx.globalAlpha = 0.12;
+        for (const pts of runs) {
+          if (pts.length < 2) continue;
+          ctx.beginPath(); trace(pts);
+          ctx.lineTo(pts[pts.length - 1][0], y(0)); ctx.lineTo(pts[0][0], y(0)); ctx.fill();
         }
-        if (started) { ctx.lineTo(lastX, y(0)); ctx.lineTo(first, y(0)); ctx.fill(); }
       }
       ctx.globalAlpha = 1; ctx.setLineDash([]); ctx.lineWidth = 1;
     });
@@ -260,6 +269,8 @@
     const unrouted = Object.values(d.unrouted || {}).reduce((a, b) => a + b, 0);
     const down = d.clusters.flatMap((c) => c.endpoints).filter((e) => e.state === 'down').length;
     const slow = d.clusters.flatMap((c) => c.endpoints).filter((e) => e.state === 'slow').length;
+    const drifted = (d.count_drift || []).filter((x) => x.drifted > 0);
+    const compared = (d.count_drift || []).reduce((a, x) => a + x.compared, 0);
     $('pills').replaceChildren(...present(
       pill('', d.accepting ? 'accepting' : 'draining', d.accepting ? 'ok' : 'bad'),
       pill('in flight', num(d.in_flight)),
@@ -267,6 +278,11 @@
         'slot store backend'),
       pill('engines down', String(down), down ? 'bad' : 'ok'),
       slow ? pill('slow', String(slow), 'warn') : null,
+      drifted.length
+        ? pill('count drift', drifted.map((x) => `${x.model} ${x.route} ${x.last_drift > 0 ? '+' : ''}${x.last_drift}`).join(' · '), 'bad',
+          drifted.map((x) => `${x.model} ${x.route}: ours ${x.last_ours}, engine ${x.last_theirs} `
+            + `(${x.drifted} of ${x.compared} requests; tokenizer ${x.tokenizer}, template ${x.template})`).join('\n'))
+        : compared ? pill('count drift', '0', 'ok', `our prompt counts match the engines' usage on ${compared} requests`) : null,
       pill('swallowed', num(sw), sw ? 'warn' : ''),
       pill('watchdog', num(wd), wd ? 'warn' : ''),
       unrouted ? pill('no lane', num(unrouted), 'warn', 'requests rejected before a lane was chosen (5 min)') : null,
@@ -355,8 +371,8 @@
       const s = Object.fromEntries(Object.entries(all).map(([k, v]) => [k, v.slice(first)]));
       const at = d.generated_at, t = lane.series_t.slice(first);
       setChart(c.charts.slots, { t, at, limit: lane.slot_limit, series: [
-        { label: 'slots', values: s.slots, color, fill: true },
-        { label: 'queue', values: s.queue, color: '#f5b83d' }] });
+        { label: 'slots', values: s.slots, color, fill: true, step: true },
+        { label: 'queue', values: s.queue, color: '#f5b83d', step: true }] });
       setChart(c.charts.rate, { t, at, series: [
         { label: 'done', values: s.rate, color, fill: true },
         { label: 'failed', values: s.failed, color: '#ff5f5f' }] });
@@ -373,6 +389,9 @@
   }
 
   // ---------- engines ----------
+  function hostPort(url) {
+    try { return new URL(url).host; } catch { return url; }
+  }
   function renderEngines(d) {
     const rows = [];
     let up = 0, total = 0;
@@ -386,17 +405,18 @@
           bar.firstChild.style.width = `${Math.min(100, kv * 100)}%`;
           return h('span', null, bar, ` ${(kv * 100).toFixed(0)}%`);
         })();
+        const pair = (a, b) => `${num(a)} / ${num(b)}`;
         rows.push(h('tr', null,
           h('td', null, i === 0 ? h('b', { text: cl.name }) : '', i === 0 ? h('span', { class: 'faint', text: ` ${cl.kind}` }) : ''),
-          h('td', { class: 'mono', text: e.url }),
-          h('td', null, h('span', { class: `chip ${cls}`, text: e.state }),
-            e.since ? h('span', { class: 'faint', text: ` ${dur(d.generated_at - e.since)}`, title: 'since the last state change' }) : ''),
-          h('td', { class: 'wrap', text: e.evidence }),
-          h('td', { class: 'n', text: num(e.in_flight) }),
-          h('td', { class: 'n', text: num(e.slots_in_use) }),
-          h('td', { class: 'n', text: num(e.running) }),
-          h('td', { class: 'n', text: num(e.waiting) }),
+          h('td', { class: 'mono', text: hostPort(e.url), title: e.url }),
+          h('td', { class: 'wrap' },
+            h('span', { class: `chip ${cls}`, text: e.state }),
+            e.since ? h('span', { class: 'faint', text: ` ${dur(d.generated_at - e.since)}`, title: 'since the last state change' }) : '',
+            h('div', { class: 'evidence', text: e.evidence })),
+          h('td', { class: 'n', text: pair(e.in_flight, e.slots_in_use), title: 'in flight / slots held' }),
+          h('td', { class: 'n', text: pair(e.running, e.waiting), title: "the engine's running / waiting" }),
           h('td', null, kvEl),
+          h('td', { class: `n ttft${e.slow_evidence ? ' warn' : ''}`, text: dur(e.ttft_p95_s), title: e.slow_evidence || undefined }),
           h('td', { class: 'n dim', text: e.load_age_s === null ? 'never' : dur(e.load_age_s) })));
       });
     }
@@ -453,9 +473,11 @@
     return true;
   }
   function why(row, lanes) {
-    if (row.prompt_tokens === null || row.prompt_tokens === undefined) return row.error || '—';
+    const known = row.prompt_tokens ?? row.prompt_tokens_bound;
+    if (known === null || known === undefined) return row.error || '—';
     const lane = lanes.find((l) => l.name === row.lane);
-    const tok = `${row.count_method === 'bound' ? '≤ ' : ''}${num(row.prompt_tokens)}`;
+    // The bound decided: "≤ bound" (in bytes, an upper bound on tokens), never called tokens.
+    const tok = row.count_method === 'bound' ? `≤ ${num(row.prompt_tokens_bound)}` : num(known);
     if (!lane) return `${tok} tok: ${row.reason}`;
     const range = `[${num(lane.min_prompt_tokens)}, ${num(lane.max_prompt_tokens)})`;
     return `${tok} ∈ ${range}${row.reason && row.reason !== 'in_range' ? ` · ${row.reason}` : ''}`;
@@ -474,7 +496,8 @@
         h('td', { class: 'id', text: r.request_id, title: r.request_id }),
         h('td', { text: r.model ?? '—' }),
         h('td', { class: 'n', text: bytes(r.body_bytes) }),
-        h('td', { class: 'n', text: num(r.prompt_tokens) }),
+        h('td', { class: 'n', text: num(r.prompt_tokens),
+          title: r.count_drift ? `the engine counted ${num(r.engine_prompt_tokens)} (drift ${r.count_drift > 0 ? '+' : ''}${r.count_drift})` : undefined }),
         h('td', null, r.count_method ? h('span', { class: 'chip method', text: r.count_method, title: r.count_ms !== null ? `${r.count_ms} ms to count` : undefined }) : '—'),
         h('td', null, h('span', { class: 'chip lane', '--lane': laneColor(laneName), text: laneName })),
         h('td', { class: 'why', text: why(r, d.lanes) }),
