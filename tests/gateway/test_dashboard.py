@@ -140,11 +140,14 @@ async def _finished(client: httpx.AsyncClient, ids: set[str]) -> dict[str, Any] 
 
 async def test_down_engine_deadlines_and_swallowed_errors_are_listed(gateway_at: Any) -> None:
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: refused at once
-    async with serve_asgi(FakeEngine()) as engine:
+    alive = FakeEngine()
+    alive.metrics_status = 404  # answers probes, not /metrics: that scrape failure is unexpected
+    async with serve_asgi(alive) as engine:
         config = lanes_config([engine], [dead])
         fast_lane, heavy_lane = config["lanes"]
         fast_lane["timeouts"] = {"connect_s": 1, "first_byte_s": 0.3, "idle_s": 5, "total_s": 9}
-        heavy_lane["health"] = {"interval_s": 0.1, "timeout_s": 1, "scrape_interval_s": 0.1}
+        quick = {"interval_s": 0.1, "timeout_s": 1, "scrape_interval_s": 0.1}
+        fast_lane["health"] = heavy_lane["health"] = quick
         async with (
             gateway_at(config) as (url, _),
             httpx.AsyncClient(base_url=url, timeout=30) as client,
@@ -175,7 +178,9 @@ async def test_down_engine_deadlines_and_swallowed_errors_are_listed(gateway_at:
     swallowed = next(e for e in data["events"] if e["kind"] == "swallowed")
     assert swallowed["where"] == "load.scrape"
     assert swallowed["decision"] == "route_without_load"
-    assert swallowed["fields"]["endpoint"] == dead
+    assert swallowed["fields"]["endpoint"] == engine
+    # The dead engine's failed checks are its own news, not swallowed errors.
+    assert all(e["fields"].get("endpoint") != dead for e in data["events"])
     assert data["totals"]["watchdog"]["first_byte"] == 1
     assert data["totals"]["swallowed"]["load.scrape"] >= 1
     row = next(r for r in data["decisions"] if r["request_id"] == "hangs-1")
