@@ -154,7 +154,7 @@ async def test_the_gateway_answers_within_5s_after_thousands_of_cancellations(
         made.append(Upstream(metrics, log, max_connections=16))
         return made[-1]
 
-    monkeypatch.setattr("gateway.app.Upstream", small_pool)
+    monkeypatch.setattr("gateway.services.Upstream", small_pool)
     engine = FakeEngine()
     async with serve_asgi(engine) as engine_url:
         config = lanes_config([engine_url], [engine_url])
