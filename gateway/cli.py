@@ -18,7 +18,7 @@ from gateway.settings import ConfigError, Settings, load_settings
 
 REGISTRARS: tuple[str, ...] = (
     # one module path a line
-    "engine_pool.sim.cli",
+    "gateway.sim_support",
     "gateway.demo",
     "gateway.replay_cli",
     "gateway.bench",
