@@ -22,7 +22,7 @@ REGISTRARS: tuple[str, ...] = (
     "gateway.demo",
     "gateway.replay_cli",
     "gateway.bench",
-    "engine_pool.launch_cli",
+    "gateway.launch_cli",
 )
 
 
