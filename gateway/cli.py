@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from engine_pool.launch import policy_warnings
+from gateway.extras import MissingExtra
 from gateway.settings import ConfigError, Settings, load_settings
 
 REGISTRARS: tuple[str, ...] = (
@@ -117,7 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    code: int = args.func(args)
+    try:
+        code: int = args.func(args)
+    except MissingExtra as exc:
+        print(f"shapegate: {exc}", file=sys.stderr)
+        return 2
     return code
 
 

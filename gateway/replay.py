@@ -21,6 +21,7 @@ from typing import Any
 
 from engine_pool.sim.costs import isolated_prefill_seconds
 from engine_pool.sim.profile import EngineProfile, load_profile
+from gateway.extras import pyplot
 from gateway.fleet_sim import CountBy, FleetResult, FleetSim, Outcome
 from gateway.lanes import lane_for
 from gateway.settings import Settings
@@ -211,10 +212,7 @@ def render(reports: Sequence[SimReport]) -> str:
 
 
 def plot(reports: Sequence[SimReport], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax_ttft, ax_slots) = plt.subplots(1, 2, figsize=(13, 4.5))
     for report in reports:

@@ -10,6 +10,15 @@ Contract:
 - Cross-references are checked: every lane names clusters that exist, lane token ranges do not
   overlap, every model has a tokenizer.
 
+Why plain pydantic models and not pydantic-settings' ``BaseSettings``: an unknown
+``SHAPEGATE_*`` variable is an error here (it joins the tree and ``extra="forbid"`` names it),
+where ``BaseSettings`` ignores environment variables that match no field, so a typo'd override
+would silently do nothing; env values are YAML scalars, like the file they override, not
+BaseSettings' JSON-for-complex-fields; and ``Settings`` is also built from a reload's request
+body and from the simulator's stand-in config, which must not read the process environment,
+while a ``BaseSettings`` reads it on every construction. The merge is 20 lines below
+(``_env_overrides``, ``_merge``) with the environment passed in, so tests need no monkeypatching.
+
 Example::
 
     settings = load_settings("configs/demo.yaml")

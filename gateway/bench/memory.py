@@ -31,10 +31,12 @@ import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import orjson
+
+if TYPE_CHECKING:
+    import numpy as np
 
 from gateway.bench.harness import (
     Child,
@@ -51,6 +53,7 @@ from gateway.bench.harness import (
 )
 from gateway.bench.httpload import new_event_loop, open_loop
 from gateway.bench.overhead import BODIES, PATH
+from gateway.extras import optional, pyplot
 
 BLOCK = 10_000
 FLAT_MB = 5.0
@@ -107,7 +110,7 @@ def _adversarial_bodies(kind: str, n: int, rng: np.random.Generator) -> tuple[li
     bodies, size = [], 0
     for _ in range(n):
         if kind == "cjk":
-            points = rng.integers(0x4E00, 0x9FFF, ADVERSARIAL_BYTES // 3, dtype=np.uint32)
+            points = rng.integers(0x4E00, 0x9FFF, ADVERSARIAL_BYTES // 3, dtype="uint32")
             text = points.astype("<u4").tobytes().decode("utf-32-le")
         else:
             text = base64.b64encode(rng.bytes(ADVERSARIAL_BYTES * 3 // 4)).decode()
@@ -187,6 +190,7 @@ async def _measure(
     warm = next(p for p in curve if p["requests"] >= requests // 5)
     growth = round(curve[-1]["rss_mb"] - warm["rss_mb"], 1)
 
+    np = optional("numpy")
     rng = np.random.default_rng(9)
     attacks = []
     for kind in ("cjk", "base64"):
@@ -292,10 +296,7 @@ def table(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax_fill, ax_attack) = plt.subplots(1, 2, figsize=(12, 4.2))
     curve = result["curve"]

@@ -45,6 +45,7 @@ from gateway.bench.harness import (
     write_json,
 )
 from gateway.bench.httpload import LoadResult, new_event_loop, open_loop, percentile
+from gateway.extras import pyplot
 
 PATH = "/v1/chat/completions"
 BODIES = {
@@ -294,10 +295,7 @@ def table(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax_lat, ax_cpu) = plt.subplots(1, 2, figsize=(12, 4.2))
     for shape, marker in (("json", "o"), ("sse", "s")):
