@@ -60,7 +60,7 @@ from gateway.protocol import Endpoint, RoutedRequest, parse_request, prefix_key
 from gateway.proxy import Upstream, response_headers, upstream_headers
 from gateway.record import Record, Recorder, Routed
 from gateway.settings import ClusterSettings, LaneSettings, Settings
-from gateway.tokens import TokenCount, TokenCounter
+from gateway.tokens import TokenCounter
 from gateway.watchdog import Watch, deadlines_for
 
 UPSTREAM_PATH = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -135,6 +135,18 @@ class Policy:
     def serves(self, cluster: str, model: str) -> bool:
         models = self.settings.cluster(cluster).models
         return not models or model in models
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where an admitted request goes: its slot's endpoint, the lane whose deadlines bound it,
+    the cluster's auth settings and key, and the prompt tokens the deadlines grow with."""
+
+    grant: Grant
+    lane: LaneSettings
+    cluster: ClusterSettings
+    engine_key: str | None
+    prompt_tokens: int
 
 
 class Pipeline:
@@ -265,19 +277,14 @@ class Pipeline:
                 anyio.CancelScope() as engine_down,
                 self.pool.track(grant.cluster, grant.url, engine_down) as engine,
             ):
-                cluster = settings.cluster(grant.cluster)
-                await self._forward(
-                    request,
-                    scope,
-                    body,
+                target = Target(
                     grant,
                     lane,
-                    cluster,
-                    policy.engine_keys.get(cluster.name),
-                    count,
-                    out,
-                    record,
+                    settings.cluster(grant.cluster),
+                    policy.engine_keys.get(grant.cluster),
+                    count.tokens,
                 )
+                await self._forward(request, scope, body, target, out, record)
             if engine_down.cancelled_caught and not out.finished:
                 raise UpstreamError(f"engine was marked down mid-request: {engine.evidence}")
 
@@ -286,26 +293,23 @@ class Pipeline:
         request: RoutedRequest,
         scope: Scope,
         body: bytes,
-        grant: Grant,
-        lane: LaneSettings,
-        cluster: ClusterSettings,
-        engine_key: str | None,
-        count: TokenCount,
+        target: Target,
         out: Outbound,
         record: Record,
     ) -> None:
-        watch = Watch(deadlines_for(lane.timeouts, count.tokens))
+        grant = target.grant
+        watch = Watch(deadlines_for(target.lane.timeouts, target.prompt_tokens))
         headers = upstream_headers(
             scope.get("headers", ()),
             record.request_id,
-            forward_auth=cluster.forward_client_auth,
-            engine_key=engine_key,
+            forward_auth=target.cluster.forward_client_auth,
+            engine_key=target.engine_key,
         )
         ours = {
             "x-request-id": record.request_id,
             "x-shapegate-lane": grant.lane,
             "x-shapegate-cluster": grant.cluster,
-            "x-shapegate-prompt-tokens": str(count.tokens),
+            "x-shapegate-prompt-tokens": str(target.prompt_tokens),
         }
         url = grant.url.rstrip("/") + UPSTREAM_PATH[request.endpoint]
         async with self.upstream.open(url, body, headers, watch) as response:
