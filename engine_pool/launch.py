@@ -32,7 +32,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from engine_pool.engine_flags import KNOWN_FLAGS, OWNED_FLAGS, SPEC_METHODS, EngineKind
+from engine_pool.cluster import EngineKind
+from engine_pool.engine_flags import KNOWN_FLAGS, OWNED_FLAGS, SPEC_METHODS
 from engine_pool.engine_profile import EngineProfileSettings
 
 # What this module reads of the gateway's settings tree (gateway/settings.py's ``Settings``

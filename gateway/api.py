@@ -26,7 +26,7 @@ from starlette.routing import Route
 from gateway.dashboard.routes import add_dashboard_routes
 from gateway.errors import Unauthorized, error_body
 from gateway.exchange import Receive, Scope, Send
-from gateway.protocol import Endpoint
+from gateway.protocol import ENDPOINT_PATHS, Endpoint
 from gateway.reload import reload_policy
 from gateway.services import Gateway
 from gateway.settings import ConfigError, parse_settings
@@ -89,12 +89,8 @@ async def admin_state(gateway: Gateway) -> dict[str, Any]:
 
 def add_routes(app: FastAPI, gateway: Gateway) -> None:
     add_dashboard_routes(app, gateway)  # also guards every /admin/* route below
-    app.router.routes.append(
-        Route("/v1/chat/completions", _ProxyRoute(gateway, "chat"), methods=["POST"])
-    )
-    app.router.routes.append(
-        Route("/v1/completions", _ProxyRoute(gateway, "completions"), methods=["POST"])
-    )
+    for endpoint, path in ENDPOINT_PATHS.items():
+        app.router.routes.append(Route(path, _ProxyRoute(gateway, endpoint), methods=["POST"]))
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 
 from gateway.api import add_routes
 from gateway.exchange import Receive, Scope, Send
-from gateway.protocol import Endpoint
+from gateway.protocol import ENDPOINT_PATHS, Endpoint
 from gateway.reload import reload_on_signal, watch_config
 from gateway.services import Gateway
 from gateway.settings import Settings
@@ -62,10 +62,7 @@ def create_app(
     return ShapegateApp(app, gateway)
 
 
-PROXY_PATHS: dict[str, Endpoint] = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-}
+PROXY_PATHS: dict[str, Endpoint] = {path: endpoint for endpoint, path in ENDPOINT_PATHS.items()}
 
 
 class ShapegateApp:

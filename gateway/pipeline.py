@@ -56,14 +56,18 @@ from gateway.exchange import (
 from gateway.lanes import choose_lane, exact_count_above
 from gateway.log import Logger, swallowed
 from gateway.metrics import Metrics
-from gateway.protocol import Endpoint, RoutedRequest, parse_request, prefix_key
+from gateway.protocol import (
+    ENDPOINT_PATHS,
+    Endpoint,
+    RoutedRequest,
+    parse_request,
+    prefix_key,
+)
 from gateway.proxy import Upstream, response_headers, upstream_headers
 from gateway.record import Record, Recorder, Routed
 from gateway.settings import ClusterSettings, LaneSettings, Settings
 from gateway.tokens import TokenCounter
 from gateway.watchdog import Watch, deadlines_for
-
-UPSTREAM_PATH = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
 def _first(group: BaseExceptionGroup[Any]) -> BaseException:
@@ -311,7 +315,7 @@ class Pipeline:
             "x-shapegate-cluster": grant.cluster,
             "x-shapegate-prompt-tokens": str(target.prompt_tokens),
         }
-        url = grant.url.rstrip("/") + UPSTREAM_PATH[request.endpoint]
+        url = grant.url.rstrip("/") + ENDPOINT_PATHS[request.endpoint]
         async with self.upstream.open(url, body, headers, watch) as response:
             record.status = response.status
             if not (request.stream and response.status == 200):

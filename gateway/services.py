@@ -87,7 +87,7 @@ class Gateway:
         pool = EnginePool(clusters_of(settings))
         store = build_store(settings, metrics, log)
         admission = Admission(store, metrics, log, poll_interval_s=settings.state.poll_interval_s)
-        upstream = Upstream(metrics, log)
+        upstream = Upstream()
         keys = cls.engine_keys_for(settings)
         pipeline = Pipeline(
             Policy(settings, counter, keys, ClientAuth.from_settings(settings.auth)),

@@ -36,6 +36,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
+from engine_pool.cluster import EngineKind
 from engine_pool.engine_profile import EngineProfileSettings
 from engine_pool.launch import profile_problems
 
@@ -142,7 +143,7 @@ class CountingSettings(_Frozen):
 
 class ClusterSettings(_Frozen):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
-    kind: Literal["vllm", "sglang"] = "vllm"
+    kind: EngineKind = "vllm"
     endpoints: tuple[str, ...] = Field(min_length=1)
     # Models this cluster serves; empty means every configured model.
     models: tuple[str, ...] = ()

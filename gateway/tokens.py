@@ -76,6 +76,18 @@ class TokenCount:
 
 
 @dataclass(frozen=True, slots=True)
+class _Misses:
+    """A count under way: the pieces no cache held (``texts``, at ``misses`` in the plan)."""
+
+    plan: _Plan
+    counts: list[int | None]
+    misses: list[int]
+    keys: list[bytes]
+    texts: list[str]
+    started: float
+
+
+@dataclass(frozen=True, slots=True)
 class _Model:
     vocab: Vocabulary
     chat_template: Literal["chatml", "hf", "none"]
@@ -175,37 +187,25 @@ class TokenCounter:
 
     async def count(self, model: str, prompt: Prompt, *, exact_above: int) -> TokenCount:
         """Tokens the engine will see; large exact counts run off the event loop."""
-        started = time.perf_counter()
-        plan = self._plan(model, prompt, exact_above)
-        if plan is None or plan.bound < exact_above:
-            return self._answer(plan, prompt, started)
-        counts, misses, keys = self._lookup(plan)
-        if misses:
-            texts = [plan.pieces[i] for i in misses]
-            found = None
-            if self._executor is None:
-                found = plan.vocab.encoder.count_many(texts)
-            elif sum(len(text) for text in texts) <= INLINE_MAX_CHARS:
-                found = plan.vocab.encoder.try_count_many(texts)  # None while a worker holds it
-            if found is None:
-                loop = asyncio.get_running_loop()
-                found = await loop.run_in_executor(
-                    self._executor, plan.vocab.encoder.count_many, texts
-                )
-            self._store(counts, misses, keys, found)
-        return self._total(plan, counts, "exact" if misses else "cache", started)
+        step = self._begin(model, prompt, exact_above)
+        if isinstance(step, TokenCount):
+            return step
+        encoder, found = step.plan.vocab.encoder, None
+        if self._executor is None:
+            found = encoder.count_many(step.texts)
+        elif sum(len(text) for text in step.texts) <= INLINE_MAX_CHARS:
+            found = encoder.try_count_many(step.texts)  # None while a worker holds it
+        if found is None:
+            loop = asyncio.get_running_loop()
+            found = await loop.run_in_executor(self._executor, encoder.count_many, step.texts)
+        return self._end(step, found)
 
     def count_sync(self, model: str, prompt: Prompt, *, exact_above: int = 0) -> TokenCount:
         """Same answer as ``count``, computed inline."""
-        started = time.perf_counter()
-        plan = self._plan(model, prompt, exact_above)
-        if plan is None or plan.bound < exact_above:
-            return self._answer(plan, prompt, started)
-        counts, misses, keys = self._lookup(plan)
-        if misses:
-            found = plan.vocab.encoder.count_many([plan.pieces[i] for i in misses])
-            self._store(counts, misses, keys, found)
-        return self._total(plan, counts, "exact" if misses else "cache", started)
+        step = self._begin(model, prompt, exact_above)
+        if isinstance(step, TokenCount):
+            return step
+        return self._end(step, step.plan.vocab.encoder.count_many(step.texts))
 
     def encode(self, model: str, text: str) -> list[int]:
         """Token ids of plain text: no template, nothing added; special-token strings match."""
@@ -292,6 +292,23 @@ class TokenCounter:
         assert isinstance(prompt, CompletionPrompt)
         tokens = max((len(ids) for ids in prompt.token_ids), default=0)
         return self._done(tokens, "exact", "token_ids", 0, started)
+
+    def _begin(self, model: str, prompt: Prompt, exact_above: int) -> TokenCount | _Misses:
+        """The answer when no piece needs encoding (bound, token ids, all cached), else what to
+        encode; ``count`` and ``count_sync`` differ only in where the encoding runs."""
+        started = time.perf_counter()
+        plan = self._plan(model, prompt, exact_above)
+        if plan is None or plan.bound < exact_above:
+            return self._answer(plan, prompt, started)
+        counts, misses, keys = self._lookup(plan)
+        if not misses:
+            return self._total(plan, counts, "cache", started)
+        texts = [plan.pieces[i] for i in misses]
+        return _Misses(plan, counts, misses, keys, texts, started)
+
+    def _end(self, step: _Misses, found: list[int]) -> TokenCount:
+        self._store(step.counts, step.misses, step.keys, found)
+        return self._total(step.plan, step.counts, "exact", step.started)
 
     def _lookup(self, plan: _Plan) -> tuple[list[int | None], list[int], list[bytes]]:
         """Cached counts by piece (None where missing), the missing indexes, the cache keys."""
