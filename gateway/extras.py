@@ -10,7 +10,9 @@ not an ``ImportError`` from deep inside a command, and never a failure to start 
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 EXTRA = "bench"
 
@@ -39,3 +41,14 @@ def pyplot() -> ModuleType:
     """matplotlib's pyplot on the file-only Agg backend (no display needed)."""
     optional("matplotlib").use("Agg")
     return optional("matplotlib.pyplot")
+
+
+def side_by_side(width: float, height: float) -> tuple[Any, Any]:
+    """A figure of two plots side by side, and its two axes."""
+    return pyplot().subplots(1, 2, figsize=(width, height))  # type: ignore[no-any-return]
+
+
+def save(figure: Any, path: Path) -> None:
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    pyplot().close(figure)

@@ -37,7 +37,7 @@ from typing import Any
 import orjson
 
 from gateway.bench.corpus import KINDS, Corpus
-from gateway.bench.harness import target_lines
+from gateway.bench.harness import with_targets
 from gateway.protocol import ChatPrompt, parse_request
 from gateway.settings import ModelSettings, Settings, TokenizerSettings, load_settings
 from gateway.tokenizers.vocab import Vocabulary
@@ -509,6 +509,4 @@ def _table(result: dict[str, Any]) -> str:
             f"{c['vocabulary']:>22} {c['kind']:>6} {c['chars_per_token']:>9} "
             f"{c['bytes_per_token']:>9} {c['chars_over_4_vs_real']:>15}"
         )
-    lines.append("")
-    lines.extend(target_lines(result["targets"]))
-    return "\n".join(lines)
+    return with_targets(lines, result["targets"])

@@ -207,6 +207,11 @@ def target_lines(targets: list[dict[str, Any]]) -> list[str]:
     ]
 
 
+def with_targets(lines: list[str], targets: list[dict[str, Any]]) -> str:
+    """A suite's report: its lines, a blank line, then one line a target."""
+    return "\n".join([*lines, "", *target_lines(targets)])
+
+
 def machine_line(info: dict[str, Any]) -> str:
     load = ", ".join(f"{x:g}" for x in info["load_average"])
     return f"machine: {info['cpu']}, {info['cores']} cores, load average {load} at start"

@@ -27,7 +27,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from gateway.bench.harness import machine, machine_line, target_lines, write_json
+from gateway.bench.harness import machine, machine_line, with_targets, write_json
 from gateway.fleet_sim import CountBy
 from gateway.replay import SimReport, cluster_profiles, plot, simulate
 from gateway.settings import Settings, load_settings
@@ -234,6 +234,4 @@ def table(result: dict[str, Any]) -> str:
             f"[{p99['min']:.1f}-{p99['max']:.1f}]; monster completion {mon['median']:.2f}x "
             f"shared [{mon['min']:.2f}-{mon['max']:.2f}]"
         )
-    lines.append("")
-    lines.extend(target_lines(result["targets"]))
-    return "\n".join(lines)
+    return with_targets(lines, result["targets"])

@@ -47,13 +47,13 @@ from gateway.bench.harness import (
     pin_self,
     start_gateway,
     start_upstream,
-    target_lines,
     two_core_plan,
+    with_targets,
     write_json,
 )
 from gateway.bench.httpload import new_event_loop, open_loop
 from gateway.bench.overhead import BODIES, PATH
-from gateway.extras import optional, pyplot
+from gateway.extras import optional, save, side_by_side
 
 BLOCK = 10_000
 FLAT_MB = 5.0
@@ -290,15 +290,11 @@ def table(result: dict[str, Any]) -> str:
             f"{a['rss_mb_per_text_mb']} MB per MB, {a['rss_growth_second_half_mb']} MB over the "
             f"second half ({a['errors']} errors)"
         )
-    lines.append("")
-    lines.extend(target_lines(result["targets"]))
-    return "\n".join(lines)
+    return with_targets(lines, result["targets"])
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    plt = pyplot()
-
-    fig, (ax_fill, ax_attack) = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, (ax_fill, ax_attack) = side_by_side(12, 4.2)
     curve = result["curve"]
     ax_fill.plot([p["requests"] for p in curve], [p["rss_mb"] for p in curve], marker="o")
     ax_fill.axhline(result["imports_rss_mb"], color="grey", linestyle=":", label="imports only")
@@ -318,6 +314,4 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax_attack.set_ylabel("RSS growth, MB")
     ax_attack.set_title("adversarial input: unique text above the exact-count threshold")
     ax_attack.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)

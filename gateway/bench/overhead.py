@@ -40,12 +40,12 @@ from gateway.bench.harness import (
     pin_self,
     start_gateway,
     start_upstream,
-    target_lines,
     two_core_plan,
+    with_targets,
     write_json,
 )
 from gateway.bench.httpload import LoadResult, new_event_loop, open_loop, percentile
-from gateway.extras import pyplot
+from gateway.extras import save, side_by_side
 
 PATH = "/v1/chat/completions"
 BODIES = {
@@ -289,15 +289,11 @@ def table(result: dict[str, Any]) -> str:
             f"{shape}: highest rate sustained through the gateway ({result['sustained_rule']}): "
             f"{s['highest_clean_rps']} requests/s"
         )
-    lines.append("")
-    lines.extend(target_lines(result["targets"]))
-    return "\n".join(lines)
+    return with_targets(lines, result["targets"])
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    plt = pyplot()
-
-    fig, (ax_lat, ax_cpu) = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, (ax_lat, ax_cpu) = side_by_side(12, 4.2)
     for shape, marker in (("json", "o"), ("sse", "s")):
         rows = [r for r in result["rows"] if r["shape"] == shape]
         rates = [r["offered_rps"] for r in rows]
@@ -322,6 +318,4 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax_cpu.set_title("gateway CPU cost")
     ax_cpu.set_ylim(bottom=0)
     ax_cpu.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
