@@ -21,38 +21,10 @@ from typing import TYPE_CHECKING, Any
 from engine_pool.sim.counting import Endpoint, RequestRejected, SimRequest
 from gateway.errors import BadRequest
 from gateway.protocol import ChatPrompt, CompletionPrompt, parse_request
-from gateway.settings import Settings, parse_settings
 
 if TYPE_CHECKING:
     from engine_pool.sim.profile import EngineProfile
     from gateway.tokens import TokenCounter
-
-
-def profile_settings(profile: EngineProfile) -> Settings:
-    """A gateway ``Settings`` whose only job is to name the profile's model and tokenizer."""
-    return parse_settings(
-        {
-            "models": [
-                {
-                    "name": profile.model,
-                    "aliases": list(profile.aliases),
-                    "tokenizer": profile.tokenizer,
-                    "max_model_len": profile.max_model_len,
-                }
-            ],
-            # Settings demand a cluster and a lane; the sim uses neither.
-            "clusters": [{"name": "self", "endpoints": ["http://127.0.0.1:1"]}],
-            "lanes": [
-                {
-                    "name": "all",
-                    "max_prompt_tokens": profile.max_model_len + 1,
-                    "clusters": ["self"],
-                    "slots": {"lane": 1, "per_endpoint": 1},
-                }
-            ],
-        },
-        environ={},
-    )
 
 
 class RegistryCounter:
@@ -66,7 +38,13 @@ class RegistryCounter:
     def for_profile(cls, profile: EngineProfile) -> RegistryCounter:
         from gateway.tokens import TokenCounter
 
-        return cls(TokenCounter.from_settings(profile_settings(profile)), profile.model)
+        model = {
+            "name": profile.model,
+            "aliases": list(profile.aliases),
+            "tokenizer": profile.tokenizer,
+            "max_model_len": profile.max_model_len,
+        }
+        return cls(TokenCounter.for_models([model]), profile.model)
 
     def read(self, endpoint: Endpoint, body: bytes) -> SimRequest:
         try:

@@ -40,7 +40,7 @@ import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from jinja2 import TemplateError
 
@@ -48,7 +48,7 @@ from gateway.errors import BadRequest, ModelNotFound
 from gateway.log import Logger, get_logger, swallowed
 from gateway.metrics import Metrics
 from gateway.protocol import ChatPrompt, CompletionPrompt, Prompt
-from gateway.settings import ConfigError, CountingSettings, Settings
+from gateway.settings import ConfigError, CountingSettings, Settings, parse_settings
 from gateway.tokenizers import cache
 from gateway.tokenizers.encoders import GIL_FREE_ABOVE_CHARS
 from gateway.tokenizers.templates import (
@@ -184,6 +184,31 @@ class TokenCounter:
                 load_ms=round((time.perf_counter() - started) * 1000, 1),
             )
         return cls(models, settings.counting, metrics)
+
+    @classmethod
+    def for_models(
+        cls, models: Sequence[Mapping[str, Any]], metrics: Metrics | None = None, **counting: Any
+    ) -> TokenCounter:
+        """A counter for these models alone, spelt as the config's ``models`` (and ``counting``)
+        are, with no gateway policy around them: for the simulator, tools and tests."""
+        policy = parse_settings(
+            {
+                "models": list(models),
+                "counting": counting,
+                # Settings demand a cluster and a lane; a counter reads neither.
+                "clusters": [{"name": "none", "endpoints": ["http://127.0.0.1:1"]}],
+                "lanes": [
+                    {
+                        "name": "all",
+                        "max_prompt_tokens": 10**9,
+                        "clusters": ["none"],
+                        "slots": {"lane": 1, "per_endpoint": 1},
+                    }
+                ],
+            },
+            environ={},
+        )
+        return cls.from_settings(policy, metrics)
 
     async def count(self, model: str, prompt: Prompt, *, exact_above: int) -> TokenCount:
         """Tokens the engine will see; large exact counts run off the event loop."""

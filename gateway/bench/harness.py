@@ -22,6 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import IO, Any
 
@@ -205,6 +206,14 @@ def target_lines(targets: list[dict[str, Any]]) -> list[str]:
         f"{'met ' if t['met'] else 'MISS'} {t['target']}: {t['value']} (limit {t['limit']})"
         for t in targets
     ]
+
+
+def package_version(name: str) -> str:
+    """The installed version of a distribution, or "absent"."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "absent"
 
 
 def with_targets(lines: list[str], targets: list[dict[str, Any]]) -> str:

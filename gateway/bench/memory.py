@@ -29,7 +29,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +43,7 @@ from gateway.bench.harness import (
     gateway_policy,
     machine,
     machine_line,
+    package_version,
     pin_self,
     start_gateway,
     start_upstream,
@@ -156,18 +156,12 @@ def measure(
         machine=info,
         imports_rss_mb=imports,
         tokenizer_package={
-            name: _version(name) for name in ("gigatoken", "gigatoken-cachefix", "tokenizers")
+            name: package_version(name)
+            for name in ("gigatoken", "gigatoken-cachefix", "tokenizers")
         },
     )
     result["targets"] = targets(result)
     return result
-
-
-def _version(name: str) -> str:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return "absent"
 
 
 async def _measure(
