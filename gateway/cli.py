@@ -30,11 +30,7 @@ REGISTRARS: tuple[str, ...] = (
 def _serve(args: argparse.Namespace) -> int:
     from gateway.server import serve
 
-    try:
-        settings = load_settings(args.config)
-    except ConfigError as exc:
-        print(f"shapegate: {exc}", file=sys.stderr)
-        return 2
+    settings = load_settings(args.config)
     overrides = {}
     if args.host is not None:
         overrides["host"] = args.host
@@ -87,11 +83,7 @@ def describe_policy(settings: Settings) -> str:
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    try:
-        settings = load_settings(args.config)
-    except ConfigError as exc:
-        print(f"shapegate: {exc}", file=sys.stderr)
-        return 2
+    settings = load_settings(args.config)
     print(describe_policy(settings))
     sys.stderr.writelines(f"shapegate: warning: {w}\n" for w in policy_warnings(settings))
     return 0
@@ -120,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         code: int = args.func(args)
-    except MissingExtra as exc:
+    except (ConfigError, MissingExtra) as exc:  # what the user must fix: said once, exit 2
         print(f"shapegate: {exc}", file=sys.stderr)
         return 2
     return code

@@ -21,6 +21,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -206,6 +207,19 @@ def target_lines(targets: list[dict[str, Any]]) -> list[str]:
         f"{'met ' if t['met'] else 'MISS'} {t['target']}: {t['value']} (limit {t['limit']})"
         for t in targets
     ]
+
+
+def publish(
+    out: str, name: str, result: dict[str, Any], table: str, plot: Callable[[Path], None]
+) -> int:
+    """Write ``<out>/<name>.json`` and ``<out>/<name>.png``, print the table; exit code 0."""
+    folder = Path(out)
+    path = write_json(folder, name, result)
+    image = folder / f"{name}.png"
+    plot(image)
+    print(table)
+    print(f"\nwritten: {path}, {image}")
+    return 0
 
 
 def package_version(name: str) -> str:

@@ -27,7 +27,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from gateway.bench.harness import machine, machine_line, with_targets, write_json
+from gateway.bench.harness import machine, machine_line, publish, with_targets
 from gateway.fleet_sim import CountBy
 from gateway.replay import SimReport, cluster_profiles, plot, simulate
 from gateway.settings import Settings, load_settings
@@ -60,12 +60,7 @@ def _config(name: str) -> Settings:
 
 def run(args: argparse.Namespace) -> int:
     result, first = measure(seeds=2 if args.smoke else args.seeds, smoke=args.smoke)
-    out = Path(args.out)
-    path = write_json(out, "lanes", result)
-    plot(first, out / "lanes.png")
-    print(table(result))
-    print(f"\nwritten: {path}, {out / 'lanes.png'}")
-    return 0
+    return publish(args.out, "lanes", result, table(result), lambda png: plot(first, png))
 
 
 def _row(report: SimReport) -> dict[str, Any]:

@@ -45,11 +45,11 @@ from gateway.bench.harness import (
     machine_line,
     package_version,
     pin_self,
+    publish,
     start_gateway,
     start_upstream,
     two_core_plan,
     with_targets,
-    write_json,
 )
 from gateway.bench.httpload import new_event_loop, open_loop
 from gateway.bench.overhead import BODIES, PATH
@@ -85,12 +85,7 @@ def run(args: argparse.Namespace) -> int:
         smoke=args.smoke,
         pin=not args.no_pin,
     )
-    out = Path(args.out)
-    path = write_json(out, "memory", result)
-    plot(result, out / "memory.png")
-    print(table(result))
-    print(f"\nwritten: {path}, {out / 'memory.png'}")
-    return 0
+    return publish(args.out, "memory", result, table(result), lambda png: plot(result, png))
 
 
 def _imports_rss_mb() -> float:

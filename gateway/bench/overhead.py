@@ -38,11 +38,11 @@ from gateway.bench.harness import (
     machine,
     machine_line,
     pin_self,
+    publish,
     start_gateway,
     start_upstream,
     two_core_plan,
     with_targets,
-    write_json,
 )
 from gateway.bench.httpload import LoadResult, new_event_loop, open_loop, percentile
 from gateway.extras import save, side_by_side
@@ -77,12 +77,7 @@ def run(args: argparse.Namespace) -> int:
         rates=(50, 200) if args.smoke else tuple(int(r) for r in args.rates.split(",")),
         pin=not args.no_pin,
     )
-    out = Path(args.out)
-    path = write_json(out, "overhead", result)
-    plot(result, out / "overhead.png")
-    print(table(result))
-    print(f"\nwritten: {path}, {out / 'overhead.png'}")
-    return 0
+    return publish(args.out, "overhead", result, table(result), lambda png: plot(result, png))
 
 
 def _summary(result: LoadResult) -> dict[str, Any]:
