@@ -15,106 +15,11 @@ against its own source, never a copy of the last one.
 
 from __future__ import annotations
 
-from typing import Literal
-
-EngineKind = Literal["vllm", "sglang"]
-
-_VLLM_0_33_0 = frozenset(
-    {
-        # rendered from the profile
-        "--served-model-name",
-        "--host",
-        "--port",
-        "--max-model-len",
-        "--max-num-seqs",
-        "--max-num-batched-tokens",
-        "--gpu-memory-utilization",
-        "--tensor-parallel-size",
-        "--enable-prefix-caching",
-        # argparse.BooleanOptionalAction: CacheConfig.enable_prefix_caching is a bool field.
-        "--no-enable-prefix-caching",
-        "--kv-cache-dtype",
-        "--speculative-config",
-        "--trust-remote-code",
-        # FrontendArgs.enable_force_include_usage: a usage chunk closes every stream, so the
-        # gateway knows every request's output tokens (vllm/entrypoints/openai/cli_args.py).
-        "--enable-force-include-usage",
-        # accepted in ``extra_args``
-        "--api-key",
-        "--async-scheduling",
-        "--chat-template",
-        "--data-parallel-size",
-        "--disable-log-stats",
-        "--disable-uvicorn-access-log",
-        "--download-dir",
-        "--dtype",
-        "--enable-auto-tool-choice",
-        "--enable-expert-parallel",
-        "--enable-log-requests",
-        "--enable-request-id-headers",
-        "--enforce-eager",
-        "--generation-config",
-        "--hf-overrides",
-        "--long-prefill-token-threshold",
-        "--max-logprobs",
-        "--pipeline-parallel-size",
-        "--quantization",
-        "--reasoning-parser",
-        "--scheduling-policy",
-        "--seed",
-        "--tokenizer",
-        "--tool-call-parser",
-        "--uvicorn-log-level",
-    }
-)
-
-_SGLANG_0_5_23 = frozenset(
-    {
-        # rendered from the profile
-        "--model-path",
-        "--served-model-name",
-        "--host",
-        "--port",
-        "--context-length",
-        "--max-running-requests",
-        "--chunked-prefill-size",
-        "--mem-fraction-static",
-        "--tp-size",
-        "--disable-radix-cache",
-        "--kv-cache-dtype",
-        "--enable-metrics",
-        "--api-key",
-        "--trust-remote-code",
-        "--speculative-algorithm",
-        "--speculative-draft-model-path",
-        "--speculative-num-steps",
-        "--speculative-eagle-topk",
-        "--speculative-num-draft-tokens",
-        # accepted in ``extra_args``
-        "--chat-template",
-        "--dp-size",
-        "--dtype",
-        "--enable-cache-report",
-        "--log-level",
-        "--log-requests",
-        "--max-prefill-tokens",
-        "--max-total-tokens",
-        "--quantization",
-        "--reasoning-parser",
-        "--schedule-policy",
-        "--tokenizer-path",
-        "--tool-call-parser",
-    }
-)
-
-# (engine, exact version) -> every flag shapegate may emit for it, each checked in that release.
-KNOWN_FLAGS: dict[tuple[EngineKind, str], frozenset[str]] = {
-    ("vllm", "0.33.0"): _VLLM_0_33_0,
-    ("sglang", "0.5.23"): _SGLANG_0_5_23,
-}
+from engine_pool.cluster import EngineKind
 
 # Flags the renderer derives from the profile's own fields; ``extra_args`` may not set them,
-# or a lane's limits could be overridden behind the policy's back.
+# or a lane's limits could be overridden behind the policy's back. Each is in every pinned
+# release of its engine (the version rows below add to these, never repeat them).
 OWNED_FLAGS: dict[EngineKind, frozenset[str]] = {
     "vllm": frozenset(
         {
@@ -127,11 +32,11 @@ OWNED_FLAGS: dict[EngineKind, frozenset[str]] = {
             "--gpu-memory-utilization",
             "--tensor-parallel-size",
             "--enable-prefix-caching",
+            # argparse.BooleanOptionalAction: CacheConfig.enable_prefix_caching is a bool field.
             "--no-enable-prefix-caching",
             "--kv-cache-dtype",
             "--speculative-config",
             "--trust-remote-code",
-            "--enable-force-include-usage",
             # The key comes from the cluster's api_key_env, never from the config file.
             "--api-key",
         }
@@ -157,6 +62,62 @@ OWNED_FLAGS: dict[EngineKind, frozenset[str]] = {
             "--speculative-num-steps",
             "--speculative-eagle-topk",
             "--speculative-num-draft-tokens",
+        }
+    ),
+}
+
+# (engine, exact version) -> every flag shapegate may emit for it, each checked in that release:
+# the owned flags plus the ones accepted in ``extra_args``.
+KNOWN_FLAGS: dict[tuple[EngineKind, str], frozenset[str]] = {
+    ("vllm", "0.33.0"): OWNED_FLAGS["vllm"]
+    | frozenset(
+        {
+            # FrontendArgs.enable_force_include_usage: a usage chunk closes every stream, so the
+            # gateway knows every request's output tokens; launch.py renders it wherever the
+            # pinned release has it (vllm/entrypoints/openai/cli_args.py).
+            "--enable-force-include-usage",
+            "--async-scheduling",
+            "--chat-template",
+            "--data-parallel-size",
+            "--disable-log-stats",
+            "--disable-uvicorn-access-log",
+            "--download-dir",
+            "--dtype",
+            "--enable-auto-tool-choice",
+            "--enable-expert-parallel",
+            "--enable-log-requests",
+            "--enable-request-id-headers",
+            "--enforce-eager",
+            "--generation-config",
+            "--hf-overrides",
+            "--long-prefill-token-threshold",
+            "--max-logprobs",
+            "--pipeline-parallel-size",
+            "--quantization",
+            "--reasoning-parser",
+            "--scheduling-policy",
+            "--seed",
+            "--tokenizer",
+            "--tool-call-parser",
+            "--uvicorn-log-level",
+        }
+    ),
+    ("sglang", "0.5.23"): OWNED_FLAGS["sglang"]
+    | frozenset(
+        {
+            "--chat-template",
+            "--dp-size",
+            "--dtype",
+            "--enable-cache-report",
+            "--log-level",
+            "--log-requests",
+            "--max-prefill-tokens",
+            "--max-total-tokens",
+            "--quantization",
+            "--reasoning-parser",
+            "--schedule-policy",
+            "--tokenizer-path",
+            "--tool-call-parser",
         }
     ),
 }

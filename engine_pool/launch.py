@@ -28,14 +28,65 @@ from __future__ import annotations
 
 import json
 import shlex
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
-from engine_pool.engine_flags import KNOWN_FLAGS, OWNED_FLAGS, SPEC_METHODS, EngineKind
+from engine_pool.cluster import EngineKind
+from engine_pool.engine_flags import KNOWN_FLAGS, OWNED_FLAGS, SPEC_METHODS
+from engine_pool.engine_profile import EngineProfileSettings
 
-if TYPE_CHECKING:
-    from gateway.settings import ClusterSettings, EngineProfileSettings, Settings
+# What this module reads of the gateway's settings tree (gateway/settings.py's ``Settings``
+# satisfies these; mypy checks it at every call): engine_pool never imports gateway.
+
+
+class ModelSpec(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def aliases(self) -> tuple[str, ...]: ...
+
+
+class ClusterSpec(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def kind(self) -> EngineKind: ...
+    @property
+    def models(self) -> tuple[str, ...]: ...
+    @property
+    def api_key_env(self) -> str | None: ...
+    @property
+    def engine(self) -> EngineProfileSettings | None: ...
+
+
+class SlotSpec(Protocol):
+    @property
+    def per_endpoint(self) -> int: ...
+
+
+class LaneSpec(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def max_prompt_tokens(self) -> int: ...
+    @property
+    def clusters(self) -> tuple[str, ...]: ...
+    @property
+    def emergency_clusters(self) -> tuple[str, ...]: ...
+    @property
+    def slots(self) -> SlotSpec: ...
+
+
+class Settings(Protocol):
+    @property
+    def models(self) -> Sequence[ModelSpec]: ...
+    @property
+    def clusters(self) -> Sequence[ClusterSpec]: ...
+    @property
+    def lanes(self) -> Sequence[LaneSpec]: ...
+    def cluster(self, name: str) -> ClusterSpec: ...
+
 
 Style = Literal["shell", "k8s", "compose"]
 
@@ -107,7 +158,7 @@ def _number(value: float) -> str:
     return f"{value:g}"
 
 
-def served_names(settings: Settings, cluster: ClusterSettings) -> tuple[str, ...]:
+def served_names(settings: Settings, cluster: ClusterSpec) -> tuple[str, ...]:
     """The model names the engine must answer to.
 
     The gateway forwards the client's request body unchanged, so the engine sees whatever name

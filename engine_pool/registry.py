@@ -1,15 +1,19 @@
 """The engine pool: every cluster's endpoints, their health and load, and in-flight counts.
 
 Contract:
-- ``EnginePool.from_clusters(clusters)`` builds the records; nothing here does I/O (probers in
-  health.py and scrapers in load.py write into the pool through ``set_state`` / ``set_load``).
+- ``EnginePool(clusters)`` builds one record per endpoint, UP; nothing here does I/O (the
+  monitor, monitor.py, writes what its probers and scrapers find through ``set_state`` and
+  ``set_load``; a change of state returns a ``StateChange``, None when nothing changed).
+- ``reconcile(clusters)`` adopts a reloaded cluster list: endpoints that stay keep their state
+  and in-flight counts, new ones start UP, removed ones leave routing at once and are forgotten
+  when their last in-flight request ends.
 - ``healthy_clusters()`` and ``views(cluster)`` are snapshots for the pure decisions in
   gateway/lanes.py and picker.py.
 - ``track(cluster, url, scope)`` counts a request in flight on an endpoint for as long as the
   context is open (the count can never leak: release is the context's exit) and registers the
   request's cancel scope: when the endpoint goes DOWN, its in-flight requests are cancelled so
   they end with an error and free their slots instead of waiting out their deadlines.
-- Every state change is returned as a ``StateChange`` so the caller logs it once with evidence.
+- The caller logs each ``StateChange`` once, with its evidence.
 """
 
 from __future__ import annotations

@@ -16,22 +16,21 @@ the rest answer from config or from snapshots of the gateway's state.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.dashboard import add_dashboard_routes
+from gateway.dashboard.routes import add_dashboard_routes
 from gateway.errors import Unauthorized, error_body
 from gateway.exchange import Receive, Scope, Send
-from gateway.protocol import Endpoint
+from gateway.protocol import ENDPOINT_PATHS, Endpoint
+from gateway.reload import reload_policy
+from gateway.services import Gateway
 from gateway.settings import ConfigError, parse_settings
 from gateway.slots import endpoint_key, lane_key
-
-if TYPE_CHECKING:
-    from gateway.app import Gateway
 
 
 class _ProxyRoute:
@@ -90,12 +89,8 @@ async def admin_state(gateway: Gateway) -> dict[str, Any]:
 
 def add_routes(app: FastAPI, gateway: Gateway) -> None:
     add_dashboard_routes(app, gateway)  # also guards every /admin/* route below
-    app.router.routes.append(
-        Route("/v1/chat/completions", _ProxyRoute(gateway, "chat"), methods=["POST"])
-    )
-    app.router.routes.append(
-        Route("/v1/completions", _ProxyRoute(gateway, "completions"), methods=["POST"])
-    )
+    for endpoint, path in ENDPOINT_PATHS.items():
+        app.router.routes.append(Route(path, _ProxyRoute(gateway, endpoint), methods=["POST"]))
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
@@ -151,9 +146,9 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
                 data = yaml.safe_load(raw)
                 if not isinstance(data, dict):
                     raise ConfigError("the policy in the body must be a mapping")
-                result = await gateway.reload(parse_settings(data))
+                result = await reload_policy(gateway, parse_settings(data))
             else:
-                result = await gateway.reload()
+                result = await reload_policy(gateway)
         except (ConfigError, yaml.YAMLError) as exc:
             gateway.log.warning("policy.reload_failed", trigger="admin", error=str(exc))
             return JSONResponse(error_body(str(exc), "invalid_request_error", 400), 400)

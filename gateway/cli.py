@@ -14,26 +14,23 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from engine_pool.launch import policy_warnings
+from gateway.extras import MissingExtra
 from gateway.settings import ConfigError, Settings, load_settings
 
 REGISTRARS: tuple[str, ...] = (
     # one module path a line
-    "engine_pool.sim.cli",
+    "gateway.sim_support",
     "gateway.demo",
     "gateway.replay_cli",
     "gateway.bench",
-    "engine_pool.launch_cli",
+    "gateway.launch_cli",
 )
 
 
 def _serve(args: argparse.Namespace) -> int:
     from gateway.server import serve
 
-    try:
-        settings = load_settings(args.config)
-    except ConfigError as exc:
-        print(f"shapegate: {exc}", file=sys.stderr)
-        return 2
+    settings = load_settings(args.config)
     overrides = {}
     if args.host is not None:
         overrides["host"] = args.host
@@ -86,11 +83,7 @@ def describe_policy(settings: Settings) -> str:
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    try:
-        settings = load_settings(args.config)
-    except ConfigError as exc:
-        print(f"shapegate: {exc}", file=sys.stderr)
-        return 2
+    settings = load_settings(args.config)
     print(describe_policy(settings))
     sys.stderr.writelines(f"shapegate: warning: {w}\n" for w in policy_warnings(settings))
     return 0
@@ -117,7 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    code: int = args.func(args)
+    try:
+        code: int = args.func(args)
+    except (ConfigError, MissingExtra) as exc:  # what the user must fix: said once, exit 2
+        print(f"shapegate: {exc}", file=sys.stderr)
+        return 2
     return code
 
 

@@ -8,8 +8,10 @@ cancel scopes, 100 writes to the client). Here the parser is C, the pool is a st
 bytes that arrived together are handed over together.
 
 Contract:
-- ``Pool.request(url, head, body, connect_s)`` writes one request (``head`` holds the request
-  line and headers, ``body`` the original bytes) on an idle keep-alive connection to the URL's
+- ``Origin.of(url)`` splits a URL into its origin and the request target; ``request_head(...)``
+  renders the request line and headers.
+- ``Pool.request(origin, head, body, connect_s)`` writes one request (``head`` from
+  ``request_head``, ``body`` the original bytes) on an idle keep-alive connection to that
   origin, or a new one (connect bounded by ``connect_s``: ``TimeoutError``; refused or reset:
   ``OSError``). It returns the ``Connection`` that now belongs to the caller alone: no await
   separates taking a connection from owning it, so a cancelled request cannot leave a

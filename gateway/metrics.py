@@ -3,7 +3,7 @@
 Names and labels are part of the interface (dashboards and alert rules query them). There is no
 module-level registry: each ``create_app`` builds its own ``Metrics`` so tests stay independent.
 Latency buckets span a millisecond to the longest deadline of the policy's lanes
-(``latency_buckets(lanes)``: every lane's first-byte, idle and total deadline is a bucket edge,
+(``Metrics(deadlines)``, every lane's first-byte, idle and total deadline, each a bucket edge,
 so the top bucket is at or above the longest ``total_s``); a heavy lane's TTFT is minutes.
 Per-endpoint families (in-flight, TTFT, e2e) carry the policy's endpoints as labels: bounded.
 """
@@ -11,7 +11,7 @@ Per-endpoint families (in-flight, TTFT, e2e) carry the policy's endpoints as lab
 from __future__ import annotations
 
 import platform
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, TypeVar
 
@@ -22,8 +22,6 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from prometheus_client import Metric
-
-    from gateway.settings import LaneSettings
 
 from gateway.dashboard.events import EventRing
 
@@ -72,14 +70,10 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0
 M = TypeVar("M", bound=MetricWrapperBase)
 
 
-def latency_buckets(lanes: Sequence[LaneSettings] = ()) -> tuple[float, ...]:
+def latency_buckets(deadlines: Iterable[float] = ()) -> tuple[float, ...]:
     """The base buckets plus every lane deadline: a request that ran to its lane's total_s is
     counted below +Inf, and a deadline hit falls on a bucket edge."""
-    edges = set(LATENCY_BUCKETS)
-    for lane in lanes:
-        t = lane.timeouts
-        edges.update((t.first_byte_s, t.idle_s, t.total_s))
-    return tuple(sorted(edges))
+    return tuple(sorted({*LATENCY_BUCKETS, *deadlines}))
 
 
 def status_class(status: int) -> str:
@@ -109,9 +103,9 @@ COUNT_BUCKETS = (0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.003, 0.01, 0.03, 0.1
 
 
 class Metrics:
-    def __init__(self, lanes: Sequence[LaneSettings] = ()) -> None:
+    def __init__(self, deadlines: Iterable[float] = ()) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
-        latency = latency_buckets(lanes)
+        latency = latency_buckets(deadlines)
         self.requests = Counter(
             "shapegate_requests",
             "Requests finished, by outcome and the status class the client got.",

@@ -55,15 +55,19 @@ from gateway.exchange import (
 from gateway.lanes import choose_lane, exact_count_above
 from gateway.log import Logger, swallowed
 from gateway.metrics import Metrics
-from gateway.protocol import Endpoint, RoutedRequest, parse_request, prefix_key
+from gateway.protocol import (
+    ENDPOINT_PATHS,
+    Endpoint,
+    RoutedRequest,
+    parse_request,
+    prefix_key,
+)
 from gateway.proxy import Upstream, response_headers, upstream_headers
 from gateway.record import Record, Recorder, Routed
 from gateway.settings import ClusterSettings, LaneSettings, Settings
 from gateway.tokens import TokenCounter
 from gateway.usage import ExactCount, engine_usage, sse_events
 from gateway.watchdog import Watch, deadlines_for
-
-UPSTREAM_PATH = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
 def _first(group: BaseExceptionGroup[Any]) -> BaseException:
@@ -116,6 +120,19 @@ class Policy:
     def serves(self, cluster: str, model: str) -> bool:
         models = self.settings.cluster(cluster).models
         return not models or model in models
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where an admitted request goes: its slot's endpoint, the lane whose deadlines bound it,
+    the cluster's auth settings and key, and the prompt count (the deadlines grow with the
+    figure that decided the lane; the exact count is finished while the engine works)."""
+
+    grant: Grant
+    lane: LaneSettings
+    cluster: ClusterSettings
+    engine_key: str | None
+    count: ExactCount
 
 
 class Pipeline:
@@ -246,23 +263,17 @@ class Pipeline:
                 anyio.CancelScope() as engine_down,
                 self.pool.track(grant.cluster, grant.url, engine_down) as engine,
             ):
-                cluster = settings.cluster(grant.cluster)
-                exact = ExactCount(policy.counter, count)
+                target = Target(
+                    grant,
+                    lane,
+                    settings.cluster(grant.cluster),
+                    policy.engine_keys.get(grant.cluster),
+                    ExactCount(policy.counter, count),
+                )
                 try:
-                    await self._forward(
-                        request,
-                        scope,
-                        body,
-                        grant,
-                        lane,
-                        cluster,
-                        policy.engine_keys.get(cluster.name),
-                        exact,
-                        out,
-                        record,
-                    )
+                    await self._forward(request, scope, body, target, out, record)
                 finally:
-                    record.prompt_tokens = exact.settle()
+                    record.prompt_tokens = target.count.settle()
                 self.recorder.engine_counted(record, model.name, model.tokenizer.chat_template)
             if engine_down.cancelled_caught and not out.finished:
                 raise UpstreamError(f"engine was marked down mid-request: {engine.evidence}")
@@ -272,21 +283,18 @@ class Pipeline:
         request: RoutedRequest,
         scope: Scope,
         body: bytes,
-        grant: Grant,
-        lane: LaneSettings,
-        cluster: ClusterSettings,
-        engine_key: str | None,
-        exact: ExactCount,
+        target: Target,
         out: Outbound,
         record: Record,
     ) -> None:
-        # Deadlines grow with the figure that decided the lane (a bound errs long).
-        watch = Watch(deadlines_for(lane.timeouts, exact.decided_by))
+        grant, exact = target.grant, target.count
+        # A bound errs long: deadlines grown from it are never shorter than the exact count's.
+        watch = Watch(deadlines_for(target.lane.timeouts, exact.decided_by))
         headers = upstream_headers(
             scope.get("headers", ()),
             record.request_id,
-            forward_auth=cluster.forward_client_auth,
-            engine_key=engine_key,
+            forward_auth=target.cluster.forward_client_auth,
+            engine_key=target.engine_key,
         )
         ours = {
             "x-request-id": record.request_id,
@@ -295,7 +303,7 @@ class Pipeline:
         }
         if exact.bound is not None:
             ours["x-shapegate-prompt-tokens-bound"] = str(exact.bound)
-        url = grant.url.rstrip("/") + UPSTREAM_PATH[request.endpoint]
+        url = grant.url.rstrip("/") + ENDPOINT_PATHS[request.endpoint]
         async with self.upstream.open(url, body, headers, watch, exact.meanwhile) as response:
             record.status = response.status
             # Counted while the engine worked: done by now, so the header carries tokens.

@@ -15,6 +15,12 @@ import orjson
 from gateway.errors import BadRequest
 
 Endpoint = Literal["chat", "completions"]
+# The one map between the OpenAI paths and the endpoints: the gateway serves these paths and
+# forwards each to the same path on the engine.
+ENDPOINT_PATHS: dict[Endpoint, str] = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+}
 
 
 @dataclass(frozen=True, slots=True)

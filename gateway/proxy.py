@@ -32,8 +32,6 @@ from dataclasses import dataclass
 
 from gateway.errors import UpstreamError
 from gateway.http1 import Connection, ConnectionLost, Origin, Pool, PoolTimeout, request_head
-from gateway.log import Logger
-from gateway.metrics import Metrics
 from gateway.watchdog import DeadlineHit, Phase, Watch
 
 FORWARDED_REQUEST_HEADERS = frozenset(
@@ -137,9 +135,7 @@ class Upstream:
     ``POOL_WAIT_S`` fails the request with ``PoolTimeout`` (502) rather than queueing it twice.
     """
 
-    def __init__(self, metrics: Metrics, log: Logger, max_connections: int = 4096) -> None:
-        self._metrics = metrics
-        self._log = log
+    def __init__(self, max_connections: int = 4096) -> None:
         self._pool = Pool(max_connections=max_connections, pool_timeout_s=POOL_WAIT_S)
 
     @asynccontextmanager

@@ -17,7 +17,8 @@ Contract:
                                 ``route.rejected`` if the request was never admitted; a
                                 watchdog deadline counts in ``shapegate_watchdog_events_total``
       finished(record, status)  one ``route.finished`` event; request, e2e, TTFT and output
-                                metrics; the dashboard's rolling window; the trace
+                                metrics; the dashboard's rolling window and, for a
+                                deadline, its ``watchdog`` event; the trace
 
   Log field and metric names are part of the interface (tests, dashboards, alert rules).
 - ``Record.as_json()`` is the one JSON view of a record (``/admin/state`` and the dashboard).
@@ -194,7 +195,7 @@ class Recorder:
         self.log = log
         self.recent: deque[Record] = deque(maxlen=ring_size)
         self.trace = TraceWriter(Path(trace_file)) if trace_file else None
-        self.window = RollingWindow(metrics.events)
+        self.window = RollingWindow()
         self.drift = DriftWatch(metrics, log)
 
     def _remember(self, record: Record) -> None:
@@ -340,7 +341,31 @@ class Recorder:
                     output_tokens=output or 0,
                     stream=routed.stream,
                 )
-        self.window.observe(record)
+        admitted = record.grant is not None
+        self.window.observe(
+            lane,
+            record.outcome,
+            record.ttft_s if admitted else None,
+            duration if admitted else None,
+        )
+        if record.outcome == "timeout":
+            self._watchdog_event(record)
+
+    def _watchdog_event(self, record: Record) -> None:
+        grant = record.grant
+        self.metrics.events.add(
+            "watchdog",
+            "pipeline.deadline",
+            record.error or "deadline hit",
+            "answered_timeout",
+            {
+                "deadline": record.deadline,
+                "lane": record.lane,
+                "cluster": grant.cluster if grant else None,
+                "endpoint": grant.url if grant else None,
+                "request_id": record.request_id,
+            },
+        )
 
     def snapshot(self) -> list[dict[str, Any]]:
         """The recent decisions, newest first, as plain JSON for the admin state."""

@@ -12,23 +12,27 @@ Contract of ``apply_reload(gateway, new_settings)``:
 - Clusters added start their probers, removed ones stop them (the monitor restarts over the
   reconciled pool); a removed cluster's in-flight requests finish.
 - One ``policy.reloaded`` event with the diff of what changed, and the new version number.
+
+``reload_policy(gateway)`` re-reads the gateway's config file (``POST /admin/reload``);
+``reload_on_signal`` and ``watch_config`` run in the app's lifespan and reload on SIGHUP and on
+a change of the file's mtime; a failed reload there logs ``policy.reload_failed`` and keeps the
+running policy.
 """
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
-from engine_pool.cluster import Cluster
 from gateway.auth import ClientAuth
+from gateway.log import swallowed
 from gateway.pipeline import Policy
-from gateway.settings import Settings
+from gateway.services import Gateway, clusters_of
+from gateway.settings import ConfigError, Settings, load_settings
 from gateway.tokens import TokenCounter
-
-if TYPE_CHECKING:
-    from gateway.app import Gateway
 
 RESTART_ONLY = ("server.host", "server.port", "state", "logging", "counting")
 
@@ -97,10 +101,7 @@ async def apply_reload(gateway: Gateway, new: Settings) -> ReloadResult:
     keys = gateway.engine_keys_for(effective)
     auth = ClientAuth.from_settings(effective.auth)
     policy = Policy(effective, counter, keys, auth, version=old_policy.version + 1)
-    gateway.pool.reconcile(
-        Cluster(name=c.name, kind=c.kind, endpoints=c.endpoints, models=c.models)
-        for c in effective.clusters
-    )
+    gateway.pool.reconcile(clusters_of(effective))
     gateway.pipeline.policy = policy
     gateway.adopt(effective)
     applied = {k: v for k, v in changed.items() if k not in restart}
@@ -108,3 +109,40 @@ async def apply_reload(gateway: Gateway, new: Settings) -> ReloadResult:
         "policy.reloaded", version=policy.version, changed=applied, restart_required=list(restart)
     )
     return ReloadResult(policy.version, applied, restart)
+
+
+async def reload_policy(gateway: Gateway, settings: Settings | None = None) -> ReloadResult:
+    """Re-read the config file (or take ``settings``) and apply it; ConfigError if invalid."""
+    if settings is None:
+        if gateway.config_path is None:
+            raise ConfigError("this gateway was not started from a config file")
+        settings = load_settings(gateway.config_path)
+    return await apply_reload(gateway, settings)
+
+
+async def reload_on_signal(gateway: Gateway) -> None:
+    with anyio.open_signal_receiver(signal.SIGHUP) as signals:
+        async for _ in signals:
+            await _reload_logged(gateway, "sighup")
+
+
+async def watch_config(gateway: Gateway) -> None:
+    assert gateway.config_path is not None
+    seen = gateway.config_path.stat().st_mtime_ns
+    while True:
+        await anyio.sleep(gateway.settings.server.watch_interval_s)
+        try:
+            mtime = gateway.config_path.stat().st_mtime_ns
+        except OSError as exc:
+            swallowed(gateway.log, gateway.metrics, "app.watch_config", exc, decision="keep_policy")
+            continue
+        if mtime != seen:
+            seen = mtime
+            await _reload_logged(gateway, "file_changed")
+
+
+async def _reload_logged(gateway: Gateway, trigger: str) -> None:
+    try:
+        await reload_policy(gateway)
+    except ConfigError as exc:
+        gateway.log.warning("policy.reload_failed", trigger=trigger, error=str(exc))

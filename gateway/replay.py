@@ -21,6 +21,7 @@ from typing import Any
 
 from engine_pool.sim.costs import isolated_prefill_seconds
 from engine_pool.sim.profile import EngineProfile, load_profile
+from gateway.extras import save, side_by_side
 from gateway.fleet_sim import CountBy, FleetResult, FleetSim, Outcome
 from gateway.lanes import lane_for
 from gateway.settings import Settings
@@ -211,12 +212,7 @@ def render(reports: Sequence[SimReport]) -> str:
 
 
 def plot(reports: Sequence[SimReport], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_ttft, ax_slots) = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig, (ax_ttft, ax_slots) = side_by_side(13, 4.5)
     for report in reports:
         ttft = sorted(
             o.ttft for o in report.result.outcomes if o.ttft is not None and o.prompt_tokens < 32768
@@ -241,6 +237,4 @@ def plot(reports: Sequence[SimReport], path: Path) -> None:
     ax_slots.set_ylabel("slots in use")
     ax_slots.set_title("slot occupancy")
     ax_slots.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)

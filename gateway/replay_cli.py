@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 
+from gateway.extras import pyplot
 from gateway.replay import SimReport, analyze, cluster_profiles, plot, render, simulate
 from gateway.settings import ConfigError, load_settings
 from gateway.trace import SYNTH_KINDS, read_trace, synthesize, write_trace
@@ -39,6 +40,8 @@ def _synth(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    if args.simulate and args.out:
+        pyplot()  # a missing [bench] extra fails now, not after minutes of simulation
     try:
         settings = load_settings(args.config)
         others = [load_settings(path) for path in args.compare]

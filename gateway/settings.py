@@ -10,6 +10,15 @@ Contract:
 - Cross-references are checked: every lane names clusters that exist, lane token ranges do not
   overlap, every model has a tokenizer.
 
+Why plain pydantic models and not pydantic-settings' ``BaseSettings``: an unknown
+``SHAPEGATE_*`` variable is an error here (it joins the tree and ``extra="forbid"`` names it),
+where ``BaseSettings`` ignores environment variables that match no field, so a typo'd override
+would silently do nothing; env values are YAML scalars, like the file they override, not
+BaseSettings' JSON-for-complex-fields; and ``Settings`` is also built from a reload's request
+body and from the simulator's stand-in config, which must not read the process environment,
+while a ``BaseSettings`` reads it on every construction. The merge is 20 lines below
+(``_env_overrides``, ``_merge``) with the environment passed in, so tests need no monkeypatching.
+
 Example::
 
     settings = load_settings("configs/demo.yaml")
@@ -27,6 +36,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
+from engine_pool.cluster import EngineKind
+from engine_pool.engine_profile import EngineProfileSettings
 from engine_pool.launch import profile_problems
 
 ENV_PREFIX = "SHAPEGATE_"
@@ -130,65 +141,9 @@ class CountingSettings(_Frozen):
     exact_workers: int = Field(1, ge=1, le=64)
 
 
-class SpeculativeSettings(_Frozen):
-    """Speculative decoding on one engine: it pays at low concurrency (the heavy lane) and costs
-    throughput at high concurrency, where the batch already keeps the GPU busy."""
-
-    enabled: bool = False
-    # Engine-neutral: mtp (the model's own multi-token-prediction layers), eagle and eagle3 (a
-    # draft head named in draft_model), ngram (prompt lookup; vLLM only).
-    method: Literal["mtp", "eagle", "eagle3", "ngram"] = "mtp"
-    num_speculative_tokens: int = Field(2, ge=1, le=16)
-    draft_model: str | None = Field(None, min_length=1)
-    prompt_lookup_min: int | None = Field(None, ge=1)
-    prompt_lookup_max: int | None = Field(None, ge=1)
-
-    @model_validator(mode="after")
-    def _method_fields(self) -> SpeculativeSettings:
-        if self.method in ("eagle", "eagle3") and self.draft_model is None:
-            raise ValueError(f"speculative method {self.method!r} needs 'draft_model'")
-        if self.method in ("mtp", "ngram") and self.draft_model is not None:
-            raise ValueError(f"speculative method {self.method!r} takes no 'draft_model'")
-        low, high = self.prompt_lookup_min, self.prompt_lookup_max
-        if self.method != "ngram" and (low, high) != (None, None):
-            raise ValueError("prompt_lookup_min/max apply to the 'ngram' method only")
-        if low is not None and high is not None and low > high:
-            raise ValueError("prompt_lookup_min must not exceed prompt_lookup_max")
-        return self
-
-
-class EngineProfileSettings(_Frozen):
-    """How a cluster's engines are launched (``shapegate launch-command``); the engine kind is
-    the cluster's ``kind``. Checked against the pinned version's flags (engine_pool/launch.py)."""
-
-    # The exact engine release; its flags must be in engine_pool/engine_flags.py KNOWN_FLAGS.
-    version: str = Field(pattern=r"^[0-9]+\.[0-9]+\.[0-9]+(\.post[0-9]+)?$")
-    # The weights: a Hugging Face id or a path inside the engine's container.
-    model: str = Field(min_length=1)
-    # Names the engine answers to; empty means the gateway's name and aliases for the model.
-    served_model_names: tuple[str, ...] = ()
-    host: str = "0.0.0.0"  # noqa: S104 - an engine in a container listens on its pod address
-    port: int = Field(8000, ge=1, le=65535)
-    max_model_len: int = Field(ge=1)
-    max_num_seqs: int = Field(ge=1)
-    max_num_batched_tokens: int | None = Field(None, ge=1)
-    # vLLM V1 refuses anything but 1; kept so a config asking for more fails here, not on a GPU.
-    max_num_partial_prefills: int = Field(1, ge=1)
-    # Above ~0.9 nothing is left for activation spikes and the CUDA graphs: OOM under load.
-    gpu_memory_utilization: float = Field(0.85, ge=0.1, le=0.95)
-    tensor_parallel_size: int = Field(1, ge=1, le=64)
-    # None leaves the engine's default.
-    prefix_caching: bool | None = None
-    kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = "auto"
-    trust_remote_code: bool = False
-    speculative: SpeculativeSettings = SpeculativeSettings()
-    # More engine flags: name without "--" -> value (true for a bare flag); known flags only.
-    extra_args: dict[str, str | int | float | bool] = Field(default_factory=dict)
-
-
 class ClusterSettings(_Frozen):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
-    kind: Literal["vllm", "sglang"] = "vllm"
+    kind: EngineKind = "vllm"
     endpoints: tuple[str, ...] = Field(min_length=1)
     # Models this cluster serves; empty means every configured model.
     models: tuple[str, ...] = ()

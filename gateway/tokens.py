@@ -9,8 +9,9 @@ Contract:
      tokenizer normalises). A byte-level BPE never emits more tokens than bytes, and each special
      token is one token for many bytes, so this is an upper bound (property-tested). Below
      ``exact_above`` it decides the route and no tokenizer runs on the request's path; it is
-     never a token figure (``TokenCount.exact`` is None). ``exact(count)`` finishes it later
-     from the plan the count kept (the pipeline runs it while the engine works).
+     never a token figure (``TokenCount.exact`` is None). ``exact(count)`` (or ``exact_now``,
+     inline when it can) finishes it later from the plan the count kept: the pipeline runs it
+     while the engine works.
   2. ``cache``: every piece of the prompt was counted before. A rendered prompt is cut before each
      ``<|im_start|>`` (one piece a ChatML message); special tokens are split out before any BPE
      runs, so piece counts add up exactly to the whole (tested against the full render). The LRU
@@ -42,7 +43,7 @@ import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from jinja2 import TemplateError
 
@@ -50,7 +51,7 @@ from gateway.errors import BadRequest, ModelNotFound
 from gateway.log import Logger, get_logger, swallowed
 from gateway.metrics import Metrics
 from gateway.protocol import ChatPrompt, CompletionPrompt, Prompt
-from gateway.settings import ConfigError, CountingSettings, Settings
+from gateway.settings import ConfigError, CountingSettings, Settings, parse_settings
 from gateway.tokenizers import cache
 from gateway.tokenizers.encoders import GIL_FREE_ABOVE_CHARS
 from gateway.tokenizers.templates import (
@@ -70,8 +71,6 @@ INLINE_MAX_CHARS = GIL_FREE_ABOVE_CHARS
 
 @dataclass(frozen=True, slots=True)
 class TokenCount:
-    # The figure the lane is decided by: the exact count, or with method "bound" an upper bound
-    # in UTF-8 bytes. Report ``exact`` as tokens, never a bound (``TokenCounter.exact`` ends it).
     tokens: int
     method: Method
     tokenizer: str
@@ -83,6 +82,18 @@ class TokenCount:
     @property
     def exact(self) -> int | None:
         return None if self.method == "bound" else self.tokens
+
+
+@dataclass(frozen=True, slots=True)
+class _Misses:
+    """A count under way: the pieces no cache held (``texts``, at ``misses`` in the plan)."""
+
+    plan: _Plan
+    counts: list[int | None]
+    misses: list[int]
+    keys: list[bytes]
+    texts: list[str]
+    started: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,13 +194,35 @@ class TokenCounter:
             )
         return cls(models, settings.counting, metrics)
 
+    @classmethod
+    def for_models(
+        cls, models: Sequence[Mapping[str, Any]], metrics: Metrics | None = None, **counting: Any
+    ) -> TokenCounter:
+        """A counter for these models alone, spelt as the config's ``models`` (and ``counting``)
+        are, with no gateway policy around them: for the simulator, tools and tests."""
+        policy = parse_settings(
+            {
+                "models": list(models),
+                "counting": counting,
+                # Settings demand a cluster and a lane; a counter reads neither.
+                "clusters": [{"name": "none", "endpoints": ["http://127.0.0.1:1"]}],
+                "lanes": [
+                    {
+                        "name": "all",
+                        "max_prompt_tokens": 10**9,
+                        "clusters": ["none"],
+                        "slots": {"lane": 1, "per_endpoint": 1},
+                    }
+                ],
+            },
+            environ={},
+        )
+        return cls.from_settings(policy, metrics)
+
     async def count(self, model: str, prompt: Prompt, *, exact_above: int) -> TokenCount:
         """Tokens the engine will see; large exact counts run off the event loop."""
-        started = time.perf_counter()
-        plan = self._plan(model, prompt, exact_above)
-        if plan is None or plan.bound < exact_above:
-            return self._answer(plan, prompt, started)
-        return await self._exact(plan, started)
+        step = self._begin(model, prompt, exact_above)
+        return step if isinstance(step, TokenCount) else await self._finish(step)
 
     async def exact(self, count: TokenCount) -> TokenCount:
         """The exact count of a prompt whose ``count`` settled for its bound (``count`` itself
@@ -197,54 +230,43 @@ class TokenCounter:
         missing one is encoded as ``count`` would (inline when small, else in the worker)."""
         if count.method != "bound" or count.plan is None:
             return count
-        return await self._exact(count.plan, time.perf_counter())
+        step = self._resume(count.plan, time.perf_counter())
+        return step if isinstance(step, TokenCount) else await self._finish(step)
 
     def exact_now(self, count: TokenCount) -> TokenCount | None:
         """``exact(count)`` when it can be had inline (the missing pieces small and the encoder
         free), else None: then ``exact`` finishes it in the worker."""
         if count.method != "bound" or count.plan is None:
             return count
-        started, plan = time.perf_counter(), count.plan
-        counts, misses, keys = self._lookup(plan)
-        if misses:
-            found = self._count_inline(plan, misses)
-            if found is None:
-                return None
-            self._store(counts, misses, keys, found)
-        return self._total(plan, counts, "exact" if misses else "cache", started)
+        step = self._resume(count.plan, time.perf_counter())
+        if isinstance(step, TokenCount):
+            return step
+        found = self._inline(step)
+        return None if found is None else self._end(step, found)
 
-    def _count_inline(self, plan: _Plan, misses: list[int]) -> list[int] | None:
-        texts = [plan.pieces[i] for i in misses]
+    async def _finish(self, step: _Misses) -> TokenCount:
+        found = self._inline(step)
+        if found is None:
+            loop = asyncio.get_running_loop()
+            encoder = step.plan.vocab.encoder
+            found = await loop.run_in_executor(self._executor, encoder.count_many, step.texts)
+        return self._end(step, found)
+
+    def _inline(self, step: _Misses) -> list[int] | None:
+        """The missing pieces' counts, encoded on this thread when that is allowed and cheap."""
+        encoder = step.plan.vocab.encoder
         if self._executor is None:
-            return plan.vocab.encoder.count_many(texts)
-        if sum(len(text) for text in texts) <= INLINE_MAX_CHARS:
-            return plan.vocab.encoder.try_count_many(texts)  # None while a worker holds it
+            return encoder.count_many(step.texts)
+        if sum(len(text) for text in step.texts) <= INLINE_MAX_CHARS:
+            return encoder.try_count_many(step.texts)  # None while a worker holds it
         return None
-
-    async def _exact(self, plan: _Plan, started: float) -> TokenCount:
-        counts, misses, keys = self._lookup(plan)
-        if misses:
-            found = self._count_inline(plan, misses)
-            if found is None:
-                loop = asyncio.get_running_loop()
-                texts = [plan.pieces[i] for i in misses]
-                found = await loop.run_in_executor(
-                    self._executor, plan.vocab.encoder.count_many, texts
-                )
-            self._store(counts, misses, keys, found)
-        return self._total(plan, counts, "exact" if misses else "cache", started)
 
     def count_sync(self, model: str, prompt: Prompt, *, exact_above: int = 0) -> TokenCount:
         """Same answer as ``count``, computed inline."""
-        started = time.perf_counter()
-        plan = self._plan(model, prompt, exact_above)
-        if plan is None or plan.bound < exact_above:
-            return self._answer(plan, prompt, started)
-        counts, misses, keys = self._lookup(plan)
-        if misses:
-            found = plan.vocab.encoder.count_many([plan.pieces[i] for i in misses])
-            self._store(counts, misses, keys, found)
-        return self._total(plan, counts, "exact" if misses else "cache", started)
+        step = self._begin(model, prompt, exact_above)
+        if isinstance(step, TokenCount):
+            return step
+        return self._end(step, step.plan.vocab.encoder.count_many(step.texts))
 
     def encode(self, model: str, text: str) -> list[int]:
         """Token ids of plain text: no template, nothing added; special-token strings match."""
@@ -331,6 +353,27 @@ class TokenCounter:
         assert isinstance(prompt, CompletionPrompt)
         tokens = max((len(ids) for ids in prompt.token_ids), default=0)
         return self._done(tokens, "exact", "token_ids", 0, started)
+
+    def _begin(self, model: str, prompt: Prompt, exact_above: int) -> TokenCount | _Misses:
+        """The answer when no piece needs encoding (bound, token ids, all cached), else what to
+        encode; ``count`` and ``count_sync`` differ only in where the encoding runs."""
+        started = time.perf_counter()
+        plan = self._plan(model, prompt, exact_above)
+        if plan is None or plan.bound < exact_above:
+            return self._answer(plan, prompt, started)
+        return self._resume(plan, started)
+
+    def _resume(self, plan: _Plan, started: float) -> TokenCount | _Misses:
+        """A plan's answer from the cache, else what is left to encode."""
+        counts, misses, keys = self._lookup(plan)
+        if not misses:
+            return self._total(plan, counts, "cache", started)
+        texts = [plan.pieces[i] for i in misses]
+        return _Misses(plan, counts, misses, keys, texts, started)
+
+    def _end(self, step: _Misses, found: list[int]) -> TokenCount:
+        self._store(step.counts, step.misses, step.keys, found)
+        return self._total(step.plan, step.counts, "exact", step.started)
 
     def _lookup(self, plan: _Plan) -> tuple[list[int | None], list[int], list[bytes]]:
         """Cached counts by piece (None where missing), the missing indexes, the cache keys."""

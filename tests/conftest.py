@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from engine_pool.sim.counting import RegistryCounter
 from engine_pool.sim.server import SimServer, run_sim
 from gateway.app import create_app
 from gateway.settings import Settings, parse_settings
+from gateway.sim_support import RegistryCounter
 from gateway.tokens import TokenCounter
 from tests.support.servers import serve_asgi
 

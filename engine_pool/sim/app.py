@@ -20,7 +20,6 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
@@ -30,7 +29,7 @@ from starlette.background import BackgroundTask
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine_pool.sim import wire
-from engine_pool.sim.counting import PromptCounter
+from engine_pool.sim.counting import Endpoint, PromptCounter, RequestRejected
 from engine_pool.sim.engine import SimEngine
 from engine_pool.sim.faults import FaultError, FaultSpec, FaultState
 from engine_pool.sim.profile import EngineProfile
@@ -42,8 +41,6 @@ from engine_pool.sim.serving import (
     race_disconnect,
     stream_body,
 )
-from gateway.errors import BadRequest
-from gateway.protocol import ChatPrompt, CompletionPrompt, Endpoint, parse_request
 
 ApplyFaults = Callable[[FaultSpec], Awaitable[None]]
 DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
@@ -105,8 +102,8 @@ async def _prepare(
     """Validate as vLLM does (and roll the fault dice): an error response, or what to generate."""
     profile, faults = parts.profile, parts.faults
     try:
-        routed = parse_request(endpoint, await request.body())
-    except BadRequest as exc:
+        routed = parts.counter.read(endpoint, await request.body())
+    except RequestRejected as exc:
         return _error(400, exc.message, "BadRequestError", exc.param)
     if routed.model not in profile.served_names:
         return _error(404, f"The model `{routed.model}` does not exist.", "NotFoundError", "model")
@@ -119,13 +116,12 @@ async def _prepare(
         return _error(
             429, "injected fault: too many requests", "RateLimitError", headers={"retry-after": "1"}
         )
-    prompt = routed.prompt
-    if isinstance(prompt, CompletionPrompt) and len(prompt.texts) + len(prompt.token_ids) > 1:
+    if routed.prompts > 1:
         return _error(
             400, "the simulator serves one prompt per request", "BadRequestError", "prompt"
         )
     # Off the event loop: a 300k-token prompt must not stall every other stream.
-    prompt_tokens = await asyncio.to_thread(parts.counter.count, prompt)
+    prompt_tokens = await asyncio.to_thread(parts.counter.count, routed)
     requested = routed.max_tokens or 0
     if prompt_tokens + requested > profile.max_model_len or prompt_tokens >= profile.max_model_len:
         message = wire.context_too_long_message(profile.max_model_len, requested, prompt_tokens)
@@ -206,7 +202,7 @@ def create_app(parts: SimParts, apply_faults: ApplyFaults) -> FastAPI:
             data = orjson.loads(await request.body())
         except orjson.JSONDecodeError as exc:
             return _error(400, f"request body is not valid JSON: {exc}", "BadRequestError")
-        tokens = await asyncio.to_thread(_tokenize, parts.counter, data)
+        tokens = await asyncio.to_thread(parts.counter.tokenize, data)
         if tokens is None:
             return _error(
                 400, "give 'prompt' (text or token ids) or 'messages'", "BadRequestError", "prompt"
@@ -255,16 +251,3 @@ def create_app(parts: SimParts, apply_faults: ApplyFaults) -> FastAPI:
         )
 
     return app
-
-
-def _tokenize(counter: PromptCounter, data: Any) -> list[int] | None:
-    if not isinstance(data, dict):
-        return None
-    messages, prompt = data.get("messages"), data.get("prompt")
-    if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
-        return counter.encode(counter.render_chat(ChatPrompt(messages=tuple(messages))))
-    if isinstance(prompt, str):
-        return counter.encode(prompt)
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return [int(t) for t in prompt]
-    return None

@@ -7,23 +7,36 @@
 Exit codes: 0 after a signal, 2 for a bad profile, fault or argument. Ready when it logs
 ``sim.started`` (and ``GET /health`` answers). Profiles are names under ``configs/engines/`` or
 YAML paths; ``--model`` replaces the served model name (the tokenizer stays the profile's).
+
+``register(subparsers, counter_for, configure_logging)`` takes what the sim cannot own (it
+never imports the gateway): how to build a profile's ``PromptCounter`` and how to set up the
+process's logging. ``gateway/sim_support.py`` registers it with the gateway's.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import signal
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from engine_pool.sim.counting import PromptCounter
 from engine_pool.sim.profile import EngineProfile, ProfileError, available_profiles, load_profile
 
 if TYPE_CHECKING:
     from engine_pool.sim.faults import FaultSpec
 
+CounterFor = Callable[[EngineProfile], PromptCounter]
 
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+
+def register(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+    counter_for: CounterFor,
+    configure_logging: Callable[[str], None],
+) -> None:
     parser = subparsers.add_parser("sim", help="run one simulated vLLM engine")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1")
@@ -44,10 +57,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
-    parser.set_defaults(func=run)
+    parser.set_defaults(
+        func=functools.partial(run, counter_for=counter_for, configure_logging=configure_logging)
+    )
 
 
-async def _serve(profile: EngineProfile, args: argparse.Namespace, faults: FaultSpec) -> int:
+async def _serve(
+    profile: EngineProfile, args: argparse.Namespace, faults: FaultSpec, counter: PromptCounter
+) -> int:
     from engine_pool.sim.server import run_sim
 
     stop = asyncio.Event()
@@ -56,6 +73,7 @@ async def _serve(profile: EngineProfile, args: argparse.Namespace, faults: Fault
         loop.add_signal_handler(sig, stop.set)
     async with run_sim(
         profile,
+        counter=counter,
         time_scale=args.time_scale,
         faults=faults,
         host=args.host,
@@ -66,10 +84,11 @@ async def _serve(profile: EngineProfile, args: argparse.Namespace, faults: Fault
     return 0
 
 
-def run(args: argparse.Namespace) -> int:
+def run(
+    args: argparse.Namespace, counter_for: CounterFor, configure_logging: Callable[[str], None]
+) -> int:
     # Imported here so that building the ``shapegate`` parser does not load uvicorn and FastAPI.
     from engine_pool.sim.faults import FaultError, FaultSpec, parse_fault_arg
-    from gateway.log import configure_logging
 
     if args.time_scale <= 0:
         print("shapegate sim: --time-scale must be positive", file=sys.stderr)
@@ -82,5 +101,5 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.model:
         profile = profile.model_copy(update={"model": args.model})
-    configure_logging(args.log_level, json_output=True)
-    return asyncio.run(_serve(profile, args, faults))
+    configure_logging(args.log_level)
+    return asyncio.run(_serve(profile, args, faults, counter_for(profile)))

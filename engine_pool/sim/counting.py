@@ -1,83 +1,55 @@
-"""Prompt token counts for the sim, from the gateway's own tokenizer registry.
+"""What the simulated engine needs from whoever starts it: a reader of OpenAI requests that
+knows the model's tokenizer.
 
-The simulated engine must see the same number of prompt tokens as a real vLLM would, so it
-counts with ``gateway.tokens.TokenCounter`` (the model's real tokenizer and chat template) rather
-than an estimate. This is the one place ``engine_pool`` imports the gateway's tokenizer code.
+A stand-in engine must see the prompt tokens a real vLLM would, so it counts with the model's
+real tokenizer and chat template rather than an estimate, and reads requests as the gateway
+does. That code is the gateway's (``gateway/protocol.py``, ``gateway/tokens.py``), and
+``engine_pool`` never imports ``gateway``: the sim is handed a ``PromptCounter`` instead. The
+gateway's is ``gateway.sim_support.RegistryCounter``, which ``shapegate sim``, the demo, the
+benchmarks and the tests pass in.
 
-Contract:
-- ``PromptCounter`` is what the sim's HTTP layer needs: ``count(prompt)`` (exact), ``encode``
-  and ``render_chat`` (for ``/tokenize``). Calls are blocking: the app runs them in a worker
-  thread, so a 300k-token prompt does not stall the event loop.
-- ``RegistryCounter.for_profile(profile)`` builds a minimal gateway ``Settings`` holding just the
-  profile's model and tokenizer, and loads it (start-up cost: the vocabulary is read once).
+Contract of a ``PromptCounter`` (calls are blocking: the app runs ``count`` and ``tokenize`` in
+a worker thread, so a 300k-token prompt does not stall the event loop):
+- ``read(endpoint, body)`` parses a request body into a ``SimRequest``, or raises
+  ``RequestRejected(message, param)`` for what vLLM answers with 400.
+- ``count(request)``: the exact prompt tokens of a request ``read`` returned.
+- ``tokenize(data)``: token ids for ``/tokenize``'s JSON body (``prompt``, text or token ids, or
+  chat ``messages`` rendered by the template); None when it has neither.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
-from engine_pool.sim.profile import EngineProfile
-from gateway.protocol import ChatPrompt, Prompt
-from gateway.settings import Settings, parse_settings
+# The OpenAI routes the sim serves (the same two a real engine serves the gateway).
+Endpoint = Literal["chat", "completions"]
 
-if TYPE_CHECKING:
-    from gateway.tokens import TokenCounter
+
+@dataclass(frozen=True, slots=True)
+class SimRequest:
+    model: str
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None
+    # Prompts in the request: a completions batch has more than one (the sim serves one).
+    prompts: int
+    # The reader's own parsed prompt, handed back to its ``count``; the sim never looks inside.
+    prompt: object
+
+
+class RequestRejected(Exception):
+    """A request vLLM answers with 400; ``param`` names the offending field where known."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
 
 
 class PromptCounter(Protocol):
-    def count(self, prompt: Prompt) -> int: ...
+    def read(self, endpoint: Endpoint, body: bytes) -> SimRequest: ...
 
-    def encode(self, text: str) -> list[int]: ...
+    def count(self, request: SimRequest) -> int: ...
 
-    def render_chat(self, prompt: ChatPrompt) -> str: ...
-
-
-def profile_settings(profile: EngineProfile) -> Settings:
-    """A gateway ``Settings`` whose only job is to name the profile's model and tokenizer."""
-    return parse_settings(
-        {
-            "models": [
-                {
-                    "name": profile.model,
-                    "aliases": list(profile.aliases),
-                    "tokenizer": profile.tokenizer.model_dump(exclude_none=True),
-                    "max_model_len": profile.max_model_len,
-                }
-            ],
-            # Settings demand a cluster and a lane; the sim uses neither.
-            "clusters": [{"name": "self", "endpoints": ["http://127.0.0.1:1"]}],
-            "lanes": [
-                {
-                    "name": "all",
-                    "max_prompt_tokens": profile.max_model_len + 1,
-                    "clusters": ["self"],
-                    "slots": {"lane": 1, "per_endpoint": 1},
-                }
-            ],
-        },
-        environ={},
-    )
-
-
-class RegistryCounter:
-    """``PromptCounter`` over the gateway's ``TokenCounter`` for one model."""
-
-    def __init__(self, counter: TokenCounter, model: str) -> None:
-        self._counter = counter
-        self._model = model
-
-    @classmethod
-    def for_profile(cls, profile: EngineProfile) -> RegistryCounter:
-        from gateway.tokens import TokenCounter
-
-        return cls(TokenCounter.from_settings(profile_settings(profile)), profile.model)
-
-    def count(self, prompt: Prompt) -> int:
-        # exact_above=0: the engine always counts exactly, never settles for a bound.
-        return self._counter.count_sync(self._model, prompt, exact_above=0).tokens
-
-    def encode(self, text: str) -> list[int]:
-        return self._counter.encode(self._model, text)
-
-    def render_chat(self, prompt: ChatPrompt) -> str:
-        return self._counter.render_chat(self._model, prompt)
+    def tokenize(self, data: Any) -> list[int] | None: ...

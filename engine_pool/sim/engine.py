@@ -22,13 +22,14 @@ import asyncio
 import itertools
 import time
 
+import structlog
+
 from engine_pool.sim.metrics import SimMetrics
 from engine_pool.sim.profile import EngineProfile
 from engine_pool.sim.records import RequestLog, RequestRecord
 from engine_pool.sim.scheduler import Scheduler, SchedulerSnapshot, StepResult
-from gateway.log import get_logger, swallowed
 
-log = get_logger("sim.engine")
+log = structlog.get_logger(component="sim.engine")
 
 
 class EngineCrashed(Exception):
@@ -182,8 +183,15 @@ class SimEngine:
                 await asyncio.sleep(max(delay, 0.0))
                 self._clock = result.end
                 self._deliver(result)
-        except Exception as exc:  # noqa: BLE001 - a dead engine must say so, not hang
-            swallowed(log, None, "sim.engine_loop", exc, decision="engine_failed")
+        except Exception as exc:
+            # The gateway's error.swallowed fields (gateway/log.py), with the traceback.
+            log.exception(
+                "error.swallowed",
+                where="sim.engine_loop",
+                error_type=type(exc).__name__,
+                error=str(exc)[:500],
+                decision="engine_failed",
+            )
             self.failed = True
             self.crash(reason="engine_failed")
 

@@ -23,8 +23,6 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from gateway.settings import TokenizerSettings
-
 # configs/engines/ at the repository root: engine_pool/sim/profile.py -> ../../../configs
 ENGINES_DIR = Path(__file__).resolve().parents[2] / "configs" / "engines"
 
@@ -85,8 +83,10 @@ class EngineProfile(_Frozen):
     # The served model name; aliases are extra served names (vLLM's --served-model-name a b).
     model: str = Field(min_length=1)
     aliases: tuple[str, ...] = ()
-    tokenizer: TokenizerSettings = TokenizerSettings(
-        source="builtin", name="qwen3.6", chat_template="chatml"
+    # A model's ``tokenizer`` as the gateway's config spells it (gateway/settings.py,
+    # TokenizerSettings); the ``PromptCounter`` handed to the sim loads and validates it.
+    tokenizer: dict[str, Any] = Field(
+        default_factory=lambda: {"source": "builtin", "name": "qwen3.6", "chat_template": "chatml"}
     )
     max_model_len: int = Field(ge=1)
     scheduler: SchedulerLimits

@@ -10,7 +10,8 @@ Contract:
   (or ``restart_after_s``) listens again on the same port with the same engine records.
 - ``run_sim(profile, time_scale=0.01)`` is the test helper: ``async with run_sim(...) as sim``
   gives ``sim.url``, ``sim.engine`` (records, snapshot), ``sim.faults`` and ``sim.set_faults``.
-  Pass ``counter=`` to share one loaded tokenizer between many simulated engines.
+  ``counter`` (engine_pool/sim/counting.py) reads and counts the prompts; pass one to many
+  simulated engines to share one loaded tokenizer.
 
 uvicorn internals touched, on purpose and only here: ``Server.servers`` (the listening sockets),
 ``server_state.connections`` (to reset them) and ``server_state.tasks`` (to let their handlers
@@ -27,18 +28,18 @@ import socket
 from collections.abc import AsyncIterator, Generator, Mapping
 from typing import Any
 
+import structlog
 import uvicorn
 
 from engine_pool.sim.app import SimParts, create_app
-from engine_pool.sim.counting import PromptCounter, RegistryCounter
+from engine_pool.sim.counting import PromptCounter
 from engine_pool.sim.engine import SimEngine
 from engine_pool.sim.faults import FaultSpec, FaultState
 from engine_pool.sim.profile import EngineProfile, load_profile
 from engine_pool.sim.records import RequestRecord
 from engine_pool.sim.serving import DroppedConnection
-from gateway.log import get_logger
 
-log = get_logger("sim.server")
+log = structlog.get_logger(component="sim.server")
 
 
 class _NoSignals(uvicorn.Server):
@@ -68,11 +69,11 @@ class SimServer:
         self,
         profile: EngineProfile,
         *,
+        counter: PromptCounter,
         time_scale: float = 1.0,
         host: str = "127.0.0.1",
         port: int = 0,
         faults: FaultSpec | None = None,
-        counter: PromptCounter | None = None,
         seed: int | None = None,
     ) -> None:
         self.profile = profile
@@ -80,7 +81,7 @@ class SimServer:
         self.port = port
         self.engine = SimEngine(profile, time_scale=time_scale)
         self.faults = FaultState(faults, seed=seed)
-        self.counter = counter or RegistryCounter.for_profile(profile)
+        self.counter = counter
         self.app = create_app(
             SimParts(profile, self.engine, self.faults, self.counter), self._set_faults_from_admin
         )
@@ -205,9 +206,9 @@ class SimServer:
 async def run_sim(
     profile: EngineProfile | str,
     *,
+    counter: PromptCounter,
     time_scale: float = 1.0,
     faults: FaultSpec | Mapping[str, Any] | None = None,
-    counter: PromptCounter | None = None,
     host: str = "127.0.0.1",
     port: int = 0,
     seed: int | None = None,

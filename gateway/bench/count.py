@@ -30,14 +30,14 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from importlib import metadata, resources
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import orjson
 
 from gateway.bench.corpus import KINDS, Corpus
-from gateway.bench.harness import target_lines
+from gateway.bench.harness import package_version, with_targets
 from gateway.protocol import ChatPrompt, parse_request
 from gateway.settings import ModelSettings, Settings, TokenizerSettings, load_settings
 from gateway.tokenizers.vocab import Vocabulary
@@ -218,7 +218,7 @@ def _measure(settings: Settings, *, smoke: bool, all_cpus: set[int] | None) -> d
         "tokenizer": counter.tokenizer_id(model),
         "exact_above": exact_above,
         "versions": {
-            name: _version(name)
+            name: package_version(name)
             for name in ("gigatoken", "gigatoken-cachefix", "tokenizers", "tiktoken")
         },
         "python": platform.python_version(),
@@ -235,13 +235,6 @@ def _measure(settings: Settings, *, smoke: bool, all_cpus: set[int] | None) -> d
     }
     result["targets"] = _targets(result)
     return result
-
-
-def _version(name: str) -> str:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return "absent"
 
 
 def _chars_per_token(counter: TokenCounter, model: str, corpus: Corpus) -> float:
@@ -509,6 +502,4 @@ def _table(result: dict[str, Any]) -> str:
             f"{c['vocabulary']:>22} {c['kind']:>6} {c['chars_per_token']:>9} "
             f"{c['bytes_per_token']:>9} {c['chars_over_4_vs_real']:>15}"
         )
-    lines.append("")
-    lines.extend(target_lines(result["targets"]))
-    return "\n".join(lines)
+    return with_targets(lines, result["targets"])

@@ -23,9 +23,11 @@ def register(suites: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def run(args: argparse.Namespace) -> int:
-    from gateway.cli import build_parser
+    from gateway import bench
 
-    parser = build_parser()
+    # The bench commands alone, as ``shapegate`` parses them (gateway/cli.py registers the same).
+    parser = argparse.ArgumentParser(prog="shapegate")
+    bench.register(parser.add_subparsers(dest="command", required=True))
     took = {}
     for suite in ORDER:
         argv = ["bench", suite, "--out", args.out, *(["--smoke"] if args.smoke else [])]

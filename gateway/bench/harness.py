@@ -21,7 +21,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import IO, Any
 
@@ -205,6 +207,32 @@ def target_lines(targets: list[dict[str, Any]]) -> list[str]:
         f"{'met ' if t['met'] else 'MISS'} {t['target']}: {t['value']} (limit {t['limit']})"
         for t in targets
     ]
+
+
+def publish(
+    out: str, name: str, result: dict[str, Any], table: str, plot: Callable[[Path], None]
+) -> int:
+    """Write ``<out>/<name>.json`` and ``<out>/<name>.png``, print the table; exit code 0."""
+    folder = Path(out)
+    path = write_json(folder, name, result)
+    image = folder / f"{name}.png"
+    plot(image)
+    print(table)
+    print(f"\nwritten: {path}, {image}")
+    return 0
+
+
+def package_version(name: str) -> str:
+    """The installed version of a distribution, or "absent"."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+def with_targets(lines: list[str], targets: list[dict[str, Any]]) -> str:
+    """A suite's report: its lines, a blank line, then one line a target."""
+    return "\n".join([*lines, "", *target_lines(targets)])
 
 
 def machine_line(info: dict[str, Any]) -> str:

@@ -10,13 +10,13 @@ HTTP library of the gateway's, so the gateway is the only thing measured twice.
   spaces them by its inter-token latency; here the relay's per-byte cost is what is measured,
   and at 1,000 requests/s a Python upstream cannot afford 100 writes per response). Every
   ``GET`` (health, metrics) gets an empty 200. Keep-alive throughout.
-- ``open_loop(target, rate, seconds, body)`` sends requests on a fixed schedule, ``rate`` a
-  second, whether or not earlier ones finished (open loop: queueing in the server shows up as
-  latency, not as a lower send rate). A request due when no keep-alive connection is idle opens
-  a new one (up to ``max_connections``; past that it waits, which shows as ``lag``). Per request
-  it records the schedule lag (send time minus due time, the generator's own lateness), the time
-  to the first response byte and to the last, both from the send, and the status; a refused,
-  reset or timed-out request, or any status but 200, is an error.
+- ``open_loop(host, port, path, body, rate, seconds)`` sends requests on a fixed schedule,
+  ``rate`` a second, whether or not earlier ones finished (open loop: queueing in the server
+  shows up as latency, not as a lower send rate). A request due when no keep-alive connection
+  is idle opens a new one (up to ``MAX_CONNECTIONS``; past that it waits, which shows as
+  ``lag``). Per request it records the schedule lag (send time minus due time, the generator's
+  own lateness), the time to the first response byte and to the last, both from the send, and
+  the status; a refused, reset or timed-out request, or any status but 200, is an error.
 The generator's own ceiling is measured by pointing it at the upstream directly at rising rates
 (``overhead`` does and reports it).
 """
@@ -37,6 +37,11 @@ import httptools
 import orjson
 
 STREAM_CHUNKS = 100
+# open_loop: how long it waits for the last response, its connection ceiling, and the
+# keep-alive connections it opens before the first request is due.
+TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 512
+WARM_CONNECTIONS = 16
 _JSON_BODY = orjson.dumps(
     {
         "id": "chatcmpl-bench",
@@ -327,18 +332,14 @@ async def open_loop(
     body: bytes | Sequence[bytes],
     rate: float,
     seconds: float,
-    *,
-    timeout_s: float = 10.0,
-    max_connections: int = 512,
-    warm_connections: int = 16,
 ) -> LoadResult:
-    """Send ``rate * seconds`` requests on a fixed schedule; wait for all (up to ``timeout_s``).
+    """Send ``rate * seconds`` requests on a fixed schedule; wait for all (up to ``TIMEOUT_S``).
 
     ``body`` is one request body, or a list of them sent in turn (request i gets body i)."""
     bodies = [body] if isinstance(body, bytes) else body
     requests = [http_request(host, port, path, one) for one in bodies]
-    gen = _Generator(host, port, requests, max_connections)
-    await asyncio.gather(*(gen.connect() for _ in range(warm_connections)))
+    gen = _Generator(host, port, requests, MAX_CONNECTIONS)
+    await asyncio.gather(*(gen.connect() for _ in range(WARM_CONNECTIONS)))
     result = gen.result = LoadResult(rate=rate, seconds=seconds, connections=gen.open)
     count = max(1, round(rate * seconds))
     interval = 1.0 / rate
@@ -354,7 +355,7 @@ async def open_loop(
     if gen.outstanding <= 0:
         gen.all_done.set()
     try:
-        await asyncio.wait_for(gen.all_done.wait(), timeout_s)
+        await asyncio.wait_for(gen.all_done.wait(), TIMEOUT_S)
     except TimeoutError:
         for _ in range(gen.outstanding):
             result.error("timeout")

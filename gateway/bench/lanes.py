@@ -27,7 +27,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from gateway.bench.harness import machine, machine_line, target_lines, write_json
+from gateway.bench.harness import machine, machine_line, publish, with_targets
 from gateway.fleet_sim import CountBy
 from gateway.replay import SimReport, cluster_profiles, plot, simulate
 from gateway.settings import Settings, load_settings
@@ -60,12 +60,7 @@ def _config(name: str) -> Settings:
 
 def run(args: argparse.Namespace) -> int:
     result, first = measure(seeds=2 if args.smoke else args.seeds, smoke=args.smoke)
-    out = Path(args.out)
-    path = write_json(out, "lanes", result)
-    plot(first, out / "lanes.png")
-    print(table(result))
-    print(f"\nwritten: {path}, {out / 'lanes.png'}")
-    return 0
+    return publish(args.out, "lanes", result, table(result), lambda png: plot(first, png))
 
 
 def _row(report: SimReport) -> dict[str, Any]:
@@ -234,6 +229,4 @@ def table(result: dict[str, Any]) -> str:
             f"[{p99['min']:.1f}-{p99['max']:.1f}]; monster completion {mon['median']:.2f}x "
             f"shared [{mon['min']:.2f}-{mon['max']:.2f}]"
         )
-    lines.append("")
-    lines.extend(target_lines(result["targets"]))
-    return "\n".join(lines)
+    return with_targets(lines, result["targets"])

@@ -29,12 +29,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import orjson
+
+if TYPE_CHECKING:
+    import numpy as np
 
 from gateway.bench.harness import (
     Child,
@@ -42,15 +43,17 @@ from gateway.bench.harness import (
     gateway_policy,
     machine,
     machine_line,
+    package_version,
     pin_self,
+    publish,
     start_gateway,
     start_upstream,
-    target_lines,
     two_core_plan,
-    write_json,
+    with_targets,
 )
 from gateway.bench.httpload import new_event_loop, open_loop
 from gateway.bench.overhead import BODIES, PATH
+from gateway.extras import optional, save, side_by_side
 
 BLOCK = 10_000
 FLAT_MB = 5.0
@@ -82,12 +85,7 @@ def run(args: argparse.Namespace) -> int:
         smoke=args.smoke,
         pin=not args.no_pin,
     )
-    out = Path(args.out)
-    path = write_json(out, "memory", result)
-    plot(result, out / "memory.png")
-    print(table(result))
-    print(f"\nwritten: {path}, {out / 'memory.png'}")
-    return 0
+    return publish(args.out, "memory", result, table(result), lambda png: plot(result, png))
 
 
 def _imports_rss_mb() -> float:
@@ -107,7 +105,7 @@ def _adversarial_bodies(kind: str, n: int, rng: np.random.Generator) -> tuple[li
     bodies, size = [], 0
     for _ in range(n):
         if kind == "cjk":
-            points = rng.integers(0x4E00, 0x9FFF, ADVERSARIAL_BYTES // 3, dtype=np.uint32)
+            points = rng.integers(0x4E00, 0x9FFF, ADVERSARIAL_BYTES // 3, dtype="uint32")
             text = points.astype("<u4").tobytes().decode("utf-32-le")
         else:
             text = base64.b64encode(rng.bytes(ADVERSARIAL_BYTES * 3 // 4)).decode()
@@ -153,18 +151,12 @@ def measure(
         machine=info,
         imports_rss_mb=imports,
         tokenizer_package={
-            name: _version(name) for name in ("gigatoken", "gigatoken-cachefix", "tokenizers")
+            name: package_version(name)
+            for name in ("gigatoken", "gigatoken-cachefix", "tokenizers")
         },
     )
     result["targets"] = targets(result)
     return result
-
-
-def _version(name: str) -> str:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return "absent"
 
 
 async def _measure(
@@ -187,6 +179,7 @@ async def _measure(
     warm = next(p for p in curve if p["requests"] >= requests // 5)
     growth = round(curve[-1]["rss_mb"] - warm["rss_mb"], 1)
 
+    np = optional("numpy")
     rng = np.random.default_rng(9)
     attacks = []
     for kind in ("cjk", "base64"):
@@ -286,18 +279,11 @@ def table(result: dict[str, Any]) -> str:
             f"{a['rss_mb_per_text_mb']} MB per MB, {a['rss_growth_second_half_mb']} MB over the "
             f"second half ({a['errors']} errors)"
         )
-    lines.append("")
-    lines.extend(target_lines(result["targets"]))
-    return "\n".join(lines)
+    return with_targets(lines, result["targets"])
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_fill, ax_attack) = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, (ax_fill, ax_attack) = side_by_side(12, 4.2)
     curve = result["curve"]
     ax_fill.plot([p["requests"] for p in curve], [p["rss_mb"] for p in curve], marker="o")
     ax_fill.axhline(result["imports_rss_mb"], color="grey", linestyle=":", label="imports only")
@@ -317,6 +303,4 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax_attack.set_ylabel("RSS growth, MB")
     ax_attack.set_title("adversarial input: unique text above the exact-count threshold")
     ax_attack.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)

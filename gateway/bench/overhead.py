@@ -38,13 +38,14 @@ from gateway.bench.harness import (
     machine,
     machine_line,
     pin_self,
+    publish,
     start_gateway,
     start_upstream,
-    target_lines,
     two_core_plan,
-    write_json,
+    with_targets,
 )
 from gateway.bench.httpload import LoadResult, new_event_loop, open_loop, percentile
+from gateway.extras import save, side_by_side
 
 PATH = "/v1/chat/completions"
 BODIES = {
@@ -76,12 +77,7 @@ def run(args: argparse.Namespace) -> int:
         rates=(50, 200) if args.smoke else tuple(int(r) for r in args.rates.split(",")),
         pin=not args.no_pin,
     )
-    out = Path(args.out)
-    path = write_json(out, "overhead", result)
-    plot(result, out / "overhead.png")
-    print(table(result))
-    print(f"\nwritten: {path}, {out / 'overhead.png'}")
-    return 0
+    return publish(args.out, "overhead", result, table(result), lambda png: plot(result, png))
 
 
 def _summary(result: LoadResult) -> dict[str, Any]:
@@ -288,18 +284,11 @@ def table(result: dict[str, Any]) -> str:
             f"{shape}: highest rate sustained through the gateway ({result['sustained_rule']}): "
             f"{s['highest_clean_rps']} requests/s"
         )
-    lines.append("")
-    lines.extend(target_lines(result["targets"]))
-    return "\n".join(lines)
+    return with_targets(lines, result["targets"])
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_lat, ax_cpu) = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, (ax_lat, ax_cpu) = side_by_side(12, 4.2)
     for shape, marker in (("json", "o"), ("sse", "s")):
         rows = [r for r in result["rows"] if r["shape"] == shape]
         rates = [r["offered_rps"] for r in rows]
@@ -324,6 +313,4 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax_cpu.set_title("gateway CPU cost")
     ax_cpu.set_ylim(bottom=0)
     ax_cpu.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)

@@ -308,9 +308,9 @@ def memory(samples: list[tuple[float, float]], seconds: float) -> dict[str, floa
 
 async def soak(options: SoakOptions, counter: PromptCounter | None = None) -> dict[str, Any]:
     """Run one soak; ``counter`` shares an already loaded tokenizer with the engines."""
-    from engine_pool.sim.counting import RegistryCounter
     from engine_pool.sim.profile import load_profile
     from engine_pool.sim.server import run_sim
+    from gateway.sim_support import RegistryCounter
 
     rng = random.Random(options.seed)
     profiles = ["h100-fast", "h100-fast", "h100-heavy", "h100-heavy"]

@@ -20,7 +20,7 @@ from gateway.dashboard.guard import AdminGuard
 from gateway.dashboard.state import StateCache, StoreWatch, build_state
 
 if TYPE_CHECKING:
-    from gateway.app import Gateway
+    from gateway.services import Gateway
 
 STATIC = {
     "index.html": "text/html; charset=utf-8",

@@ -30,8 +30,8 @@ from gateway.log import swallowed
 from gateway.slots import endpoint_key, lane_key
 
 if TYPE_CHECKING:
-    from gateway.app import Gateway
     from gateway.record import Record
+    from gateway.services import Gateway
 
 MAX_DECISIONS = 500
 MAX_TEXT = 120

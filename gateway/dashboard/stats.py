@@ -4,10 +4,10 @@ Prometheus keeps the authoritative histograms; this window exists so the ops pag
 is each lane doing right now" without a Prometheus server next to the gateway.
 
 Contract:
-- ``RollingWindow.observe(record)`` takes one finished request (gateway/record.py's
-  ``Recorder`` calls it once, as the request finishes): it counts the request in its lane's
-  current time bucket by outcome, adds its TTFT and duration when it was admitted, and reports
-  a request that ended in a watchdog deadline to the event ring as a ``watchdog`` event.
+- ``RollingWindow.observe(lane, outcome, ttft_s, duration_s)`` takes one finished request
+  (gateway/record.py's ``Recorder`` calls it once, as the request finishes): it counts the
+  request in its lane's current time bucket by outcome, and adds its TTFT and duration when
+  given (the recorder gives them for requests that were admitted).
 - ``gauge(lane, slots_in_use, queue_depth)`` samples the lane's gauges into the current bucket
   (the bucket keeps the maximum); the dashboard samples them each time it builds its state.
 - ``lane_json(lane)`` answers the request rate over the last minute, p50/p95/p99 of TTFT and
@@ -25,12 +25,7 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-from gateway.dashboard.events import EventRing
-
-if TYPE_CHECKING:
-    from gateway.record import Record
+from typing import Any
 
 BIN_FLOOR_S = 1e-4
 BIN_GROWTH = 1.04
@@ -145,14 +140,7 @@ class _Lane:
 
 
 class RollingWindow:
-    def __init__(
-        self,
-        events: EventRing | None = None,
-        bucket_s: float = 2.0,
-        keep_s: float = 600.0,
-        span_s: float = 300.0,
-    ) -> None:
-        self.events = events
+    def __init__(self, bucket_s: float = 2.0, keep_s: float = 600.0, span_s: float = 300.0) -> None:
         self.bucket_s = bucket_s
         self.keep = max(1, round(keep_s / bucket_s))
         self.span = max(1, min(self.keep, round(span_s / bucket_s)))
@@ -166,38 +154,27 @@ class RollingWindow:
         lane.advance(index, self.keep, self.span, self.bucket_s)
         return lane, index
 
-    def observe(self, record: Record, now: float | None = None) -> None:
+    def observe(
+        self,
+        lane_name: str,
+        outcome: str,
+        ttft_s: float | None,
+        duration_s: float | None,
+        now: float | None = None,
+    ) -> None:
         now = time.monotonic() if now is None else now
-        lane_name = record.lane
-        outcome = record.outcome or "in_flight"
         lane, index = self._lane(lane_name, now)
         bucket = lane.bucket(index)
         bucket.outcomes[outcome] += 1
         lane.span_outcomes[outcome] += 1
-        if record.grant is not None:
-            if record.duration_s is not None:
-                at = bin_of(record.duration_s)
-                bucket.e2e[at] += 1
-                lane.span_e2e[at] += 1
-            if record.ttft_s is not None:
-                at = bin_of(record.ttft_s)
-                bucket.ttft[at] += 1
-                lane.span_ttft[at] += 1
-        if record.outcome == "timeout" and self.events is not None:
-            grant = record.grant
-            self.events.add(
-                "watchdog",
-                "pipeline.deadline",
-                record.error or "deadline hit",
-                "answered_timeout",
-                {
-                    "deadline": record.deadline,
-                    "lane": lane_name,
-                    "cluster": grant.cluster if grant else None,
-                    "endpoint": grant.url if grant else None,
-                    "request_id": record.request_id,
-                },
-            )
+        if duration_s is not None:
+            at = bin_of(duration_s)
+            bucket.e2e[at] += 1
+            lane.span_e2e[at] += 1
+        if ttft_s is not None:
+            at = bin_of(ttft_s)
+            bucket.ttft[at] += 1
+            lane.span_ttft[at] += 1
 
     def gauge(self, lane_name: str, slots_in_use: int, queue_depth: int, now: float) -> None:
         lane, index = self._lane(lane_name, now)

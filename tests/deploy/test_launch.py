@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from engine_pool.engine_flags import KNOWN_FLAGS
+from engine_pool.engine_profile import EngineProfileSettings
 from engine_pool.launch import (
     EngineCommand,
     EnvRef,
@@ -25,7 +26,7 @@ from engine_pool.launch import (
     render_command,
 )
 from gateway.cli import main
-from gateway.settings import ConfigError, EngineProfileSettings, Settings, load_settings
+from gateway.settings import ConfigError, Settings, load_settings
 from gateway.settings import parse_settings as _parse
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,10 +19,10 @@ import httpx
 import pytest
 import yaml
 
-from engine_pool.sim.counting import RegistryCounter
 from engine_pool.sim.server import run_sim
 from gateway.app import create_app
 from gateway.settings import parse_settings
+from gateway.sim_support import RegistryCounter
 from gateway.tokens import TokenCounter
 from tests.conftest import ROOT, lanes_config
 from tests.support.prom import Scrape, parse

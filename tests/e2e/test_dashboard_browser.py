@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
-from engine_pool.sim.counting import RegistryCounter
 from engine_pool.sim.server import SimServer, run_sim
+from gateway.sim_support import RegistryCounter
 from gateway.tokens import TokenCounter
 from tests.conftest import ROOT, lanes_config
 from tests.support.cdp import CHROMIUM, Page, chromium

@@ -12,9 +12,9 @@ from typing import Any
 import httpx
 import pytest
 
-from engine_pool.sim.counting import RegistryCounter
 from engine_pool.sim.faults import FaultError, FaultSpec, parse_fault_arg
 from engine_pool.sim.server import SimServer, run_sim
+from gateway.sim_support import RegistryCounter
 from gateway.tokens import TokenCounter
 
 CHAT = {"model": "qwen3.6", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}

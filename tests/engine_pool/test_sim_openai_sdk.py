@@ -8,8 +8,8 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from engine_pool.sim.counting import RegistryCounter
 from engine_pool.sim.server import SimServer, run_sim
+from gateway.sim_support import RegistryCounter
 from gateway.tokens import TokenCounter
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say something short."}]

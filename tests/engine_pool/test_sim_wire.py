@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from engine_pool.sim.counting import RegistryCounter
 from engine_pool.sim.server import SimServer, run_sim
+from gateway.sim_support import RegistryCounter
 from gateway.tokens import TokenCounter
 
 SHAPES = json.loads((Path(__file__).parent / "vllm_wire_shapes.json").read_text())

@@ -11,9 +11,10 @@ import httpx
 import pytest
 
 from engine_pool.sim.server import SimServer
-from gateway.app import Gateway, create_app
+from gateway.app import create_app
 from gateway.dashboard.state import StoreWatch, build_state
 from gateway.errors import StateUnavailable
+from gateway.services import Gateway
 from gateway.settings import ConfigError, parse_settings
 from gateway.slots import MemorySlotStore
 from gateway.tokens import TokenCounter

@@ -10,13 +10,13 @@ import httpx
 import pytest
 from structlog.testing import capture_logs
 
-from engine_pool.sim.counting import RegistryCounter
 from engine_pool.sim.profile import load_profile
 from engine_pool.sim.server import run_sim
 from gateway.drift import DriftWatch
 from gateway.log import get_logger
 from gateway.metrics import Metrics
-from gateway.settings import TokenizerSettings, parse_settings
+from gateway.settings import parse_settings
+from gateway.sim_support import RegistryCounter
 from gateway.tokens import TokenCounter
 from tests.conftest import MODEL, chat, lanes_config
 from tests.support.prom import parse
@@ -39,9 +39,7 @@ async def test_chatml_policy_against_qwen_template_engine_records_drift_2_and_on
     qwen_template_counter: RegistryCounter, gateway_at: Any
 ) -> None:
     profile = load_profile("h100-fast").model_copy(
-        update={
-            "tokenizer": TokenizerSettings(source="builtin", name="qwen3.6", chat_template="hf")
-        }
+        update={"tokenizer": {"source": "builtin", "name": "qwen3.6", "chat_template": "hf"}}
     )
     async with run_sim(profile, time_scale=0.05, counter=qwen_template_counter) as sim:
         config = lanes_config([sim.url], [sim.url])  # the policy says chat_template: chatml

@@ -13,9 +13,9 @@ import httpx
 import pytest
 from structlog.testing import capture_logs
 
-from engine_pool.sim.counting import RegistryCounter
 from engine_pool.sim.server import run_sim
 from gateway import engines
+from gateway.sim_support import RegistryCounter
 from gateway.tokens import TokenCounter
 from tests.conftest import lanes_config
 from tests.support.fake_engine import FakeEngine

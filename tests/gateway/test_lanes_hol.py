@@ -10,8 +10,8 @@ from typing import Any
 
 import httpx
 
-from engine_pool.sim.counting import RegistryCounter
 from engine_pool.sim.server import run_sim
+from gateway.sim_support import RegistryCounter
 from gateway.tokens import TokenCounter
 from tests.conftest import lanes_config
 

@@ -18,6 +18,7 @@ from prometheus_client.utils import floatToGoString
 
 from engine_pool.sim.server import SimServer
 from gateway.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, Metrics, latency_buckets
+from gateway.services import deadlines_of
 from gateway.settings import parse_settings
 from tests.conftest import chat, lanes_config
 from tests.support.fake_engine import FakeEngine
@@ -232,8 +233,8 @@ def test_latency_buckets_reach_the_longest_lane_deadline() -> None:
     config = lanes_config(["http://x"], ["http://y"])
     config["lanes"][1]["timeouts"] = {"first_byte_s": 900, "idle_s": 120, "total_s": 3600}
     settings = parse_settings(config, environ={})
-    metrics = Metrics(settings.lanes)
-    assert latency_buckets(settings.lanes)[-1] == 3600 > LATENCY_BUCKETS[-1]
+    metrics = Metrics(deadlines_of(settings))
+    assert latency_buckets(deadlines_of(settings))[-1] == 3600 > LATENCY_BUCKETS[-1]
     metrics.e2e.labels(lane="heavy", cluster="heavy").observe(3000)
     m = parse(metrics.render().decode())
     assert m.value("shapegate_e2e_seconds_bucket", lane="heavy", le="1800.0") == 0

@@ -125,5 +125,14 @@ def test_after_admission_a_5xx_is_an_upstream_error_and_a_deadline_a_timeout() -
     labels = {"lane": "fast", "cluster": "fast-a"}
     assert sample(m, "shapegate_watchdog_events_total", kind="first_byte", **labels) == 1
     assert sample(m, "shapegate_e2e_seconds_count", **labels) == 3
+    # The deadline also reaches the dashboard's event list, with what an operator needs.
     [event] = m.events.recent()
-    assert event["kind"] == "watchdog" and event["fields"]["request_id"] == "r2"
+    assert event["kind"] == "watchdog" and event["where"] == "pipeline.deadline"
+    assert event["message"] == "upstream first byte deadline of 2s exceeded"
+    assert event["fields"] == {
+        "deadline": "first_byte",
+        "lane": "fast",
+        "cluster": "fast-a",
+        "endpoint": "http://e:1",
+        "request_id": "r2",
+    }

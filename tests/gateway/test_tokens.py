@@ -15,27 +15,11 @@ from structlog.testing import capture_logs
 
 from gateway.errors import BadRequest, ModelNotFound
 from gateway.protocol import ChatPrompt, CompletionPrompt
-from gateway.settings import ConfigError, parse_settings
+from gateway.settings import ConfigError
 from gateway.tokens import TokenCounter
 
 MODEL = "qwen3.6"
 DATA = Path(__file__).resolve().parents[2] / "gateway" / "tokenizer_data"
-
-
-def config(models: list[dict[str, Any]], **counting: Any) -> dict[str, Any]:
-    return {
-        "models": models,
-        "counting": counting,
-        "clusters": [{"name": "c", "endpoints": ["http://127.0.0.1:1"]}],
-        "lanes": [
-            {
-                "name": "all",
-                "max_prompt_tokens": 10**7,
-                "clusters": ["c"],
-                "slots": {"lane": 1, "per_endpoint": 1},
-            }
-        ],
-    }
 
 
 def qwen(name: str, template: str = "chatml", **extra: Any) -> dict[str, Any]:
@@ -69,9 +53,7 @@ def loaded() -> Iterator[tuple[TokenCounter, list[dict[str, Any]]]]:
         {"name": "c", "tokenizer": {"source": "tiktoken_encoding", "name": "cl100k_base"}},
     ]
     with capture_logs() as logs:
-        counter = TokenCounter.from_settings(
-            parse_settings(config(models, cache_entries=4), environ={})
-        )
+        counter = TokenCounter.for_models(models, cache_entries=4)
     yield counter, logs
     counter.close()
 
@@ -349,9 +331,8 @@ def test_cl100k_has_no_chatml_specials_so_prompts_count_whole(templated: TokenCo
 def test_load_failures_are_config_errors_naming_model_and_file(
     tokenizer: dict[str, Any], expected: str
 ) -> None:
-    settings = parse_settings(config([{"name": "bad", "tokenizer": tokenizer}]), environ={})
     with pytest.raises(ConfigError, match=expected):
-        TokenCounter.from_settings(settings)
+        TokenCounter.for_models([{"name": "bad", "tokenizer": tokenizer}])
 
 
 @pytest.mark.parametrize(
@@ -360,12 +341,10 @@ def test_load_failures_are_config_errors_naming_model_and_file(
 def test_a_broken_tokenizer_file_is_a_config_error(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / "tokenizer.json"
     path.write_bytes(content)
-    settings = parse_settings(
-        config([{"name": "broken", "tokenizer": {"source": "hf_json", "path": str(path)}}]),
-        environ={},
-    )
     with pytest.raises(ConfigError, match=f"'broken'.*{path}"):
-        TokenCounter.from_settings(settings)
+        TokenCounter.for_models(
+            [{"name": "broken", "tokenizer": {"source": "hf_json", "path": str(path)}}]
+        )
 
 
 def test_a_local_model_folder_loads_with_its_template(
@@ -377,23 +356,19 @@ def test_a_local_model_folder_loads_with_its_template(
     (tmp_path / "tokenizer_config.json").write_text(
         json.dumps({"chat_template": template, "eos_token": "<|im_end|>"})
     )
-    settings = parse_settings(
-        config(
-            [
-                {
-                    "name": "local",
-                    "tokenizer": {
-                        "source": "hf_json",
-                        "path": str(tmp_path),
-                        "chat_template": "hf",
-                        "backend": "hf",
-                    },
-                }
-            ]
-        ),
-        environ={},
+    local = TokenCounter.for_models(
+        [
+            {
+                "name": "local",
+                "tokenizer": {
+                    "source": "hf_json",
+                    "path": str(tmp_path),
+                    "chat_template": "hf",
+                    "backend": "hf",
+                },
+            }
+        ]
     )
-    local = TokenCounter.from_settings(settings)
     try:
         prompt = chat(user("Bonjour, ça va ? 你好"))
         count = local.count_sync("local", prompt)

@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 
 from gateway.errors import BadRequest
 from gateway.protocol import ChatPrompt, CompletionPrompt
-from gateway.settings import parse_settings
 from gateway.tokens import TokenCounter
 
 NEVER = 2**62  # exact_above so high that the bound is always the answer
@@ -57,26 +56,12 @@ def counters() -> Iterator[TokenCounter]:
     def tok(name: str, template: str) -> dict[str, Any]:
         return {"source": "builtin", "name": name, "chat_template": template}
 
-    counter = TokenCounter.from_settings(
-        parse_settings(
-            {
-                "models": [
-                    {"name": "qwen-chatml", "tokenizer": tok("qwen3.6", "chatml")},
-                    {"name": "qwen-hf", "tokenizer": tok("qwen3.6", "hf")},
-                    {"name": "cl100k", "tokenizer": tok("cl100k_base", "chatml")},
-                ],
-                "clusters": [{"name": "c", "endpoints": ["http://127.0.0.1:1"]}],
-                "lanes": [
-                    {
-                        "name": "all",
-                        "max_prompt_tokens": 10**7,
-                        "clusters": ["c"],
-                        "slots": {"lane": 1, "per_endpoint": 1},
-                    }
-                ],
-            },
-            environ={},
-        )
+    counter = TokenCounter.for_models(
+        [
+            {"name": "qwen-chatml", "tokenizer": tok("qwen3.6", "chatml")},
+            {"name": "qwen-hf", "tokenizer": tok("qwen3.6", "hf")},
+            {"name": "cl100k", "tokenizer": tok("cl100k_base", "chatml")},
+        ]
     )
     yield counter
     counter.close()

@@ -31,7 +31,6 @@ from structlog.testing import capture_logs
 
 from gateway.bench.corpus import Corpus
 from gateway.protocol import CompletionPrompt
-from gateway.settings import parse_settings
 from gateway.tokens import TokenCounter
 
 DATA = Path(__file__).resolve().parents[2] / "gateway" / "tokenizer_data"
@@ -108,23 +107,7 @@ def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
 
 
 def counter_for(tokenizer: dict[str, Any]) -> TokenCounter:
-    return TokenCounter.from_settings(
-        parse_settings(
-            {
-                "models": [{"name": "m", "tokenizer": tokenizer}],
-                "clusters": [{"name": "c", "endpoints": ["http://127.0.0.1:1"]}],
-                "lanes": [
-                    {
-                        "name": "all",
-                        "max_prompt_tokens": 10**7,
-                        "clusters": ["c"],
-                        "slots": {"lane": 1, "per_endpoint": 1},
-                    }
-                ],
-            },
-            environ={},
-        )
-    )
+    return TokenCounter.for_models([{"name": "m", "tokenizer": tokenizer}])
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ import httpx
 import orjson
 from structlog.testing import capture_logs
 
-from engine_pool.sim.counting import RegistryCounter
 from engine_pool.sim.server import run_sim
 from gateway.protocol import parse_request
+from gateway.sim_support import RegistryCounter
 from gateway.tokens import TokenCounter
 from gateway.trace import read_trace
 from gateway.usage import ExactCount, engine_usage, sse_events

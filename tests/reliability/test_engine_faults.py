@@ -17,8 +17,8 @@ import httpx
 import orjson
 import pytest
 
-from engine_pool.sim.counting import RegistryCounter
 from engine_pool.sim.server import SimServer, run_sim
+from gateway.sim_support import RegistryCounter
 from gateway.tokens import TokenCounter
 from tests.conftest import lanes_config
 from tests.reliability.reliability_support import (

@@ -19,8 +19,8 @@ import orjson
 import pytest
 import yaml
 
-from engine_pool.sim.counting import RegistryCounter
 from engine_pool.sim.server import SimServer, run_sim
+from gateway.sim_support import RegistryCounter
 from gateway.tokens import TokenCounter
 from tests.conftest import lanes_config
 from tests.reliability.reliability_support import admin_state, chat_body

@@ -21,8 +21,6 @@ import httpx
 import pytest
 
 from gateway.errors import UpstreamError
-from gateway.log import get_logger
-from gateway.metrics import Metrics
 from gateway.proxy import Upstream
 from gateway.watchdog import Deadlines, Watch
 from tests.conftest import lanes_config
@@ -103,7 +101,7 @@ async def _full_capacity(upstream: Upstream, url: str, width: int) -> float:
 
 
 async def test_thousands_of_cancelled_requests_leave_the_pool_whole(healthy_url: str) -> None:
-    upstream = Upstream(Metrics(), get_logger("test"), max_connections=8)
+    upstream = Upstream(max_connections=8)
     try:
         with timed_logs() as logs:
             await _churn(upstream, healthy_url, random.Random(7))  # 2,000 cancelled requests
@@ -121,7 +119,7 @@ async def test_thousands_of_cancelled_requests_leave_the_pool_whole(healthy_url:
 async def test_a_really_full_pool_fails_fast_and_recovers(healthy_url: str) -> None:
     """Every connection really busy: the next request fails (502, pool timeout) rather than
     queueing a second time behind admission; once they are back it goes through."""
-    upstream = Upstream(Metrics(), get_logger("test"), max_connections=2)
+    upstream = Upstream(max_connections=2)
     hold = asyncio.Event()
 
     async def holder() -> None:
@@ -150,11 +148,11 @@ async def test_the_gateway_answers_within_5s_after_thousands_of_cancellations(
     then clients ask the gateway, as many at once as the lane has slots."""
     made: list[Upstream] = []
 
-    def small_pool(metrics: Metrics, log: Any) -> Upstream:
-        made.append(Upstream(metrics, log, max_connections=16))
+    def small_pool() -> Upstream:
+        made.append(Upstream(max_connections=16))
         return made[-1]
 
-    monkeypatch.setattr("gateway.app.Upstream", small_pool)
+    monkeypatch.setattr("gateway.services.Upstream", small_pool)
     engine = FakeEngine()
     async with serve_asgi(engine) as engine_url:
         config = lanes_config([engine_url], [engine_url])

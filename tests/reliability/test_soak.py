@@ -13,12 +13,12 @@ from pathlib import Path
 
 import orjson
 
-from engine_pool.sim.counting import RegistryCounter
 from engine_pool.sim.engine import SimEngine
 from engine_pool.sim.profile import load_profile
 from gateway.bench import soak
 from gateway.bench.harness import write_json
 from gateway.cli import build_parser
+from gateway.sim_support import RegistryCounter
 from gateway.tokens import TokenCounter
 
 

@@ -17,6 +17,7 @@ import sys
 import yaml
 
 from engine_pool.launch import EngineCommand, LaunchError, policy_warnings, render_command
+from gateway.settings import ConfigError, load_settings
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -40,8 +41,6 @@ def container_fields(command: EngineCommand) -> dict[str, object]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gateway.settings import ConfigError, load_settings
-
     try:
         settings = load_settings(args.config)
         command = render_command(settings, args.cluster)

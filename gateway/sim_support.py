@@ -1,0 +1,99 @@
+"""What the gateway lends its engine simulator: the request parser and the token counter.
+
+``engine_pool`` never imports ``gateway``, yet a simulated engine must read requests and count
+prompt tokens exactly as the gateway and a real vLLM do (the model's own tokenizer and chat
+template). So the simulator declares what it needs (``engine_pool/sim/counting.py``,
+``PromptCounter``) and this module implements it over ``gateway/protocol.py`` and
+``gateway/tokens.py``.
+
+- ``RegistryCounter(counter, model)`` counts with an already loaded ``TokenCounter`` (tests and
+  benchmarks share one between many simulated engines); ``RegistryCounter.for_profile(profile)``
+  loads the profile's tokenizer (start-up cost: the vocabulary is read once).
+- ``register(subparsers)`` adds ``shapegate sim`` (engine_pool/sim/cli.py) with this counter
+  and the gateway's JSON logging.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Any
+
+from engine_pool.sim.counting import Endpoint, RequestRejected, SimRequest
+from gateway.errors import BadRequest
+from gateway.protocol import ChatPrompt, CompletionPrompt, parse_request
+
+if TYPE_CHECKING:
+    from engine_pool.sim.profile import EngineProfile
+    from gateway.tokens import TokenCounter
+
+
+class RegistryCounter:
+    """``PromptCounter`` over the gateway's parser and ``TokenCounter``, for one model."""
+
+    def __init__(self, counter: TokenCounter, model: str) -> None:
+        self._counter = counter
+        self._model = model
+
+    @classmethod
+    def for_profile(cls, profile: EngineProfile) -> RegistryCounter:
+        from gateway.tokens import TokenCounter
+
+        model = {
+            "name": profile.model,
+            "aliases": list(profile.aliases),
+            "tokenizer": profile.tokenizer,
+            "max_model_len": profile.max_model_len,
+        }
+        return cls(TokenCounter.for_models([model]), profile.model)
+
+    def read(self, endpoint: Endpoint, body: bytes) -> SimRequest:
+        try:
+            routed = parse_request(endpoint, body)
+        except BadRequest as exc:
+            raise RequestRejected(exc.message, exc.param) from exc
+        prompt = routed.prompt
+        prompts = (
+            len(prompt.texts) + len(prompt.token_ids) if isinstance(prompt, CompletionPrompt) else 1
+        )
+        return SimRequest(
+            model=routed.model,
+            stream=routed.stream,
+            include_usage=routed.include_usage,
+            max_tokens=routed.max_tokens,
+            prompts=prompts,
+            prompt=prompt,
+        )
+
+    def count(self, request: SimRequest) -> int:
+        prompt = request.prompt
+        if not isinstance(prompt, ChatPrompt | CompletionPrompt):
+            raise TypeError(f"not a prompt this counter read: {type(prompt).__name__}")
+        # exact_above=0: the engine always counts exactly, never settles for a bound.
+        return self._counter.count_sync(self._model, prompt, exact_above=0).tokens
+
+    def tokenize(self, data: Any) -> list[int] | None:
+        if not isinstance(data, dict):
+            return None
+        messages, prompt = data.get("messages"), data.get("prompt")
+        if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
+            chat = ChatPrompt(messages=tuple(messages))
+            return self._counter.encode(self._model, self._counter.render_chat(self._model, chat))
+        if isinstance(prompt, str):
+            return self._counter.encode(self._model, prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return [int(t) for t in prompt]
+        return None
+
+
+def _json_logging(level: str) -> None:
+    from gateway.log import configure_logging
+
+    configure_logging(level, json_output=True)
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from engine_pool.sim import cli
+
+    cli.register(
+        subparsers, counter_for=RegistryCounter.for_profile, configure_logging=_json_logging
+    )
