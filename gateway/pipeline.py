@@ -52,6 +52,7 @@ from gateway.exchange import (
     Send,
     header,
     read_body,
+    require_media_type,
     watch_disconnect,
 )
 from gateway.lanes import Decision, choose_lane, exact_count_above
@@ -187,6 +188,7 @@ class Pipeline:
             if not self.accepting:
                 raise ShuttingDown("gateway is shutting down", retry_after_s=1)
             policy.auth.check(header(scope, b"authorization"))
+            require_media_type(scope)
             body = await read_body(
                 scope,
                 receive,
