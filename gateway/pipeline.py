@@ -338,8 +338,10 @@ class Pipeline:
                 payload = await response.read(watch)
                 record.ttft_s = time.monotonic() - record.started
                 record.output_tokens = _usage_tokens(payload)
+                # A known length: framed by Content-Length, not chunked (HTTP/1.0 clients too).
+                whole = {**ours, "content-length": str(len(payload))}
                 await out.start(
-                    response.status, response_headers(response.headers, ours), streaming=False
+                    response.status, response_headers(response.headers, whole), streaming=False
                 )
                 await out.body(payload, more=False)
                 record.outcome = "upstream_error" if record.status >= 500 else "ok"
