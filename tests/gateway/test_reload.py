@@ -68,7 +68,9 @@ async def test_reload_under_load_loses_nothing_and_a_lowered_limit_holds(
             lowered = lanes_config([engine_url], [engine_url])
             lowered["lanes"][0]["slots"] = {"lane": 2, "per_endpoint": 2}
             with capture_logs() as logs:
-                r = await client.post(url + "/admin/reload", content=yaml.safe_dump(lowered), headers=ADMIN)
+                r = await client.post(
+                    url + "/admin/reload", content=yaml.safe_dump(lowered), headers=ADMIN
+                )
             assert r.status_code == 200, r.text
             assert r.json()["changed"]["lanes[fast].slots.lane"] == {"old": 8, "new": 2}
             reloaded = next(e for e in logs if e["event"] == "policy.reloaded")
@@ -101,7 +103,9 @@ async def test_an_invalid_policy_changes_nothing(gateway_at: Any) -> None:
             bad = lanes_config([engine_url], [engine_url])
             bad["lanes"][0]["clusters"] = ["nowhere"]
             with capture_logs() as logs:
-                r = await client.post(url + "/admin/reload", content=yaml.safe_dump(bad), headers=ADMIN)
+                r = await client.post(
+                    url + "/admin/reload", content=yaml.safe_dump(bad), headers=ADMIN
+                )
             assert r.status_code == 400 and "nowhere" in r.json()["error"]["message"]
             assert any(e["event"] == "policy.reload_failed" for e in logs)
             typo = await client.post(url + "/admin/reload", content=b"lanes: [}", headers=ADMIN)
@@ -122,7 +126,9 @@ async def test_added_and_removed_clusters(gateway_at: Any) -> None:
             )
             await asyncio.sleep(0.1)
             moved = lanes_config([new_url], [new_url])
-            r = await client.post(url + "/admin/reload", content=yaml.safe_dump(moved), headers=ADMIN)
+            r = await client.post(
+                url + "/admin/reload", content=yaml.safe_dump(moved), headers=ADMIN
+            )
             assert r.status_code == 200
             after = await client.post(url + "/v1/chat/completions", content=body(), headers=JSON)
             assert after.status_code == 200

@@ -221,7 +221,9 @@ async def test_a_full_lane_with_reject_policy_answers_429(gateway_at: Any) -> No
             )
             while not engine.seen:
                 await asyncio.sleep(0.01)
-            r = await client.post(url + "/v1/chat/completions", content=body("b", stream=False), headers=JSON)
+            r = await client.post(
+                url + "/v1/chat/completions", content=body("b", stream=False), headers=JSON
+            )
             assert r.status_code == 429 and r.headers["retry-after"] == "1"
             assert r.json()["error"]["type"] == "rate_limit_error"
             assert (await slow).status_code == 200

@@ -82,7 +82,9 @@ def body(rid: str, **fake: Any) -> bytes:
 
 async def chat(client: httpx.AsyncClient, url: str, rid: str, **fake: Any) -> httpx.Response:
     return await client.post(
-        url + "/v1/chat/completions", content=body(rid, **fake), headers={"x-request-id": rid, **JSON}
+        url + "/v1/chat/completions",
+        content=body(rid, **fake),
+        headers={"x-request-id": rid, **JSON},
     )
 
 

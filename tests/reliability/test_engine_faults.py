@@ -50,7 +50,10 @@ class Rig:
         """Stream a request, run ``then()`` once ``chunks`` data events arrived, read the rest."""
         got = b""
         async with self.client.stream(
-            "POST", self.url + "/v1/chat/completions", content=body, headers={"x-request-id": rid, **JSON}
+            "POST",
+            self.url + "/v1/chat/completions",
+            content=body,
+            headers={"x-request-id": rid, **JSON},
         ) as r:
             assert r.status_code == 200
             fired = False

@@ -132,7 +132,8 @@ async def test_deep_nesting_big_numbers_and_many_messages(
 ) -> None:
     async with guarded_gateway(counter, engine[1]) as url, httpx.AsyncClient(timeout=30) as client:
         started = time.monotonic()
-        r = await client.post(url + "/v1/chat/completions", content=b"[" * 100_000 + b"]" * 100_000, headers=JSON
+        r = await client.post(
+            url + "/v1/chat/completions", content=b"[" * 100_000 + b"]" * 100_000, headers=JSON
         )
         assert r.status_code == 400 and time.monotonic() - started < 0.5
         r = await client.post(
