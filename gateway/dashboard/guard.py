@@ -141,7 +141,7 @@ def cross_site(req: AdminRequest) -> str | None:
     if site and site not in ("same-origin", "none"):
         return f"Sec-Fetch-Site: {site}"
     if req.origin is not None:
-        scheme, sep, rest = req.origin.strip().partition("://")
+        _, sep, rest = req.origin.strip().partition("://")
         if not sep or req.host is None or _split_host(rest) != _split_host(req.host):
             return f"Origin {req.origin.strip()[:100]!r} is not this gateway"
     return None

@@ -14,7 +14,6 @@ from typing import Any
 
 import httpx
 import orjson
-import pytest
 
 from gateway.tokens import TokenCounter
 from tests.conftest import JSON
