@@ -238,7 +238,8 @@ def _memory(r: dict[str, Any], plots: Path) -> list[str]:
             f"- adversarial {a['kind']}: {a['requests']} requests of {a['prompt_bytes_each']:,} "
             f"bytes of unique text ({a['text_mb']} MB counted exactly): RSS "
             f"{a['rss_growth_mb']:+.1f} MB ({a['rss_mb_per_text_mb']} MB per MB of text), "
-            f"of which {a['rss_growth_second_half_mb']} MB over the second half"
+            f"peak {a.get('peak_rss_mb')} MB; the second half's peak "
+            f"{a['rss_growth_second_half_mb']:+} MB over the first half's"
         )
     lines += ["", *_targets(r), "", f"![memory]({(plots / 'memory.png').as_posix()})", ""]
     return lines
