@@ -2,8 +2,8 @@
 
 Runs ``overhead``, ``count``, ``lanes``, ``memory`` and ``encoder`` (each with its own
 defaults, or its ``--smoke`` version), as ``shapegate bench SUITE --out OUT`` would, and stops at
-the first that fails. With ``--readme FILE`` it then regenerates that file's performance section from the JSON
-just written (``shapegate bench readme``).
+the first that fails. With ``--readme FILE`` it then regenerates that file's performance section
+from the JSON just written (``shapegate bench readme``).
 """
 
 from __future__ import annotations

@@ -15,8 +15,11 @@ Contract of ``ChildEncoder`` (an ``Encoder``, backend ``gigatoken``):
   ``READY_HEADROOM`` x what the child held once loaded, or it would be replaced on every call)
   a replacement is started
   in the background (it loads and warms the tokenizer in its own process) and takes over at the
-  next call once ready; the old child is then stopped. Past ``HARD_FACTOR`` x ``max_rss_mb``
-  the call waits for the replacement: the bound holds even under a flood faster than a load.
+  next call once ready; the old child is then stopped. Past ``HARD_FACTOR`` x the bound a call
+  waits for the replacement (``try_count_many``, the event loop's path, answers None instead,
+  so the loop hands the work to a worker thread): the bound holds even under a flood faster
+  than a load. At most, the tokenizer then holds ``HARD_FACTOR`` x the bound (the old child)
+  plus one freshly loaded child (the replacement), for the time of one load.
 - A child that died (killed, crashed) is replaced before the call is retried once; a failure
   raised inside the child is raised here as ``EncoderFailed``.
 - ``close()`` stops the child; so does garbage collection of the encoder, and the child exits
@@ -43,7 +46,7 @@ if TYPE_CHECKING:
     from gateway.metrics import Metrics
 
 # The call that finds the child this far past its bound waits for the replacement.
-HARD_FACTOR = 1.5
+HARD_FACTOR = 1.25
 # The bound is at least this much above what a freshly loaded child holds.
 READY_HEADROOM = 1.25
 READY_TIMEOUT_S = 120.0
@@ -178,9 +181,14 @@ class ChildEncoder:
             return self._count(texts)
 
     def try_count_many(self, texts: Sequence[str]) -> list[int] | None:
+        """Count now, or None if that would wait: another caller holds the child, or the child
+        is past the hard bound and its replacement still loading (the caller, the event loop,
+        then hands the texts to a worker thread, which waits)."""
         if not self.lock.acquire(blocking=False):
             return None
         try:
+            if self._over_hard_bound():
+                return None
             return self._count(texts)
         finally:
             self.lock.release()
@@ -199,6 +207,8 @@ class ChildEncoder:
         return counts
 
     def _call(self, op: str, arg: Any) -> Any:
+        if self._over_hard_bound() and self._pending is not None:
+            self._pending.join()  # the hard bound: wait for the replacement
         self._take_over()
         try:
             status, result, rss = self._exchange(op, arg)
@@ -236,9 +246,9 @@ class ChildEncoder:
                 target=self._prepare, name="tokenizer-recycle", daemon=True
             )
             self._pending.start()
-        if rss > HARD_FACTOR * bound and self._pending is not None:
-            self._pending.join()  # the hard bound: wait for the replacement
-            self._take_over()
+
+    def _over_hard_bound(self) -> bool:
+        return self._child.rss_mb > HARD_FACTOR * self.bound_mb and self._pending is not None
 
     def _prepare(self) -> None:
         try:
