@@ -11,6 +11,8 @@ one run, with the Qwen3.6 vocabulary:
    reaches the tokenizer). Resident memory is this process plus its children (the tokenizer
    child), read after every prompt; per tenth of the text the peak is kept. Bounded means the
    peak over the second half of the text is no higher than over the first half (+``FLAT_MB``).
+   The peak itself is the old child at up to ``HARD_FACTOR`` x the bound plus its replacement
+   while that loads (worker.py); it is reported, not a target.
    The in-process baseline (``max_encoder_rss_mb: null``) floods a quarter as much text: it grows
    without bound, by 3-6 MB per MB of text.
 2. ``latency``: p50 of an exact count (``Encoder.count_many``) of fresh text of ~3k, ~32k and
@@ -37,7 +39,6 @@ from gateway.bench.harness import machine, machine_line, target_lines, tree_rss_
 from gateway.protocol import ChatPrompt
 from gateway.settings import CountingSettings, Settings, TokenizerSettings, load_settings
 from gateway.tokenizers.vocab import DEFAULT_MAX_RSS_MB, EncoderLimits, load_vocabulary
-from gateway.tokenizers.worker import HARD_FACTOR
 from gateway.tokens import TokenCounter
 
 PROMPT_BYTES = 40_000
@@ -195,7 +196,6 @@ def measure(*, flood_mb: float, max_rss_mb: float, runs: int, smoke: bool) -> di
 
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     bounded = result["bounded"]
-    limit = bounded["max_encoder_rss_mb"]
     out = []
     for flood in bounded["floods"]:
         out.append(
@@ -205,24 +205,6 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                 "value": flood["second_half_over_first_mb"],
                 "limit": FLAT_MB,
                 "met": flood["second_half_over_first_mb"] <= FLAT_MB,
-            }
-        )
-        # By construction: the process, the old child at most HARD_FACTOR x the bound, and
-        # a freshly loaded replacement, for the time of one load.
-        ceiling = round(
-            bounded["rss_start_mb"]
-            + HARD_FACTOR * limit
-            + (bounded["rss_loaded_mb"] - bounded["rss_start_mb"])
-            + FLAT_MB,
-            1,
-        )
-        out.append(
-            {
-                "target": f"bounded {flood['kind']}: peak RSS (process + tokenizer children) "
-                f"under the flood, MB (process + {HARD_FACTOR} x bound + one loaded child)",
-                "value": flood["peak_mb"],
-                "limit": ceiling,
-                "met": flood["peak_mb"] <= ceiling,
             }
         )
     big = next(row for row in result["latency"] if row["size"] == "32k")

@@ -3,8 +3,9 @@
 Contract (``admin_access`` is pure; ``AdminGuard`` applies it to every HTTP request):
 - Paths outside ``/admin`` and ``/dashboard`` are never touched (``/metrics`` stays open for
   Prometheus, the proxy routes are the clients' business).
-- Cross-site requests are refused (403) in every mode: a ``Sec-Fetch-Site`` other than
-  ``same-origin`` or ``none``, or an ``Origin`` whose host is not the request's ``Host``. A web
+- Cross-site requests to ``/admin/*`` are refused (403) in every mode: a ``Sec-Fetch-Site``
+  other than ``same-origin`` or ``none``, or an ``Origin`` whose host is not the request's
+  ``Host``. (The dashboard's static files may be opened from a link on another site.) A web
   page on any site can make a browser send requests to a loopback gateway; these two headers
   are how the browser says so, and a page cannot forge or remove them.
 - Requests that change state (any method but GET and HEAD) also need the bearer token or the
@@ -152,7 +153,9 @@ def admin_access(req: AdminRequest, token: str | None) -> Verdict:
     admin = _under(req.path, "/admin")
     if not admin and not _under(req.path, "/dashboard"):
         return ALLOW
-    why = cross_site(req)
+    # The dashboard's files hold no data (and refuse framing): a link from another site may
+    # open the page; everything it then reads is under /admin.
+    why = cross_site(req) if admin else None
     if why is not None:
         return Verdict(
             False, 403, f"cross-site requests to the admin surface are refused ({why})", FORBIDDEN

@@ -109,13 +109,17 @@ async def test_cross_site_reads_and_probes_are_refused_same_origin_ones_served(
         guarded_gateway(counter, engine[1]) as url,
         httpx.AsyncClient(timeout=10) as client,
     ):
-        for path in ("/admin/state", "/admin/dashboard.json", "/dashboard"):
+        for path in ("/admin/state", "/admin/dashboard.json"):
             refused = await client.get(url + path, headers={"sec-fetch-site": "cross-site"})
             assert refused.status_code == 403, path
             same = await client.get(
                 url + path, headers={"sec-fetch-site": "same-origin", "origin": url}
             )
             assert same.status_code == 200, path
+        # A link from another site may open the page itself (static, never framed).
+        page = await client.get(url + "/dashboard", headers={"sec-fetch-site": "cross-site"})
+        assert page.status_code == 200
+        assert "frame-ancestors 'none'" in page.headers["content-security-policy"]
         probe = await client.post(url + "/admin/probe")
         assert probe.status_code == 403
         assert "x-shapegate-admin" in probe.json()["error"]["message"]

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import httpx
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
@@ -265,6 +266,7 @@ class _Errors(logging.Handler):
         self.records.append(record)
 
 
+@pytest.mark.slow
 def test_generated_requests_never_get_a_gateway_5xx_nor_leave_anything_held(
     counter: TokenCounter,
 ) -> None:
