@@ -24,13 +24,19 @@ from fastapi.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.dashboard.routes import add_dashboard_routes
-from gateway.errors import Unauthorized, error_body
-from gateway.exchange import Receive, Scope, Send
+from gateway.errors import GatewayError, Unauthorized, error_body
+from gateway.exchange import Receive, Scope, Send, read_body, require_media_type
 from gateway.protocol import ENDPOINT_PATHS, Endpoint
 from gateway.reload import reload_policy
 from gateway.services import Gateway
 from gateway.settings import ConfigError, parse_settings
 from gateway.slots import endpoint_key, lane_key
+
+# A policy file is a few kB; anything near this cap is not one.
+RELOAD_MAX_BYTES = 1024 * 1024
+POLICY_MEDIA_TYPES = frozenset(
+    {"application/json", "application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml"}
+)
 
 
 class _ProxyRoute:
@@ -139,8 +145,24 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
 
     @app.post("/admin/reload")
     async def reload(request: Request) -> JSONResponse:
-        """Re-read the config file, or apply the YAML/JSON policy in the body; all or nothing."""
-        raw = await request.body()
+        """Re-read the config file, or apply the YAML/JSON policy in the body; all or nothing.
+
+        A body must be a JSON or YAML media type (never a form or text/plain, which any web page
+        can send cross-site) and at most ``RELOAD_MAX_BYTES``."""
+        try:
+            raw = await read_body(
+                request.scope,
+                request.receive,
+                RELOAD_MAX_BYTES,
+                gateway.settings.server.body_timeout_s,
+            )
+            if raw.strip():
+                require_media_type(request.scope, POLICY_MEDIA_TYPES)
+        except GatewayError as exc:
+            gateway.log.warning(
+                "policy.reload_refused", trigger="admin", status=exc.status, error=exc.message
+            )
+            return JSONResponse(exc.body(), exc.status, headers={"connection": "close"})
         try:
             if raw.strip():
                 data = yaml.safe_load(raw)

@@ -4,7 +4,8 @@
     ├── BadRequest                    400     invalid_request_error
     │   ├── ModelNotFound             404     NotFoundError
     │   ├── PromptTooLong             400     invalid_request_error (param input_tokens)
-    │   └── BodyTooLarge              413     invalid_request_error
+    │   ├── BodyTooLarge              413     invalid_request_error
+    │   └── UnsupportedMediaType      415     invalid_request_error
     ├── Unauthorized                  401     authentication_error
     ├── Overloaded                    429     rate_limit_error   (lane full, on_full=reject)
     ├── QueueTimeout                  503     service_unavailable (waited max_wait_s)
@@ -62,6 +63,10 @@ class PromptTooLong(BadRequest):
 
 class BodyTooLarge(BadRequest):
     status = 413
+
+
+class UnsupportedMediaType(BadRequest):
+    status = 415
 
 
 class Unauthorized(GatewayError):

@@ -5,6 +5,10 @@ in one function, with the client's disconnect visible in every phase:
 
 - ``read_body`` reads the body within the size limit as it arrives (the excess is never
   buffered) and within the body deadline; a disconnect while reading raises ``ClientGone``.
+- ``require_media_type`` refuses a body whose ``Content-Type`` is not one the route reads (415):
+  the JSON routes take ``application/json`` only, as vLLM does (parameters such as
+  ``charset`` allowed; a missing header refused, because a page can POST a body without one, or
+  as ``text/plain``, to any site without a CORS preflight).
 - ``watch_disconnect`` waits for ``http.disconnect`` after the body and cancels the request's
   scope: a queued request leaves its queue, a forwarded one closes its upstream connection.
   (Starlette's BaseHTTPMiddleware would hide this message; the app uses none.)
@@ -20,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from gateway.errors import BadRequest, BodyTooLarge, GatewayError, sse_error
+from gateway.errors import BadRequest, BodyTooLarge, GatewayError, UnsupportedMediaType, sse_error
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -37,6 +41,26 @@ def header(scope: Scope, name: bytes) -> bytes | None:
         if key.lower() == name:
             return bytes(value)
     return None
+
+
+JSON = frozenset({"application/json"})
+
+
+def media_type(value: bytes | None) -> str | None:
+    """The media type of a Content-Type value, lower case, parameters dropped."""
+    if value is None:
+        return None
+    return value.split(b";", 1)[0].strip().decode("latin-1").lower()
+
+
+def require_media_type(scope: Scope, accepted: frozenset[str] = JSON) -> None:
+    """Raise ``UnsupportedMediaType`` unless the request's Content-Type is one of ``accepted``."""
+    given = media_type(header(scope, b"content-type"))
+    if given not in accepted:
+        shown = "no Content-Type" if given is None else f"Content-Type {given[:100]!r}"
+        raise UnsupportedMediaType(
+            f"Unsupported Media Type: {shown}; this route accepts {', '.join(sorted(accepted))}"
+        )
 
 
 async def read_body(scope: Scope, receive: Receive, limit: int, timeout_s: float) -> bytes:
@@ -101,7 +125,7 @@ class Outbound:
         if not self.started:
             payload = orjson.dumps(exc.body())
             extra = [(k.encode(), v.encode()) for k, v in exc.headers().items()]
-            if isinstance(exc, BodyTooLarge):
+            if isinstance(exc, BodyTooLarge | UnsupportedMediaType):
                 # The rest of the body is never read: close rather than drain it for keep-alive.
                 extra.append((b"connection", b"close"))
             await self.start(

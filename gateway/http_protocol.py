@@ -7,6 +7,11 @@
 - A cap on the bytes of the request line and headers (``server.max_header_bytes``): 431.
 - Malformed requests (a CR or LF inside a header, a bad request line) are answered 400 in the
   OpenAI error shape rather than uvicorn's plain text.
+- HTTP/1.0 clients never get ``Transfer-Encoding: chunked`` (RFC 9112 section 6.1: they cannot
+  read it). uvicorn's httptools protocol adds chunked framing to every response without a
+  Content-Length, whatever the request's version; for a 1.0 request a response without one (a
+  stream) is sent close-delimited instead: no framing header, the body as it comes, the
+  connection closed after the last byte. Responses with a Content-Length are unchanged.
 
 ``guarded_protocol(settings)`` returns the class uvicorn is configured with.
 """
@@ -14,14 +19,53 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import orjson
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from gateway.errors import error_body
 from gateway.settings import ServerSettings
 
 REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+
+
+class Http10Cycle(RequestResponseCycle):
+    """A request/response cycle for an HTTP/1.0 request: close-delimited when no length is set.
+
+    ``keep_alive`` is already false for 1.0 (uvicorn answers ``connection: close``)."""
+
+    close_delimited = False
+
+    async def send(self, message: Any) -> None:
+        if message["type"] == "http.response.start" and not self.response_started:
+            headers = list(message.get("headers", []))
+            if not any(name.lower() == b"content-length" for name, _ in headers):
+                # Framed by closing: no chunked coding, whoever asked for it. A decided
+                # (false) chunked_encoding keeps uvicorn from adding the header; the body
+                # is then written below as it comes.
+                self.close_delimited = True
+                self.chunked_encoding = False
+                kept = [(n, v) for n, v in headers if n.lower() != b"transfer-encoding"]
+                message = {**message, "headers": kept}
+        if (
+            self.close_delimited
+            and message["type"] == "http.response.body"
+            and not self.response_complete
+            and not self.disconnected
+        ):
+            if self.flow.write_paused:
+                await self.flow.drain()
+            body = message.get("body", b"")
+            if body and self.scope["method"] != "HEAD":
+                self.transport.write(body)
+            if not message.get("more_body", False):
+                self.response_complete = True
+                self.message_event.set()
+                self.transport.close()
+                self.on_response()
+            return
+        await super().send(message)
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -84,6 +128,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._refused:
             return
         super().on_headers_complete()
+        if self.scope.get("http_version") == "1.0" and type(self.cycle) is RequestResponseCycle:
+            # The cycle's task has not run yet; the subclass only changes how it sends.
+            self.cycle.__class__ = Http10Cycle
 
     def on_body(self, body: bytes) -> None:
         if not self._refused:

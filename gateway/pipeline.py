@@ -50,6 +50,7 @@ from gateway.exchange import (
     Send,
     header,
     read_body,
+    require_media_type,
     watch_disconnect,
 )
 from gateway.lanes import choose_lane, exact_count_above
@@ -164,6 +165,7 @@ class Pipeline:
             if not self.accepting:
                 raise ShuttingDown("gateway is shutting down", retry_after_s=1)
             policy.auth.check(header(scope, b"authorization"))
+            require_media_type(scope)
             body = await read_body(
                 scope,
                 receive,
@@ -312,8 +314,10 @@ class Pipeline:
                 payload = await response.read(watch)
                 record.ttft_s = time.monotonic() - record.started
                 usage = engine_usage(payload)
+                # A known length: framed by Content-Length, not chunked (HTTP/1.0 clients too).
+                whole = {**ours, "content-length": str(len(payload))}
                 await out.start(
-                    response.status, response_headers(response.headers, ours), streaming=False
+                    response.status, response_headers(response.headers, whole), streaming=False
                 )
                 await out.body(payload, more=False)
                 record.outcome = "upstream_error" if record.status >= 500 else "ok"

@@ -139,6 +139,9 @@ class CountingSettings(_Frozen):
     # Where exact counts run off the event loop.
     exact_executor: Literal["thread", "inline"] = "thread"
     exact_workers: int = Field(1, ge=1, le=64)
+    # gigatoken counts in a child process replaced once its resident memory passes this (its
+    # encode cache has no bound of its own); null: in the gateway's process, unbounded.
+    max_encoder_rss_mb: float | None = Field(384.0, ge=128)
 
 
 class ClusterSettings(_Frozen):

@@ -61,7 +61,7 @@ from gateway.tokenizers.templates import (
     plain_text,
     split_before,
 )
-from gateway.tokenizers.vocab import Vocabulary, load_vocabulary
+from gateway.tokenizers.vocab import EncoderLimits, Vocabulary, load_vocabulary
 
 Method = Literal["bound", "cache", "exact"]
 # Misses up to this many characters are counted on the event loop (under ~2 ms with the GIL
@@ -159,7 +159,11 @@ class TokenCounter:
             vocab = loaded.get(shared)
             if vocab is None:
                 try:
-                    vocab = load_vocabulary(spec, _fallback_logger(log, metrics, model.name))
+                    vocab = load_vocabulary(
+                        spec,
+                        _fallback_logger(log, metrics, model.name),
+                        EncoderLimits(settings.counting.max_encoder_rss_mb, metrics),
+                    )
                 except ConfigError as exc:
                     raise ConfigError(f"model {model.name!r}: {exc}") from exc
                 loaded[shared] = vocab
@@ -282,6 +286,10 @@ class TokenCounter:
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
+        for encoder in {
+            id(m.vocab.encoder): m.vocab.encoder for m in self._models.values()
+        }.values():
+            encoder.close()
 
     # -- internals ---------------------------------------------------------------------------
 

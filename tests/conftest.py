@@ -23,6 +23,12 @@ MODEL = {
 }
 
 
+# The Content-Type every JSON route requires (a missing or other one is answered 415).
+JSON = {"content-type": "application/json"}
+# What a state-changing admin request carries without a bearer token (gateway/dashboard/guard.py).
+ADMIN = {"content-type": "application/yaml", "x-shapegate-admin": "1"}
+
+
 def lanes_config(
     fast: list[str], heavy: list[str], threshold: int = 2000, **overrides: Any
 ) -> dict[str, Any]:

@@ -16,6 +16,7 @@ SUITES: tuple[str, ...] = (
     "gateway.bench.overhead",
     "gateway.bench.lanes",
     "gateway.bench.memory",
+    "gateway.bench.encoder",
     "gateway.bench.every",  # shapegate bench all
     "gateway.bench.readme",  # shapegate bench readme
     "gateway.bench.soak",  # shapegate bench soak

@@ -37,7 +37,7 @@ from typing import Any
 import orjson
 
 from gateway.bench.corpus import KINDS, Corpus
-from gateway.bench.harness import package_version, with_targets
+from gateway.bench.harness import package_version, tree_rss_mb, with_targets
 from gateway.protocol import ChatPrompt, parse_request
 from gateway.settings import ModelSettings, Settings, TokenizerSettings, load_settings
 from gateway.tokenizers.vocab import Vocabulary
@@ -112,11 +112,7 @@ def _settings(path: str | None) -> Settings:
 
 
 def _rss_mb() -> float:
-    with open("/proc/self/status", encoding="ascii") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    return tree_rss_mb()  # this process and the tokenizer child
 
 
 def _stats(samples: list[float]) -> dict[str, float]:
@@ -219,7 +215,7 @@ def _measure(settings: Settings, *, smoke: bool, all_cpus: set[int] | None) -> d
         "exact_above": exact_above,
         "versions": {
             name: package_version(name)
-            for name in ("gigatoken", "gigatoken-cachefix", "tokenizers", "tiktoken")
+            for name in ("gigatoken", "tokenizers", "tiktoken")
         },
         "python": platform.python_version(),
         "load_s": round(load_s, 3),
@@ -472,7 +468,7 @@ def _table(result: dict[str, Any]) -> str:
         f"exact_above={result['exact_above']}  load={result['load_s']}s  "
         f"rss after load={result['rss_mb']['after_load']} MB, after counting "
         f"{result['rss_mb']['after_counting_less_bench_texts']} MB (gigatoken's pre-token cache "
-        "grows with every new word it sees; gigatoken-cachefix bounds it)",
+        "grows with every new word it sees, in a child replaced past its bound)",
         "",
         f"{'size':>5} {'tokens':>8} {'decide p50':>11} {'how':>6} {'exact p50':>10} "
         f"{'cache p50':>10} {'HF p50':>9} {'x HF':>7} {'jinja decide':>12}",

@@ -2,8 +2,9 @@
 
 - ``machine()``: CPU model, cores, load average now, Python; every suite's JSON carries it.
 - ``Child``: a process started with ``sys.executable``, optionally pinned to CPUs, stdout to a
-  file; ``cpu_s()`` and ``rss_mb()`` read ``/proc/PID/stat`` and ``/proc/PID/status`` (the
-  whole process, every thread); ``stop()`` sends SIGINT, then kills after a grace period.
+  file; ``cpu_s()`` and ``rss_mb()`` read ``/proc/PID/stat`` and ``/proc/PID/statm`` (the
+  whole process, every thread; RSS with its children: the tokenizer child); ``stop()`` sends
+  SIGINT, then kills after a grace period.
 - ``start_upstream(port, cpus)``: the fixed fast upstream of ``httpload``.
 - ``start_gateway(config, folder, cpus)``: ``shapegate serve`` on a policy written to
   ``folder/gateway.yaml``; returns once ``/readyz`` answers 200 (the boot probe passed).
@@ -29,6 +30,23 @@ from typing import IO, Any
 
 import orjson
 import yaml
+
+
+def tree_rss_mb(pid: int | None = None) -> float:
+    """Resident memory of a process and all its descendants, MB (Linux /proc)."""
+    pid = os.getpid() if pid is None else pid
+    total, todo = 0, [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            with open(f"/proc/{current}/statm", "rb") as statm:
+                total += int(statm.read().split()[1])
+            for task in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{task}/children", "rb") as children:
+                    todo.extend(int(c) for c in children.read().split())
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # it exited between two reads
+    return total * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def machine() -> dict[str, Any]:
@@ -105,11 +123,8 @@ class Child:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def rss_mb(self) -> float:
-        with open(f"/proc/{self.pid}/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-        return float("nan")
+        """The process and its children (the gateway's tokenizer child included)."""
+        return tree_rss_mb(self.pid)
 
     def alive(self) -> bool:
         return self.process.poll() is None

@@ -1,6 +1,6 @@
 """``shapegate bench readme [README]``: the README's performance section, from the JSON results.
 
-Reads ``OUT/{overhead,count,lanes,memory}.json`` (``--out``, default ``bench-results``; a
+Reads ``OUT/{overhead,count,lanes,memory,encoder}.json`` (``--out``, default ``bench-results``; a
 missing suite is said to be missing, not invented) and replaces everything between the lines
 ``<!-- bench:start -->`` and ``<!-- bench:end -->`` of the README (default ``README.md``) with
 tables built from them: the machine each ran on (CPU, cores, load average at start), the
@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
-SUITES = ("overhead", "count", "lanes", "memory")
+SUITES = ("overhead", "count", "lanes", "memory", "encoder")
 
 
 def register(suites: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -92,6 +92,7 @@ def render(results: dict[str, dict[str, Any]], plots: Path) -> str:
         ("count", _count),
         ("lanes", _lanes),
         ("memory", _memory),
+        ("encoder", _encoder),
     ):
         if suite in results:
             lines += renderer(results[suite], plots)
@@ -216,7 +217,8 @@ def _memory(r: dict[str, Any], plots: Path) -> list[str]:
     lines = [
         "### Memory (`shapegate bench memory`)",
         "",
-        f"Machine: {_machine(r)}. Gateway RSS (every thread) in front of the fixed upstream; "
+        f"Machine: {_machine(r)}. Gateway RSS (every thread, and its tokenizer child) in front "
+        "of the fixed upstream; "
         f"tokenizer packages {r['tokenizer_package']}.",
         *_smoke(r),
         "",
@@ -238,7 +240,44 @@ def _memory(r: dict[str, Any], plots: Path) -> list[str]:
             f"- adversarial {a['kind']}: {a['requests']} requests of {a['prompt_bytes_each']:,} "
             f"bytes of unique text ({a['text_mb']} MB counted exactly): RSS "
             f"{a['rss_growth_mb']:+.1f} MB ({a['rss_mb_per_text_mb']} MB per MB of text), "
-            f"of which {a['rss_growth_second_half_mb']} MB over the second half"
+            f"peak {a.get('peak_rss_mb')} MB; the second half's peak "
+            f"{a['rss_growth_second_half_mb']:+} MB over the first half's"
         )
     lines += ["", *_targets(r), "", f"![memory]({(plots / 'memory.png').as_posix()})", ""]
+    return lines
+
+
+def _encoder(r: dict[str, Any], plots: Path) -> list[str]:
+    bounded, inproc = r["bounded"], r["in_process"]
+    lines = [
+        "### Tokenizer memory and the cost of its bound (`shapegate bench encoder`)",
+        "",
+        f"Machine: {_machine(r)}. Unique random text in 40 kB prompts counted exactly through "
+        "`TokenCounter` (no count cache); RSS is the process plus its tokenizer child, peak per "
+        f"tenth of the text. Bounded: `counting.max_encoder_rss_mb: "
+        f"{bounded['max_encoder_rss_mb']}` ({bounded['recycles']} child replacements); "
+        "in-process: `null` (the baseline, a quarter of the text).",
+        *_smoke(r),
+        "",
+        "| mode | text | MB of text | peak RSS per tenth, MB |",
+        "| --- | --- | ---: | --- |",
+    ]
+    for name, mode in (("bounded", bounded), ("in-process", inproc)):
+        for f in mode["floods"]:
+            peaks = ", ".join(f"{x:.0f}" for x in f["peak_per_tenth_mb"])
+            lines.append(f"| {name} | {f['kind']} | {f['text_mb']} | {peaks} |")
+    lines += [
+        "",
+        "| size | tokens | in-process p50 ms | child p50 ms | ratio | in-process best ms "
+        "| child best ms | ratio |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in r["latency"]:
+        lines.append(
+            f"| {row['size']} | {row['tokens']} | {row['in_process_p50_ms']} | "
+            f"{row['child_p50_ms']} | {row['child_over_in_process']} | "
+            f"{row['in_process_min_ms']} | {row['child_min_ms']} | "
+            f"{row['child_over_in_process_min']} |"
+        )
+    lines += ["", *_targets(r), ""]
     return lines

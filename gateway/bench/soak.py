@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from engine_pool.sim.server import SimServer
 
 HEAVY_FROM = 2000  # prompt tokens
+JSON_HEADERS = {"content-type": "application/json"}
 # Memory is flat when the post-warm-up growth stays under this (allocator noise, caches filling).
 FLAT_MB = 24.0
 BASE_FAULTS = {"error_500_rate": 0.04, "error_429_rate": 0.03}
@@ -168,7 +169,9 @@ def _body(rng: random.Random, serial: int) -> tuple[bytes, bool]:
 
 async def _finish_normally(client: httpx.AsyncClient, url: str, body: bytes, tally: Tally) -> None:
     try:
-        async with client.stream("POST", url + "/v1/chat/completions", content=body) as r:
+        async with client.stream(
+            "POST", url + "/v1/chat/completions", content=body, headers=JSON_HEADERS
+        ) as r:
             payload = b"".join([piece async for piece in r.aiter_raw()])
     except httpx.HTTPError as exc:
         tally.outcomes[f"transport:{type(exc).__name__}"] += 1

@@ -14,9 +14,10 @@ Contract, the same for every backend:
   the lock, so the event loop can count small texts inline and hand the rest to a worker.
 
 Known limit: gigatoken keeps every distinct pre-token it has encoded in a cache inside the
-tokenizer, with no bound and no way to clear it short of loading the tokenizer again (1.4 s,
+tokenizer, with no bound and no way to clear it short of loading the tokenizer again (1.3 s,
 GIL held). Prose and code saturate it (~+40 MB); text made of ever-new pieces does not: measured
-+3 MB RSS per MB of random CJK text, +6 MB per MB of base64. See the report of issue 3.
++3 MB RSS per MB of random CJK text, +6 MB per MB of base64. So the gateway runs
+``GigatokenEncoder`` in a child process replaced past a memory bound (``worker.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class Encoder(Protocol):
 
     def try_count_many(self, texts: Sequence[str]) -> list[int] | None: ...
 
+    def close(self) -> None: ...
+
 
 class _Locked:
     """``try_count_many`` for every backend: count now if nobody else is, else say so."""
@@ -59,6 +62,9 @@ class _Locked:
             return self._count_unlocked(texts)
         finally:
             self.lock.release()
+
+    def close(self) -> None:
+        """Nothing to release: the tokenizer lives in this process."""
 
 
 class GigatokenEncoder(_Locked):

@@ -19,6 +19,7 @@ false and every request is counted exactly.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.resources
 import json
@@ -27,7 +28,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.settings import ConfigError, TokenizerSettings
 from gateway.tokenizers.encoders import (
@@ -37,6 +38,10 @@ from gateway.tokenizers.encoders import (
     HFEncoder,
     TiktokenEncoder,
 )
+from gateway.tokenizers.worker import ChildEncoder, gigatoken_from_json, gigatoken_from_tiktoken
+
+if TYPE_CHECKING:
+    from gateway.metrics import Metrics
 
 # The token that opens every ChatML message: a text may be cut just before it and the pieces
 # counted apart, because special tokens are split out before any BPE runs.
@@ -158,21 +163,26 @@ class Vocabulary:
 def load_vocabulary(
     settings: TokenizerSettings,
     on_fallback: Callable[[str, BaseException, str], None] | None = None,
+    limits: EncoderLimits | None = None,
 ) -> Vocabulary:
-    """Load and warm one tokenizer; ``on_fallback(backend, exc, decision)`` hears every fallback."""
+    """Load and warm one tokenizer; ``on_fallback(backend, exc, decision)`` hears every fallback.
+
+    ``limits`` says where gigatoken runs (``EncoderLimits``; default: a child process recycled
+    past ``DEFAULT_MAX_RSS_MB``)."""
+    limits = limits or EncoderLimits()
     if settings.source == "builtin":
         name = settings.name or ""
         with builtin_path(name) as path:
             if _BUILTIN[name].kind == "hf_json":
-                return _from_hf_json(name, path, settings, on_fallback)
+                return _from_hf_json(name, path, settings, on_fallback, limits)
             return _from_tiktoken_file(
-                name, path, "cl100k", _CL100K_SPECIALS, settings, on_fallback
+                name, path, "cl100k", _CL100K_SPECIALS, settings, on_fallback, limits
             )
     if settings.source == "hf_json":
         path = Path(settings.path or "")
         # A model folder names the vocabulary: .../Qwen3.6-35B-A3B/tokenizer.json -> Qwen3.6-35B-A3B
         name = path.name if path.is_dir() else (path.parent.name or path.name)
-        return _from_hf_json(name, path, settings, on_fallback)
+        return _from_hf_json(name, path, settings, on_fallback, limits)
     if settings.source == "tiktoken_file":
         path = Path(settings.path or "")
         name = path.name.removesuffix(".tiktoken")
@@ -184,8 +194,10 @@ def load_vocabulary(
                 f"(one of {', '.join(_PATTERNS)})"
             )
         specials = dict(settings.special_tokens) or (dict(known[1]) if known else {})
-        return _from_tiktoken_file(name, path, pretokenizer, specials, settings, on_fallback)
-    return _from_tiktoken_encoding(settings, on_fallback)
+        return _from_tiktoken_file(
+            name, path, pretokenizer, specials, settings, on_fallback, limits
+        )
+    return _from_tiktoken_encoding(settings, on_fallback, limits)
 
 
 def read_tokenizer_json(path: Path) -> tuple[bytes, Path]:
@@ -329,6 +341,7 @@ def _from_hf_json(
     path: Path,
     settings: TokenizerSettings,
     on_fallback: Callable[[str, BaseException, str], None] | None,
+    limits: EncoderLimits,
 ) -> Vocabulary:
     data, folder = read_tokenizer_json(path)
     try:
@@ -348,10 +361,7 @@ def _from_hf_json(
     template, variables = _template_files(folder)
 
     def gigatoken() -> Encoder:
-        import gigatoken as gt
-
-        # .backend drops the wrapper, which would keep the 13 MB JSON text alive for as_hf().
-        return GigatokenEncoder(gt.Tokenizer.from_json(data).backend, nfc=False)
+        return _gigatoken(functools.partial(gigatoken_from_json, data), False, limits)
 
     def hf() -> Encoder:
         import tokenizers
@@ -386,6 +396,7 @@ def _from_tiktoken_file(
     specials: Mapping[str, int],
     settings: TokenizerSettings,
     on_fallback: Callable[[str, BaseException, str], None] | None,
+    limits: EncoderLimits,
 ) -> Vocabulary:
     if settings.backend == "hf":
         raise ConfigError(f"tokenizer file {path}: backend hf cannot read a .tiktoken file")
@@ -401,12 +412,8 @@ def _from_tiktoken_file(
     nfc = pretokenizer in _NFC_PRETOKENIZERS
 
     def gigatoken() -> Encoder:
-        import gigatoken as gt
-
-        rust = gt.Tokenizer.from_tiktoken(
-            path, pretokenizer=pretokenizer, special_tokens=dict(specials)
-        ).backend
-        return GigatokenEncoder(rust, nfc=nfc)
+        recipe = functools.partial(gigatoken_from_tiktoken, str(path), pretokenizer, dict(specials))
+        return _gigatoken(recipe, nfc, limits)
 
     def tiktoken_() -> Encoder:
         import tiktoken
@@ -445,10 +452,13 @@ def _from_tiktoken_file(
 def _from_tiktoken_encoding(
     settings: TokenizerSettings,
     on_fallback: Callable[[str, BaseException, str], None] | None,
+    limits: EncoderLimits,
 ) -> Vocabulary:
     name = settings.name or ""
     if name in _BUILTIN and _BUILTIN[name].kind == "tiktoken":
-        return load_vocabulary(settings.model_copy(update={"source": "builtin"}), on_fallback)
+        return load_vocabulary(
+            settings.model_copy(update={"source": "builtin"}), on_fallback, limits
+        )
     if settings.backend not in ("auto", "tiktoken"):
         raise ConfigError(
             f"tokenizer encoding {name!r}: only backend tiktoken can load a named "
@@ -480,6 +490,26 @@ def _from_tiktoken_encoding(
         fallback=fallback,
         split_token=_split_token(specials),
     )
+
+
+# A child that only loaded the Qwen vocabulary sits near 170 MB; past this it is replaced.
+DEFAULT_MAX_RSS_MB = 384.0
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderLimits:
+    """Where gigatoken runs: in a child process replaced once its resident memory passes
+    ``max_rss_mb`` (gateway/tokenizers/worker.py), or, with ``max_rss_mb=None``, in this
+    process, where its encode cache grows without bound."""
+
+    max_rss_mb: float | None = DEFAULT_MAX_RSS_MB
+    metrics: Metrics | None = None
+
+
+def _gigatoken(recipe: Callable[[], Any], nfc: bool, limits: EncoderLimits) -> Encoder:
+    if limits.max_rss_mb is None:
+        return GigatokenEncoder(recipe(), nfc=nfc)
+    return ChildEncoder(recipe, nfc=nfc, max_rss_mb=limits.max_rss_mb, metrics=limits.metrics)
 
 
 def _first_that_loads(

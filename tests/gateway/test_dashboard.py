@@ -211,7 +211,7 @@ def app_with(environ: dict[str, str], counter: TokenCounter) -> Any:
 
 def client_for(app: Any, host: str) -> httpx.AsyncClient:
     transport = httpx.ASGITransport(app=app, client=(host, 40000))
-    return httpx.AsyncClient(transport=transport, base_url="http://gateway")
+    return httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8000")
 
 
 ADMIN = ("/admin/state", "/admin/dashboard.json", "/dashboard", "/dashboard/static/app.js")

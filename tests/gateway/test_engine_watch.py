@@ -185,7 +185,7 @@ async def test_the_boot_probe_catches_a_lane_whose_only_cluster_is_down(
             assert "shapegate-probe-fast" in fast.seen
             async with serve_asgi(FakeEngine(), port=dead_port):
                 await wait_for(is_state(client, url, dead_url, "up"))
-                probe = await client.post(url + "/admin/probe")
+                probe = await client.post(url + "/admin/probe", headers={"x-shapegate-admin": "1"})
                 assert probe.status_code == 200 and probe.json()["lanes"]["heavy"]["passed"]
                 assert (await client.get(url + "/readyz")).status_code == 200
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 from structlog.testing import capture_logs
 
-from tests.conftest import lanes_config
+from tests.conftest import JSON, lanes_config
 from tests.support.fake_engine import FakeEngine
 from tests.support.servers import serve_asgi
 
@@ -159,7 +159,7 @@ async def test_bad_input_gets_an_openai_shaped_4xx(
 ) -> None:
     async with httpx.AsyncClient() as client:
         with capture_logs() as logs:
-            r = await client.post(gateway + "/v1/chat/completions", content=raw)
+            r = await client.post(gateway + "/v1/chat/completions", content=raw, headers=JSON)
     assert r.status_code == status
     error = r.json()["error"]
     assert needle in error["message"]
@@ -178,7 +178,8 @@ async def test_body_over_the_limit_is_refused_without_buffering_it(
         host, port = url.removeprefix("http://").split(":")
         reader, writer = await asyncio.open_connection(host, int(port))
         writer.write(
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n"
+            b"content-type: application/json\r\n\r\n"
         )
         for _ in range(20):  # 80 KiB, no length declared up front
             writer.write(b"1000\r\n" + b"x" * 4096 + b"\r\n")

@@ -18,7 +18,7 @@ from structlog.testing import capture_logs
 
 from gateway.reload import diff_settings
 from gateway.settings import parse_settings
-from tests.conftest import lanes_config
+from tests.conftest import ADMIN, JSON, lanes_config
 from tests.support.fake_engine import FakeEngine
 from tests.support.servers import free_port, serve_asgi
 
@@ -55,7 +55,7 @@ async def test_reload_under_load_loses_nothing_and_a_lowered_limit_holds(
                     client.post(
                         url + "/v1/chat/completions",
                         content=body(delay),
-                        headers={"x-request-id": rid},
+                        headers={"x-request-id": rid, **JSON},
                     )
                 )
 
@@ -68,7 +68,9 @@ async def test_reload_under_load_loses_nothing_and_a_lowered_limit_holds(
             lowered = lanes_config([engine_url], [engine_url])
             lowered["lanes"][0]["slots"] = {"lane": 2, "per_endpoint": 2}
             with capture_logs() as logs:
-                r = await client.post(url + "/admin/reload", content=yaml.safe_dump(lowered))
+                r = await client.post(
+                    url + "/admin/reload", content=yaml.safe_dump(lowered), headers=ADMIN
+                )
             assert r.status_code == 200, r.text
             assert r.json()["changed"]["lanes[fast].slots.lane"] == {"old": 8, "new": 2}
             reloaded = next(e for e in logs if e["event"] == "policy.reloaded")
@@ -101,14 +103,16 @@ async def test_an_invalid_policy_changes_nothing(gateway_at: Any) -> None:
             bad = lanes_config([engine_url], [engine_url])
             bad["lanes"][0]["clusters"] = ["nowhere"]
             with capture_logs() as logs:
-                r = await client.post(url + "/admin/reload", content=yaml.safe_dump(bad))
+                r = await client.post(
+                    url + "/admin/reload", content=yaml.safe_dump(bad), headers=ADMIN
+                )
             assert r.status_code == 400 and "nowhere" in r.json()["error"]["message"]
             assert any(e["event"] == "policy.reload_failed" for e in logs)
-            typo = await client.post(url + "/admin/reload", content=b"lanes: [}")
+            typo = await client.post(url + "/admin/reload", content=b"lanes: [}", headers=ADMIN)
             assert typo.status_code == 400
             state = (await client.get(url + "/admin/state")).json()
             assert state["policy_version"] == 1
-            ok = await client.post(url + "/v1/chat/completions", content=body())
+            ok = await client.post(url + "/v1/chat/completions", content=body(), headers=JSON)
             assert ok.status_code == 200
 
 
@@ -118,13 +122,15 @@ async def test_added_and_removed_clusters(gateway_at: Any) -> None:
         config = lanes_config([old_url], [old_url])
         async with gateway_at(config) as (url, _), httpx.AsyncClient(timeout=10) as client:
             running = asyncio.create_task(
-                client.post(url + "/v1/chat/completions", content=body(0.5))
+                client.post(url + "/v1/chat/completions", content=body(0.5), headers=JSON)
             )
             await asyncio.sleep(0.1)
             moved = lanes_config([new_url], [new_url])
-            r = await client.post(url + "/admin/reload", content=yaml.safe_dump(moved))
+            r = await client.post(
+                url + "/admin/reload", content=yaml.safe_dump(moved), headers=ADMIN
+            )
             assert r.status_code == 200
-            after = await client.post(url + "/v1/chat/completions", content=body())
+            after = await client.post(url + "/v1/chat/completions", content=body(), headers=JSON)
             assert after.status_code == 200
             assert (await running).status_code == 200  # finished on the removed endpoint
             assert len(old.seen) == 1 and len(new.seen) == 1

@@ -13,7 +13,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.conftest import lanes_config
+from tests.conftest import JSON, lanes_config
 from tests.support.fake_engine import FakeEngine
 from tests.support.servers import serve_asgi
 
@@ -141,7 +141,7 @@ async def test_a_few_hundred_mixed_requests_leave_no_slot_behind(setup: Any) -> 
             r = await client.post(
                 url + "/v1/chat/completions",
                 content=body(rid, stream=stream, **fake),
-                headers={"x-request-id": rid},
+                headers={"x-request-id": rid, **JSON},
             )
             outcomes[f"{kind}:{r.status_code}"] = outcomes.get(f"{kind}:{r.status_code}", 0) + 1
             if kind == "stall_idle" or kind == "drop_mid_stream":
@@ -188,7 +188,7 @@ async def _queued_leaver(engine: FakeEngine, url: str) -> None:
                 client.post(
                     url + "/v1/chat/completions",
                     content=body(f"hold-{i}", stream=False, mode="slow_first_byte", delay=2.0),
-                    headers={"x-request-id": f"hold-{i}"},
+                    headers={"x-request-id": f"hold-{i}", **JSON},
                 )
             )
             for i in range(8)
@@ -216,11 +216,14 @@ async def test_a_full_lane_with_reject_policy_answers_429(gateway_at: Any) -> No
                 client.post(
                     url + "/v1/chat/completions",
                     content=body("a", stream=False, mode="slow_first_byte", delay=0.5),
+                    headers=JSON,
                 )
             )
             while not engine.seen:
                 await asyncio.sleep(0.01)
-            r = await client.post(url + "/v1/chat/completions", content=body("b", stream=False))
+            r = await client.post(
+                url + "/v1/chat/completions", content=body("b", stream=False), headers=JSON
+            )
             assert r.status_code == 429 and r.headers["retry-after"] == "1"
             assert r.json()["error"]["type"] == "rate_limit_error"
             assert (await slow).status_code == 200

@@ -17,7 +17,7 @@ import orjson
 import pytest
 import redis
 
-from tests.conftest import lanes_config
+from tests.conftest import JSON, lanes_config
 from tests.integration.redis_support import GatewayProcess, live_members, own_redis
 from tests.support.fake_engine import FakeEngine, Seen
 from tests.support.servers import serve_asgi
@@ -82,7 +82,9 @@ def body(rid: str, **fake: Any) -> bytes:
 
 async def chat(client: httpx.AsyncClient, url: str, rid: str, **fake: Any) -> httpx.Response:
     return await client.post(
-        url + "/v1/chat/completions", content=body(rid, **fake), headers={"x-request-id": rid}
+        url + "/v1/chat/completions",
+        content=body(rid, **fake),
+        headers={"x-request-id": rid, **JSON},
     )
 
 

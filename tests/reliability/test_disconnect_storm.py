@@ -24,7 +24,7 @@ import httpx
 from engine_pool.sim.server import SimServer, run_sim
 from gateway.sim_support import RegistryCounter
 from gateway.tokens import TokenCounter
-from tests.conftest import MODEL
+from tests.conftest import JSON, MODEL
 from tests.reliability.reliability_support import (
     RawClient,
     RecordIndex,
@@ -102,7 +102,9 @@ async def test_a_storm_of_1000_resets_leaves_nothing_behind(
                 slots = await slots_metric(client, url)
                 started = time.monotonic()
                 after = await client.post(
-                    url + "/v1/chat/completions", content=chat_body("still there?", stream=False)
+                    url + "/v1/chat/completions",
+                    content=chat_body("still there?", stream=False),
+                    headers=JSON,
                 )
                 after_s = time.monotonic() - started
 

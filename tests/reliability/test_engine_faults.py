@@ -20,7 +20,7 @@ import pytest
 from engine_pool.sim.server import SimServer, run_sim
 from gateway.sim_support import RegistryCounter
 from gateway.tokens import TokenCounter
-from tests.conftest import lanes_config
+from tests.conftest import JSON, lanes_config
 from tests.reliability.reliability_support import (
     admin_state,
     chat_body,
@@ -50,7 +50,10 @@ class Rig:
         """Stream a request, run ``then()`` once ``chunks`` data events arrived, read the rest."""
         got = b""
         async with self.client.stream(
-            "POST", self.url + "/v1/chat/completions", content=body, headers={"x-request-id": rid}
+            "POST",
+            self.url + "/v1/chat/completions",
+            content=body,
+            headers={"x-request-id": rid, **JSON},
         ) as r:
             assert r.status_code == 200
             fired = False
@@ -63,7 +66,7 @@ class Rig:
 
     async def post(self, rid: str, body: bytes) -> httpx.Response:
         return await self.client.post(
-            self.url + "/v1/chat/completions", content=body, headers={"x-request-id": rid}
+            self.url + "/v1/chat/completions", content=body, headers={"x-request-id": rid, **JSON}
         )
 
     async def nothing_held(self) -> None:

@@ -22,7 +22,7 @@ import yaml
 from engine_pool.sim.server import SimServer, run_sim
 from gateway.sim_support import RegistryCounter
 from gateway.tokens import TokenCounter
-from tests.conftest import lanes_config
+from tests.conftest import JSON, lanes_config
 from tests.reliability.reliability_support import admin_state, chat_body
 from tests.support.servers import free_port
 
@@ -105,7 +105,7 @@ async def test_sigterm_drains_in_flight_requests_and_exits_0(
             return await client.post(
                 gw.url + "/v1/chat/completions",
                 content=chat_body(rid, stream=stream, max_tokens=60),  # ~1.4 s of decode
-                headers={"x-request-id": rid},
+                headers={"x-request-id": rid, **JSON},
             )
 
         streamed = asyncio.create_task(post("streamed", True))
@@ -156,7 +156,7 @@ async def test_requests_past_the_drain_deadline_are_ended_and_released(
                 "POST",
                 gw.url + "/v1/chat/completions",
                 content=chat_body("long", stream=True, max_tokens=2000),  # ~46 s
-                headers={"x-request-id": "endless"},
+                headers={"x-request-id": "endless", **JSON},
             ) as r:
                 with contextlib.suppress(httpx.HTTPError):
                     async for piece in r.aiter_raw():

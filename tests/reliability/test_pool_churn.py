@@ -23,7 +23,7 @@ import pytest
 from gateway.errors import UpstreamError
 from gateway.proxy import Upstream
 from gateway.watchdog import Deadlines, Watch
-from tests.conftest import lanes_config
+from tests.conftest import JSON, lanes_config
 from tests.reliability.reliability_support import (
     chat_body,
     held,
@@ -166,7 +166,7 @@ async def test_the_gateway_answers_within_5s_after_thousands_of_cancellations(
                     client.post(
                         url + "/v1/chat/completions",
                         content=chat_body(f"after the churn {i}", stream=False),
-                        headers={"x-request-id": f"after-{i}"},
+                        headers={"x-request-id": f"after-{i}", **JSON},
                     )
                     for i in range(12)
                 )

@@ -10,54 +10,14 @@ import asyncio
 import os
 import sys
 import time
-from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
 import orjson
-import pytest
 
-from gateway.app import create_app
-from gateway.http_protocol import guarded_protocol
-from gateway.settings import parse_settings
 from gateway.tokens import TokenCounter
-from tests.conftest import lanes_config
-from tests.support.fake_engine import FakeEngine
-from tests.support.servers import serve_asgi
-
-
-@asynccontextmanager
-async def guarded_gateway(counter: TokenCounter, engine_url: str, **server: Any) -> Any:
-    config = lanes_config([engine_url], [engine_url])
-    config["server"].update(server)
-    settings = parse_settings(config, environ={})
-    app = create_app(settings, counter)
-    async with serve_asgi(app, http=guarded_protocol(settings.server)) as url:
-        yield url
-
-
-@pytest.fixture
-async def engine() -> Any:
-    fake = FakeEngine()
-    async with serve_asgi(fake) as url:
-        yield fake, url
-
-
-async def raw_exchange(url: str, payload: bytes, timeout: float = 5) -> bytes:
-    host, port = url.removeprefix("http://").split(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(payload)
-    await writer.drain()
-    try:
-        return await asyncio.wait_for(reader.read(), timeout)
-    finally:
-        writer.close()
-
-
-def status_and_error(response: bytes) -> tuple[int, dict[str, Any]]:
-    head, _, body = response.partition(b"\r\n\r\n")
-    status = int(head.split(b" ", 2)[1])
-    return status, orjson.loads(body)["error"]
+from tests.conftest import JSON
+from tests.security.edge import guarded_gateway, raw_exchange, status_and_error
 
 
 async def test_headers_with_cr_or_lf_and_oversized_headers(
@@ -159,7 +119,7 @@ async def test_a_body_far_over_the_limit_is_refused_without_being_buffered(
 
         async with httpx.AsyncClient(timeout=30) as client:
             try:
-                r = await client.post(url + "/v1/chat/completions", content=huge())
+                r = await client.post(url + "/v1/chat/completions", content=huge(), headers=JSON)
                 assert r.status_code == 413
             except httpx.TransportError:
                 pass  # the server may close before the client finishes writing
@@ -171,7 +131,9 @@ async def test_deep_nesting_big_numbers_and_many_messages(
 ) -> None:
     async with guarded_gateway(counter, engine[1]) as url, httpx.AsyncClient(timeout=30) as client:
         started = time.monotonic()
-        r = await client.post(url + "/v1/chat/completions", content=b"[" * 100_000 + b"]" * 100_000)
+        r = await client.post(
+            url + "/v1/chat/completions", content=b"[" * 100_000 + b"]" * 100_000, headers=JSON
+        )
         assert r.status_code == 400 and time.monotonic() - started < 0.5
         r = await client.post(
             url + "/v1/chat/completions",
@@ -179,6 +141,7 @@ async def test_deep_nesting_big_numbers_and_many_messages(
                 b'{"model":"qwen3.6","messages":[{"role":"user","content":"x"}],'
                 b'"max_tokens":99999999999999999999999}'
             ),
+            headers=JSON,
         )
         assert r.status_code == 400
         r = await client.post(

@@ -12,7 +12,7 @@ from structlog.testing import capture_logs
 from gateway.auth import ClientAuth
 from gateway.errors import Unauthorized
 from gateway.settings import AuthSettings
-from tests.conftest import lanes_config
+from tests.conftest import JSON, lanes_config
 from tests.support.fake_engine import FakeEngine
 from tests.support.servers import serve_asgi
 
@@ -113,7 +113,7 @@ async def test_no_prompt_text_in_logs_metrics_or_state_on_any_path(gateway_at: A
                 for body in bodies:
                     for path in ("/v1/chat/completions", "/v1/completions"):
                         if isinstance(body, bytes):
-                            await client.post(url + path, content=body)
+                            await client.post(url + path, content=body, headers=JSON)
                         else:
                             await client.post(url + path, json=body)
             metrics = (await client.get(url + "/metrics")).text
