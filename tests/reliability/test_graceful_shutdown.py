@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -24,9 +23,8 @@ from engine_pool.sim.server import SimServer, run_sim
 from gateway.tokens import TokenCounter
 from tests.conftest import lanes_config
 from tests.reliability.reliability_support import admin_state, chat_body
+from tests.support.checkout import ROOT, checkout_env, gateway_cli
 from tests.support.servers import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -62,10 +60,11 @@ async def serve(tmp_path: Path, config: dict[str, Any]) -> AsyncIterator[Served]
     log = tmp_path / "gateway.log"
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(path)],
+            gateway_cli("serve", "--config", str(path)),
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=ROOT,
+            env=checkout_env(),
         )
     served = Served(f"http://127.0.0.1:{port}", process, log)
     try:
