@@ -174,7 +174,11 @@ class FakeEngine:
                 {
                     "type": "http.response.start",
                     "status": 200,
-                    "headers": [(b"content-type", b"application/json"), (b"x-engine", b"fake")],
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"x-engine", b"fake"),
+                        (b"server", b"fake-engine/1.0"),
+                    ],
                 }
             )
             await send({"type": "http.response.body", "body": payload})
