@@ -15,6 +15,7 @@ from structlog.testing import capture_logs
 from tests.conftest import lanes_config
 from tests.support.fake_engine import FakeEngine
 from tests.support.servers import free_port, serve_asgi
+from tests.support.waiting import wait_for
 
 FAST_HEALTH = {
     "interval_s": 0.2,
@@ -46,15 +47,6 @@ def watched(fast: list[str], heavy: list[str], spare: list[str] | None = None) -
     return config
 
 
-async def wait_for(predicate: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> float:
-    start = time.monotonic()
-    while not await predicate():
-        if time.monotonic() - start > timeout:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
-    return time.monotonic() - start
-
-
 async def endpoint_state(client: httpx.AsyncClient, url: str, endpoint: str) -> str:
     state = (await client.get(url + "/admin/state")).json()
     for cluster in state["clusters"]:
@@ -79,11 +71,12 @@ async def test_a_crashed_engine_leaves_routing_within_one_probe_interval(gateway
         doomed_url = await doomed_stack.enter_async_context(serve_asgi(doomed))
         config = watched([survivor_url, doomed_url], [survivor_url])
         async with gateway_at(config) as (url, _), httpx.AsyncClient() as client:
-            await asyncio.sleep(0.3)
-            assert await endpoint_state(client, url, doomed_url) == "up"
+            await wait_for(is_state(client, url, doomed_url, "up"), 5)
             with capture_logs() as logs:
                 await doomed_stack.aclose()  # the engine process is gone: connection refused
-                took = await wait_for(is_state(client, url, doomed_url, "down"), timeout=2)
+                started = time.monotonic()
+                await wait_for(is_state(client, url, doomed_url, "down"), 2, interval=0.02)
+                took = time.monotonic() - started
             assert took < FAST_HEALTH["interval_s"] + 0.3
             change = next(e for e in logs if e["event"] == "engine.state_changed")
             assert change["new"] == "down" and "ConnectError" in change["evidence"]
@@ -104,11 +97,11 @@ async def test_emergency_clusters_serve_only_while_every_primary_is_down(
         await stack.enter_async_context(serve_asgi(primary, port=port))
         config = watched([primary_url], [spare_url], spare=[spare_url])
         async with gateway_at(config) as (url, _), httpx.AsyncClient() as client:
-            await asyncio.sleep(0.3)
+            await wait_for(is_state(client, url, primary_url, "up"), 5)
             r = await client.post(url + "/v1/chat/completions", json=chat())
             assert r.headers["x-shapegate-cluster"] == "fast"
             await stack.aclose()
-            await wait_for(is_state(client, url, primary_url, "down"))
+            await wait_for(is_state(client, url, primary_url, "down"), 5)
             with capture_logs() as logs:
                 r = await client.post(url + "/v1/chat/completions", json=chat())
             assert r.status_code == 200 and r.headers["x-shapegate-cluster"] == "spare"
@@ -116,7 +109,7 @@ async def test_emergency_clusters_serve_only_while_every_primary_is_down(
             assert decision["reason"] == "primary_unhealthy"
             assert decision["cluster_health"] == {"fast": False, "spare": True}
             async with serve_asgi(primary, port=port):
-                await wait_for(is_state(client, url, primary_url, "up"))
+                await wait_for(is_state(client, url, primary_url, "up"), 5)
                 r = await client.post(url + "/v1/chat/completions", json=chat())
                 assert r.headers["x-shapegate-cluster"] == "fast"
 
@@ -130,12 +123,11 @@ async def test_a_hung_engine_is_marked_down_and_its_requests_end_with_free_slots
         config["lanes"][0]["timeouts"] = {"first_byte_s": 60, "total_s": 120}
         config["lanes"][1]["health"] = FAST_HEALTH
         async with gateway_at(config) as (url, _), httpx.AsyncClient(timeout=30) as client:
-            await asyncio.sleep(0.3)
+            await wait_for(is_state(client, url, engine_url, "up"), 5)
             stuck = asyncio.create_task(
                 client.post(url + "/v1/chat/completions", json=chat(fake={"mode": "hang"}))
             )
-            while engine.in_flight < 1:
-                await asyncio.sleep(0.01)
+            await wait_for(lambda: engine.in_flight, 5, what="the request at the engine")
             engine.health_status = None  # accepts, never answers
             started = time.monotonic()
             with capture_logs() as logs:
@@ -156,7 +148,8 @@ async def test_a_slow_heavy_engine_is_judged_by_its_own_lane(gateway_at: Any) ->
         config = watched([fast_url], [heavy_url])
         with capture_logs() as logs:
             async with gateway_at(config) as (url, _), httpx.AsyncClient() as client:
-                await asyncio.sleep(2.5)
+                # Three slow answers: under the fast lane's rules two would mark it down.
+                await wait_for(lambda: heavy.health_answered >= 3, 10, what="3 heavy probes")
                 assert await endpoint_state(client, url, heavy_url) == "up"
         assert not [e for e in logs if e["event"] in ("engine.slow", "engine.state_changed")]
 
@@ -171,14 +164,14 @@ async def test_the_boot_probe_catches_a_lane_whose_only_cluster_is_down(
         config = watched([fast_url], [dead_url])
         config["server"] = {"boot_probe": True}
         async with gateway_at(config) as (url, _), httpx.AsyncClient() as client:
-            await wait_for(lambda: _probed(client, url))
+            await wait_for(lambda: _probed(client, url), 5)
             ready = await client.get(url + "/readyz")
             assert ready.status_code == 503
             why = ready.json()["why"]
             assert set(why) == {"heavy"} and dead_url in why["heavy"]
             assert "shapegate-probe-fast" in fast.seen
             async with serve_asgi(FakeEngine(), port=dead_port):
-                await wait_for(is_state(client, url, dead_url, "up"))
+                await wait_for(is_state(client, url, dead_url, "up"), 5)
                 probe = await client.post(url + "/admin/probe")
                 assert probe.status_code == 200 and probe.json()["lanes"]["heavy"]["passed"]
                 assert (await client.get(url + "/readyz")).status_code == 200
@@ -211,5 +204,4 @@ async def test_a_stalled_stream_hits_the_idle_deadline(gateway_at: Any) -> None:
                 'shapegate_watchdog_events_total{cluster="fast",kind="idle",lane="fast"} 1.0'
                 in metrics
             )
-            await asyncio.sleep(0.1)
-            assert not engine.open_requests()
+            await wait_for(lambda: not engine.open_requests(), 2, what="upstream closed")

@@ -110,13 +110,10 @@ def peak_overlap(seen: Iterable[Seen]) -> int:
     return peak
 
 
-async def wait_for(check: Any, within_s: float, every_s: float = 0.01) -> float:
+async def wait_for(check: Any, within_s: float) -> float:
     """Poll ``check()`` until true; return how long it took, or fail after ``within_s``."""
     started = time.monotonic()
-    while not check():
-        if time.monotonic() - started > within_s:
-            pytest.fail(f"condition not met within {within_s}s")
-        await asyncio.sleep(every_s)
+    await wait_with_deadline(check, within_s)
     return time.monotonic() - started
 
 

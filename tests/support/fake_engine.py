@@ -51,6 +51,7 @@ class FakeEngine:
         # GET /health answers this status (None: never answers, like a hung engine).
         self.health_status: int | None = 200
         self.health_delay = 0.0
+        self.health_answered = 0  # GET /health answers sent
         self.generated = 0
 
     async def _get(self, path: str, send: Any) -> None:
@@ -59,6 +60,7 @@ class FakeEngine:
                 await asyncio.Event().wait()
             await asyncio.sleep(self.health_delay)
             status, payload = self.health_status, b""
+            self.health_answered += 1
         elif path == "/metrics":
             status = 200
             payload = (
