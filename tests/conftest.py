@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import os
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,25 @@ MODEL = {
 JSON = {"content-type": "application/json"}
 # What a state-changing admin request carries without a bearer token (gateway/dashboard/guard.py).
 ADMIN = {"content-type": "application/yaml", "x-shapegate-admin": "1"}
+# A `shapegate` that only fails, first on PATH for the whole run: a test that starts the
+# installed entry point instead of the checkout (tests/support/checkout.py) fails loudly.
+POISON_SHAPEGATE = (
+    "#!/bin/sh\necho 'tests run the checkout: use tests.support.checkout' >&2\nexit 1\n"
+)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def installed_shapegate_fails(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    poison = tmp_path_factory.mktemp("poisoned-path")
+    script = poison / "shapegate"
+    script.write_text(POISON_SHAPEGATE)
+    script.chmod(0o755)
+    saved = os.environ["PATH"]
+    os.environ["PATH"] = os.pathsep.join([str(poison), saved])
+    try:
+        yield script
+    finally:
+        os.environ["PATH"] = saved
 
 
 def lanes_config(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import httpx
@@ -13,6 +12,7 @@ import pytest
 
 from engine_pool.sim.profile import available_profiles, load_profile
 from gateway.cli import main
+from tests.support.checkout import ROOT, checkout_env, gateway_cli
 
 
 def free_port() -> int:
@@ -45,10 +45,7 @@ def test_sim_subprocess_serves_until_sigterm() -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gateway.cli",
+        gateway_cli(
             "sim",
             "--port",
             str(port),
@@ -60,7 +57,9 @@ def test_sim_subprocess_serves_until_sigterm() -> None:
             "tiny",
             "--faults",
             "dead",
-        ],
+        ),
+        cwd=ROOT,
+        env=checkout_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )

@@ -11,6 +11,7 @@ from gateway.log import get_logger
 from gateway.metrics import Metrics
 from gateway.settings import LaneSettings
 from gateway.slots import Limit, MemorySlotStore
+from tests.support.waiting import wait_for
 
 
 def lane(**overrides: object) -> LaneSettings:
@@ -51,16 +52,19 @@ async def test_memory_store_is_all_or_nothing_and_idempotent() -> None:
 async def test_waiters_are_served_in_arrival_order() -> None:
     adm, spec = admission(), lane(slots={"lane": 1, "per_endpoint": 1})
     order: list[int] = []
+    gate = asyncio.Event()  # the first user holds the slot until everyone else is queued
 
     async def user(i: int) -> None:
         async with adm.slot(spec, lambda: VIEWS, f"t{i}"):
             order.append(i)
-            await asyncio.sleep(0.01)
+            await gate.wait()
 
-    tasks = []
-    for i in range(6):
+    tasks = [asyncio.create_task(user(0))]
+    await wait_for(lambda: order, 1, what="the first user holding the slot")
+    for i in range(1, 6):
         tasks.append(asyncio.create_task(user(i)))
-        await asyncio.sleep(0.001)
+        await wait_for(lambda: adm.queue_depth("fast") == len(tasks) - 1, 1, what="queued")
+    gate.set()
     await asyncio.gather(*tasks)
     assert order == list(range(6))
     assert adm.queue_depth("fast") == 0
@@ -71,12 +75,12 @@ async def test_full_queue_and_reject_policy_answer_overloaded() -> None:
     spec = lane(slots={"lane": 1, "per_endpoint": 1}, queue={"depth": 1, "max_wait_s": 5})
     async with adm.slot(spec, lambda: VIEWS, "a"):
         waiter = asyncio.create_task(adm.slot(spec, lambda: VIEWS, "b").__aenter__())
-        await asyncio.sleep(0.01)
+        await wait_for(lambda: adm.queue_depth("fast") == 1, 1, what="b queued")
         with pytest.raises(Overloaded, match="queue is full"):
             async with adm.slot(spec, lambda: VIEWS, "c"):
                 pass
         waiter.cancel()
-    await asyncio.sleep(0.01)
+    await wait_for(lambda: adm.queue_depth("fast") == 0, 1, what="b gone from the queue")
     rejecting = lane(slots={"lane": 1, "per_endpoint": 1}, on_full="reject")
     async with adm.slot(rejecting, lambda: VIEWS, "d"):
         with pytest.raises(Overloaded, match="is full"):
@@ -105,10 +109,10 @@ async def test_a_cancelled_waiter_leaves_the_queue_and_never_takes_a_slot() -> N
 
     async with adm.slot(spec, lambda: VIEWS, "holder"):
         waiter = asyncio.create_task(user("leaver"))
-        await asyncio.sleep(0.01)
-        assert adm.queue_depth("fast") == 1
+        await wait_for(lambda: adm.queue_depth("fast") == 1, 1, what="the leaver queued")
         waiter.cancel()
-        await asyncio.sleep(0.01)
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
         assert adm.queue_depth("fast") == 0
     assert got == []
     assert (await adm.store.in_use(["lane:fast"]))["lane:fast"] == 0
@@ -120,6 +124,31 @@ async def test_slots_are_released_when_the_body_raises() -> None:
         async with adm.slot(lane(), lambda: VIEWS, "x"):
             raise RuntimeError("boom")
     assert (await adm.store.in_use(["lane:fast"]))["lane:fast"] == 0
+
+
+async def test_a_cancelled_slot_holder_gives_its_slots_back() -> None:
+    # A client that leaves while its request holds the slot: the holder is cancelled.
+    adm = admission()
+    spec = lane(slots={"lane": 1, "per_endpoint": 1})
+    holding = asyncio.Event()
+
+    async def holder() -> None:
+        async with adm.slot(spec, lambda: VIEWS, "holder"):
+            holding.set()
+            await asyncio.Event().wait()
+
+    task = asyncio.create_task(holder())
+    await asyncio.wait_for(holding.wait(), 1)
+    assert (await adm.store.in_use(["lane:fast"]))["lane:fast"] == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await adm.store.in_use(["lane:fast", "ep:c:http://a"]) == {
+        "lane:fast": 0,
+        "ep:c:http://a": 0,
+    }
+    async with adm.slot(spec, lambda: VIEWS, "next") as grant:  # and the next one gets it
+        assert grant.url == "http://a"
 
 
 async def test_down_endpoints_are_not_candidates_and_per_endpoint_limits_hold() -> None:

@@ -39,7 +39,11 @@ def test_bench_count_smoke_writes_results(
     assert all(0.5 < c["chars_per_token"] < 10 for c in result["calibration"])
     assert result["rss_mb"]["after_load"] > 0
     assert len(result["targets"]) == 5
-    assert all(isinstance(t["met"], bool) and t["value"] > 0 for t in result["targets"])
+    for target in result["targets"]:  # "met" is the value against the limit, nothing else
+        assert target["value"] > 0, target
+        faster = "times faster" in target["target"]
+        below = target["value"] < target["limit"]
+        assert target["met"] is (not below if faster else below), target
     assert "1_core" in result["loop_stall"]
     out = capsys.readouterr().out
     assert "chars/tok" in out and "300k" in out

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 
+from tests.support.checkout import ROOT, checkout_env, gateway_cli
 from tests.support.servers import free_port
 
 
 def test_the_demo_runs_a_burst_through_both_lanes() -> None:
     base = free_port() // 100 * 100 % 50000 + 10000
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gateway.cli",
+        gateway_cli(
             "demo",
             "--burst",
             "--burst-requests",
@@ -28,7 +25,9 @@ def test_the_demo_runs_a_burst_through_both_lanes() -> None:
             "--engine-port-base",
             str(base),
             "--exit-after-burst",
-        ],
+        ),
+        cwd=ROOT,
+        env=checkout_env(),
         capture_output=True,
         text=True,
         timeout=180,

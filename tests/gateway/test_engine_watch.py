@@ -21,6 +21,7 @@ from tests.conftest import lanes_config
 from tests.support.fake_engine import FakeEngine
 from tests.support.prom import parse
 from tests.support.servers import free_port, serve_asgi
+from tests.support.waiting import wait_for
 
 FAST_HEALTH = {
     "interval_s": 0.2,
@@ -52,15 +53,6 @@ def watched(fast: list[str], heavy: list[str], spare: list[str] | None = None) -
     return config
 
 
-async def wait_for(predicate: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> float:
-    start = time.monotonic()
-    while not await predicate():
-        if time.monotonic() - start > timeout:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
-    return time.monotonic() - start
-
-
 async def endpoint_state(client: httpx.AsyncClient, url: str, endpoint: str) -> str:
     state = (await client.get(url + "/admin/state")).json()
     for cluster in state["clusters"]:
@@ -85,11 +77,12 @@ async def test_a_crashed_engine_leaves_routing_within_one_probe_interval(gateway
         doomed_url = await doomed_stack.enter_async_context(serve_asgi(doomed))
         config = watched([survivor_url, doomed_url], [survivor_url])
         async with gateway_at(config) as (url, _), httpx.AsyncClient() as client:
-            await asyncio.sleep(0.3)
-            assert await endpoint_state(client, url, doomed_url) == "up"
+            await wait_for(is_state(client, url, doomed_url, "up"), 5)
             with capture_logs() as logs:
                 await doomed_stack.aclose()  # the engine process is gone: connection refused
-                took = await wait_for(is_state(client, url, doomed_url, "down"), timeout=2)
+                started = time.monotonic()
+                await wait_for(is_state(client, url, doomed_url, "down"), 2, interval=0.02)
+                took = time.monotonic() - started
             assert took < FAST_HEALTH["interval_s"] + 0.3
             change = next(e for e in logs if e["event"] == "engine.state_changed")
             assert change["new"] == "down" and "ConnectError" in change["evidence"]
@@ -110,11 +103,11 @@ async def test_emergency_clusters_serve_only_while_every_primary_is_down(
         await stack.enter_async_context(serve_asgi(primary, port=port))
         config = watched([primary_url], [spare_url], spare=[spare_url])
         async with gateway_at(config) as (url, _), httpx.AsyncClient() as client:
-            await asyncio.sleep(0.3)
+            await wait_for(is_state(client, url, primary_url, "up"), 5)
             r = await client.post(url + "/v1/chat/completions", json=chat())
             assert r.headers["x-shapegate-cluster"] == "fast"
             await stack.aclose()
-            await wait_for(is_state(client, url, primary_url, "down"))
+            await wait_for(is_state(client, url, primary_url, "down"), 5)
             with capture_logs() as logs:
                 r = await client.post(url + "/v1/chat/completions", json=chat())
             assert r.status_code == 200 and r.headers["x-shapegate-cluster"] == "spare"
@@ -122,7 +115,7 @@ async def test_emergency_clusters_serve_only_while_every_primary_is_down(
             assert decision["reason"] == "primary_unhealthy"
             assert decision["cluster_health"] == {"fast": False, "spare": True}
             async with serve_asgi(primary, port=port):
-                await wait_for(is_state(client, url, primary_url, "up"))
+                await wait_for(is_state(client, url, primary_url, "up"), 5)
                 r = await client.post(url + "/v1/chat/completions", json=chat())
                 assert r.headers["x-shapegate-cluster"] == "fast"
 
@@ -136,12 +129,11 @@ async def test_a_hung_engine_is_marked_down_and_its_requests_end_with_free_slots
         config["lanes"][0]["timeouts"] = {"first_byte_s": 60, "total_s": 120}
         config["lanes"][1]["health"] = FAST_HEALTH
         async with gateway_at(config) as (url, _), httpx.AsyncClient(timeout=30) as client:
-            await asyncio.sleep(0.3)
+            await wait_for(is_state(client, url, engine_url, "up"), 5)
             stuck = asyncio.create_task(
                 client.post(url + "/v1/chat/completions", json=chat(fake={"mode": "hang"}))
             )
-            while engine.in_flight < 1:
-                await asyncio.sleep(0.01)
+            await wait_for(lambda: engine.in_flight, 5, what="the request at the engine")
             engine.health_status = None  # accepts, never answers
             started = time.monotonic()
             with capture_logs() as logs:
@@ -162,7 +154,8 @@ async def test_a_slow_heavy_engine_is_judged_by_its_own_lane(gateway_at: Any) ->
         config = watched([fast_url], [heavy_url])
         with capture_logs() as logs:
             async with gateway_at(config) as (url, _), httpx.AsyncClient() as client:
-                await asyncio.sleep(2.5)
+                # Three slow answers: under the fast lane's rules two would mark it down.
+                await wait_for(lambda: heavy.health_answered >= 3, 10, what="3 heavy probes")
                 assert await endpoint_state(client, url, heavy_url) == "up"
         assert not [e for e in logs if e["event"] in ("engine.slow", "engine.state_changed")]
 
@@ -177,14 +170,14 @@ async def test_the_boot_probe_catches_a_lane_whose_only_cluster_is_down(
         config = watched([fast_url], [dead_url])
         config["server"] = {"boot_probe": True}
         async with gateway_at(config) as (url, _), httpx.AsyncClient() as client:
-            await wait_for(lambda: _probed(client, url))
+            await wait_for(lambda: _probed(client, url), 5)
             ready = await client.get(url + "/readyz")
             assert ready.status_code == 503
             why = ready.json()["why"]
             assert set(why) == {"heavy"} and dead_url in why["heavy"]
             assert "shapegate-probe-fast" in fast.seen
             async with serve_asgi(FakeEngine(), port=dead_port):
-                await wait_for(is_state(client, url, dead_url, "up"))
+                await wait_for(is_state(client, url, dead_url, "up"), 5)
                 probe = await client.post(url + "/admin/probe", headers={"x-shapegate-admin": "1"})
                 assert probe.status_code == 200 and probe.json()["lanes"]["heavy"]["passed"]
                 assert (await client.get(url + "/readyz")).status_code == 200
@@ -217,8 +210,7 @@ async def test_a_stalled_stream_hits_the_idle_deadline(gateway_at: Any) -> None:
                 'shapegate_watchdog_events_total{cluster="fast",kind="idle",lane="fast"} 1.0'
                 in metrics
             )
-            await asyncio.sleep(0.1)
-            assert not engine.open_requests()
+            await wait_for(lambda: not engine.open_requests(), 2, what="upstream closed")
 
 
 async def test_an_engine_dead_for_4_minutes_of_scrapes_moves_no_swallowed_error(
@@ -240,9 +232,9 @@ async def test_an_engine_dead_for_4_minutes_of_scrapes_moves_no_swallowed_error(
             async def scraped_ok() -> bool:
                 return (await scrape()).has("shapegate_engine_load", endpoint=doomed_url)
 
-            await wait_for(scraped_ok)
+            await wait_for(scraped_ok, 10)
             await doomed_stack.aclose()  # killed: every check now meets a refused connection
-            await wait_for(is_state(client, url, doomed_url, "down"), timeout=2)
+            await wait_for(is_state(client, url, doomed_url, "down"), 2)
             failed = {"cluster": "fast", "endpoint": doomed_url}
 
             async def four_minutes_of_cycles() -> bool:
@@ -251,7 +243,7 @@ async def test_an_engine_dead_for_4_minutes_of_scrapes_moves_no_swallowed_error(
                 probes = m.value("shapegate_engine_check_failures_total", check="probe", **failed)
                 return scrapes >= 48 and probes >= 48
 
-            await wait_for(four_minutes_of_cycles, timeout=30)
+            await wait_for(four_minutes_of_cycles, 30)
             replies = [
                 await client.post(url + "/v1/chat/completions", json=chat()) for _ in range(5)
             ]
@@ -277,7 +269,7 @@ async def test_an_engine_alive_whose_metrics_fail_is_still_a_swallowed_error(
                     m = parse((await client.get(url + "/metrics")).text)
                     return m.value("shapegate_swallowed_errors_total", where="load.scrape") >= 3
 
-                await wait_for(swallowed)
+                await wait_for(swallowed, 10)
     lines = [e for e in logs if e["event"] == "error.swallowed" and e["where"] == "load.scrape"]
     # Logged once per endpoint (the engine serves both clusters here), counted every time.
     assert sorted(line["cluster"] for line in lines) == ["fast", "heavy"]
@@ -303,7 +295,7 @@ async def test_an_engine_slow_to_first_token_among_its_peers_is_shown_slow_and_s
                         *(client.post("/v1/chat/completions", json=p) for p in pair)
                     )
                     assert [r.status_code for r in replies] == [200, 200]
-                await wait_for(is_state(client, url, slow.url, "slow"), timeout=5)
+                await wait_for(is_state(client, url, slow.url, "slow"), 5)
                 state = (await client.get("/admin/state")).json()
                 metrics = parse((await client.get("/metrics")).text)
                 # Slow is shown, never a reason to stop routing: both still take requests.

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,11 +14,15 @@ import orjson
 import yaml
 from structlog.testing import capture_logs
 
+from gateway.app import create_app
 from gateway.reload import diff_settings
-from gateway.settings import parse_settings
+from gateway.settings import load_settings, parse_settings
+from gateway.tokens import TokenCounter
 from tests.conftest import ADMIN, JSON, lanes_config
+from tests.support.checkout import ROOT, checkout_env, gateway_cli
 from tests.support.fake_engine import FakeEngine
 from tests.support.servers import free_port, serve_asgi
+from tests.support.waiting import wait_for
 
 
 def body(delay: float = 0.0, content: str = "hi") -> bytes:
@@ -60,11 +62,7 @@ async def test_reload_under_load_loses_nothing_and_a_lowered_limit_holds(
                 )
 
             first = [send(f"first-{i}", 0.5) for i in range(8)]
-            for _ in range(500):
-                if engine.in_flight == 8:
-                    break
-                await asyncio.sleep(0.01)
-            assert engine.in_flight == 8
+            await wait_for(lambda: engine.in_flight == 8, 5, what="8 requests in flight")
             lowered = lanes_config([engine_url], [engine_url])
             lowered["lanes"][0]["slots"] = {"lane": 2, "per_endpoint": 2}
             with capture_logs() as logs:
@@ -124,7 +122,7 @@ async def test_added_and_removed_clusters(gateway_at: Any) -> None:
             running = asyncio.create_task(
                 client.post(url + "/v1/chat/completions", content=body(0.5), headers=JSON)
             )
-            await asyncio.sleep(0.1)
+            await wait_for(lambda: old.in_flight == 1, 5, what="request on the old endpoint")
             moved = lanes_config([new_url], [new_url])
             r = await client.post(
                 url + "/admin/reload", content=yaml.safe_dump(moved), headers=ADMIN
@@ -139,40 +137,29 @@ async def test_added_and_removed_clusters(gateway_at: Any) -> None:
             assert urls == [new_url, new_url]
 
 
-async def test_sighup_and_file_watch_reload_a_served_gateway(tmp_path: Path) -> None:
+async def test_sighup_reloads_a_served_gateway(tmp_path: Path) -> None:
     engine = FakeEngine()
     async with serve_asgi(engine) as engine_url:
         config = lanes_config([engine_url], [engine_url])
-        config["server"].update(watch_config=True, watch_interval_s=0.2)
+        config["server"].update(watch_config=False)  # only the signal can reload it
         path = tmp_path / "policy.yaml"
         path.write_text(yaml.safe_dump(config))
         port = free_port()
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gateway.cli",
-                "serve",
-                "--config",
-                str(path),
-                "--port",
-                str(port),
-            ],
+            gateway_cli("serve", "--config", str(path), "--port", str(port)),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            env={**os.environ},
+            cwd=ROOT,
+            env=checkout_env(),
         )
         url = f"http://127.0.0.1:{port}"
         try:
             async with httpx.AsyncClient() as client:
-                await _until_up(client, url)
-                config["lanes"][0]["slots"]["lane"] = 5
-                path.write_text(yaml.safe_dump(config))
-                await _until_version(client, url, 2)
+                await wait_for(lambda: _healthy(client, url), 30, what="gateway up")
                 config["lanes"][0]["slots"]["lane"] = 6
                 path.write_text(yaml.safe_dump(config))
                 proc.send_signal(signal.SIGHUP)
-                await _until_version(client, url, 3)
+                await _until_version(client, url, 2)
                 state = (await client.get(url + "/admin/state")).json()
                 assert state["lanes"][0]["slot_limit"] == 6
         finally:
@@ -182,21 +169,34 @@ async def test_sighup_and_file_watch_reload_a_served_gateway(tmp_path: Path) -> 
         assert b'"policy.reloaded"' in out
 
 
-async def _until_up(client: httpx.AsyncClient, url: str) -> None:
-    for _ in range(300):
-        try:
-            if (await client.get(url + "/healthz")).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        await asyncio.sleep(0.05)
-    raise AssertionError("gateway did not start")
+async def test_the_file_watcher_reloads_a_changed_policy(
+    tmp_path: Path, counter: TokenCounter
+) -> None:
+    engine = FakeEngine()
+    async with serve_asgi(engine) as engine_url:
+        config = lanes_config([engine_url], [engine_url])
+        config["server"].update(watch_config=True, watch_interval_s=0.1)
+        path = tmp_path / "policy.yaml"
+        path.write_text(yaml.safe_dump(config))
+        app = create_app(load_settings(path), counter, config_path=path)
+        async with serve_asgi(app) as url, httpx.AsyncClient() as client:
+            config["lanes"][0]["slots"]["lane"] = 5
+            path.write_text(yaml.safe_dump(config))
+            await _until_version(client, url, 2)  # no signal was sent: the watcher saw it
+            state = (await client.get(url + "/admin/state")).json()
+            assert state["lanes"][0]["slot_limit"] == 5
+
+
+async def _healthy(client: httpx.AsyncClient, url: str) -> bool:
+    try:
+        return (await client.get(url + "/healthz")).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 async def _until_version(client: httpx.AsyncClient, url: str, version: int) -> None:
-    for _ in range(200):
+    async def arrived() -> bool:
         state = (await client.get(url + "/admin/state")).json()
-        if state["policy_version"] >= version:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"policy version {version} never arrived")
+        return bool(state["policy_version"] >= version)
+
+    await wait_for(arrived, 10, interval=0.05, what=f"policy version {version}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from gateway.trace import TraceRecord, read_trace, synthesize, write_trace
 from tests.conftest import lanes_config
 from tests.support.fake_engine import FakeEngine
 from tests.support.servers import serve_asgi
+from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = load_settings(ROOT / "configs" / "demo.yaml", environ={})
@@ -133,6 +133,10 @@ def test_replay_cli_compares_and_plots(tmp_path: Path, capsys: Any) -> None:
     assert len(report["simulations"]) == 2
 
 
+def trace_lines(path: Path) -> int:
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
 async def test_the_gateway_captures_shapes_never_text(gateway_at: Any, tmp_path: Path) -> None:
     engine = FakeEngine()
     path = tmp_path / "live.jsonl"
@@ -149,7 +153,7 @@ async def test_the_gateway_captures_shapes_never_text(gateway_at: Any, tmp_path:
                     },
                 )
                 assert r.status_code == 200
-            await asyncio.sleep(1.3)
+            await wait_for(lambda: trace_lines(path) >= 2, 5, what="both requests traced")
     assert b"canary" not in path.read_bytes()
     records = read_trace(path)
     assert [r.prompt_tokens > 2000 for r in records] == [False, True]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
 import uuid
 import zipfile
 from collections.abc import Iterator
@@ -218,6 +220,59 @@ def test_the_model_template_renders_qwen_tool_calls(templated: TokenCounter) -> 
 
     assert "<function=get_weather>\n<parameter=city>\nParis\n</parameter>" in rendered
     assert '<|im_start|>user\n<tool_response>\n{"temp_c": 21' in rendered
+
+
+@pytest.fixture(scope="module")
+def hf_qwen(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The model's own tokenizer and chat template through ``transformers``, offline, from a
+    folder laid out as on the Hub (the shipped tokenizer.json, its config and template)."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("qwen3.6-hf")
+    with zipfile.ZipFile(DATA / "qwen3.6" / "tokenizer.json.zip") as archive:
+        (folder / "tokenizer.json").write_bytes(archive.read("tokenizer.json"))
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(DATA / "qwen3.6" / name, folder / name)
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+HF_PROMPTS = {
+    "one turn": chat(user("Hello")),
+    "system and turns": chat(
+        {"role": "system", "content": "Be brief."},
+        user("Hi"),
+        {"role": "assistant", "content": "Hello."},
+        user("Weather?"),
+    ),
+    "tools, tool calls, parts, special strings": chat(*CONVERSATION, tools=TOOLS),
+}
+
+
+def as_vllm_hands_it(message: dict[str, Any]) -> dict[str, Any]:
+    """vLLM parses each tool call's JSON ``arguments`` before the template sees the message."""
+    calls = [
+        {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+        for c in message.get("tool_calls") or ()
+    ]
+    return {**message, "tool_calls": calls} if calls else dict(message)
+
+
+@pytest.mark.parametrize("name", HF_PROMPTS)
+def test_the_model_template_renders_as_transformers_renders_it(
+    templated: TokenCounter, hf_qwen: Any, name: str
+) -> None:
+    prompt = HF_PROMPTS[name]
+    expected = hf_qwen.apply_chat_template(
+        [as_vllm_hands_it(m) for m in prompt.messages],
+        tools=[dict(t) for t in prompt.tools] or None,
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+
+    assert templated.render_chat("q-hf", prompt) == expected
+    ids = hf_qwen.encode(expected, add_special_tokens=False)
+    assert templated.count_sync("q-hf", prompt).tokens == len(ids)
 
 
 def test_a_template_that_rejects_the_messages_is_a_bad_request(templated: TokenCounter) -> None:

@@ -7,7 +7,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -19,6 +18,7 @@ import httpx
 import redis
 import yaml
 
+from tests.support.checkout import ROOT, checkout_env, gateway_cli
 from tests.support.servers import free_port
 
 
@@ -161,10 +161,6 @@ async def delay_proxy(target_port: int, delay_s: float) -> AsyncIterator[int]:
         await server.wait_closed()
 
 
-_ENTRY = Path(sys.executable).with_name("shapegate")
-SHAPEGATE = [str(_ENTRY)] if _ENTRY.exists() else [sys.executable, "-m", "gateway.cli"]
-
-
 class GatewayProcess:
     """``shapegate serve --config FILE --port P`` as a subprocess; its JSON log lines are kept."""
 
@@ -177,14 +173,14 @@ class GatewayProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     async def start(self) -> GatewayProcess:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SHAPEGATE_")}
+        env = checkout_env({k: v for k, v in os.environ.items() if not k.startswith("SHAPEGATE_")})
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
-                [*SHAPEGATE, "serve", "--config", str(self.config_path), "--port", str(self.port)],
+                gateway_cli("serve", "--config", str(self.config_path), "--port", str(self.port)),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
-                cwd=Path(__file__).resolve().parents[2],
+                cwd=ROOT,
             )
         deadline = time.monotonic() + 30
         async with httpx.AsyncClient() as client:

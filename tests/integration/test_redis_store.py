@@ -19,12 +19,17 @@ from gateway.settings import LaneSettings, StateSettings
 from gateway.slots import Limit
 from gateway.slots_redis import RedisSlotStore
 from tests.integration.redis_support import delete_prefix, live_members, new_prefix
+from tests.support.waiting import wait_for
 
 LANE = Limit("lane:m", 3)
 ENDPOINTS = {"ep:a": 2, "ep:b": 1, "ep:c": 2}
 TOKENS = [f"t{i}" for i in range(6)]
 REPLICA = {token: i % 2 for i, token in enumerate(TOKENS)}
 ALL_KEYS = [LANE.key, *ENDPOINTS]
+# Short enough that a lease's deadline is a figure the model checks (now + TTL after an acquire
+# or a renewal), long enough that no lease lapses by itself within one hypothesis example.
+TTL_S = 5.0
+TTL_MS = int(TTL_S * 1000)
 
 
 def store_for(url: str, prefix: str, **state: object) -> RedisSlotStore:
@@ -44,14 +49,18 @@ class LeaseModel(RuleBasedStateMachine):
         super().__init__()
         self.runner = asyncio.Runner()
         self.prefix = new_prefix()
-        self.stores = [store_for(self.url, self.prefix, lease_ttl_s=60) for _ in range(2)]
+        self.stores = [store_for(self.url, self.prefix, lease_ttl_s=TTL_S) for _ in range(2)]
         self.raw = redis.Redis.from_url(self.url)
         self.held: dict[str, str] = {}  # token -> endpoint key it holds with the lane
         self.queue: list[str] = []
         self.frozen: dict[str, str] = {}  # token -> endpoint of a lease left to expire
+        self.deadline: dict[str, int] = {}  # token -> earliest its lease may end (Redis ms)
 
     def run(self, coro):  # type: ignore[no-untyped-def]
         return self.runner.run(coro)
+
+    def key(self, name: str) -> str:
+        return "{" + self.prefix + "}:" + name
 
     def store(self, token: str) -> RedisSlotStore:
         return self.stores[REPLICA[token]]
@@ -70,6 +79,7 @@ class LeaseModel(RuleBasedStateMachine):
 
     def acquire(self, token: str, order: list[str], take: int) -> None:
         candidates = [Limit(key, ENDPOINTS[key]) for key in order[:take]]
+        sent = redis_now_ms(self.raw)
         got = self.run(self.store(token).try_acquire(token, LANE, candidates))
         expected: int | None = None
         if token in self.held:
@@ -87,6 +97,7 @@ class LeaseModel(RuleBasedStateMachine):
                         break
             if expected is not None:
                 self.held[token] = candidates[expected].key
+                self.deadline[token] = sent + TTL_MS
                 self.frozen.pop(token, None)
                 if token in self.queue:
                     self.queue.remove(token)
@@ -98,18 +109,25 @@ class LeaseModel(RuleBasedStateMachine):
             self.run(self.store(token).release(token, ALL_KEYS))
         self.held.pop(token, None)
 
-    @rule(token=st.sampled_from(TOKENS))
-    def renew(self, token: str) -> None:
-        """A live lease is extended; a reaped one (its holder froze) is never brought back."""
+    @rule(token=st.sampled_from(TOKENS), left_ms=st.integers(50, TTL_MS // 2))
+    def renew(self, token: str, left_ms: int) -> None:
+        """A live lease is extended to now + TTL; a reaped one (its holder froze) is never
+        brought back."""
         endpoint = self.held.get(token) or self.frozen.pop(token, None) or "ep:a"
+        before = redis_now_ms(self.raw)
+        if token in self.held:  # time passed: the lease has only ``left_ms`` to live
+            for key in (LANE.key, endpoint):
+                self.raw.zadd(self.key(key), {token: before + left_ms}, xx=True)
         alive = self.run(self.store(token).renew(token, [LANE.key, endpoint]))
         assert alive is (token in self.held)
+        if alive:
+            self.deadline[token] = before + TTL_MS
 
     @rule(token=st.sampled_from(TOKENS))
     def freeze_and_expire(self, token: str) -> None:
         """The holder stopped renewing and its deadline passed: the lease must be reaped."""
         for key in ALL_KEYS:
-            self.raw.zadd("{" + self.prefix + "}:" + key, {token: 1}, xx=True)
+            self.raw.zadd(self.key(key), {token: 1}, xx=True)
         endpoint = self.held.pop(token, None)
         if endpoint is not None:
             self.frozen[token] = endpoint
@@ -143,6 +161,11 @@ class LeaseModel(RuleBasedStateMachine):
         for token in TOKENS:  # all or nothing: the lane slot exactly when one endpoint slot
             holds = [k for k in ALL_KEYS if token in live[k]]
             assert holds == ([LANE.key, self.held[token]] if token in self.held else [])
+        now = redis_now_ms(self.raw)
+        for token, endpoint in self.held.items():  # each lease runs to its last now + TTL
+            for key in (LANE.key, endpoint):
+                score = self.raw.zscore(self.key(key), token)
+                assert score is not None and self.deadline[token] <= score <= now + TTL_MS
 
     def teardown(self) -> None:
         for store in self.stores:
@@ -152,9 +175,13 @@ class LeaseModel(RuleBasedStateMachine):
         delete_prefix(self.url, self.prefix)
 
 
-def live_members_by_key(raw: redis.Redis, prefix: str) -> dict[str, set[str]]:
+def redis_now_ms(raw: redis.Redis) -> int:
     secs, micros = raw.time()
-    now_ms = secs * 1000 + micros // 1000
+    return int(secs * 1000 + micros // 1000)
+
+
+def live_members_by_key(raw: redis.Redis, prefix: str) -> dict[str, set[str]]:
+    now_ms = redis_now_ms(raw)
     pipe = raw.pipeline(transaction=False)
     for key in ALL_KEYS:
         pipe.zrangebyscore("{" + prefix + "}:" + key, f"({now_ms}", "+inf")
@@ -191,9 +218,9 @@ async def test_an_unrenewed_lease_is_reaped_and_a_held_one_is_not(
                 "ep:b": 1,
             }
         assert 0.25 <= reaped_after <= 1.3
-        # The block is over: renewal stopped; the release is the caller's (admission's) job.
-        await asyncio.sleep(0.5)
-        assert live_members(redis_url, prefix, "ep:b") == 0
+        # The block is over: renewal stopped, so the lease lapses within a TTL (the release is
+        # the caller's, admission's, job).
+        await wait_for(lambda: live_members(redis_url, prefix, "ep:b") == 0, 0.3 + 0.5)
     finally:
         await store.aclose()
 

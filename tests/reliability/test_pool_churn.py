@@ -32,6 +32,7 @@ from tests.reliability.reliability_support import (
 )
 from tests.support.fake_engine import FakeEngine
 from tests.support.servers import serve_asgi
+from tests.support.waiting import wait_for
 
 DEADLINES = Deadlines(connect_s=2, first_byte_s=10, idle_s=10, total_s=10)
 
@@ -121,14 +122,16 @@ async def test_a_really_full_pool_fails_fast_and_recovers(healthy_url: str) -> N
     queueing a second time behind admission; once they are back it goes through."""
     upstream = Upstream(max_connections=2)
     hold = asyncio.Event()
+    holding: list[int] = []
 
     async def holder() -> None:
         async with upstream.open(healthy_url, b"{}", {}, Watch(DEADLINES)):
+            holding.append(1)
             await hold.wait()
 
     try:
         holders = [asyncio.create_task(holder()) for _ in range(2)]
-        await asyncio.sleep(0.1)
+        await wait_for(lambda: len(holding) == 2, 5, what="both connections held")
         started = time.monotonic()
         with pytest.raises(UpstreamError, match="PoolTimeout"):
             await _one(upstream, healthy_url)

@@ -53,6 +53,7 @@ class FakeEngine:
         self.health_delay = 0.0
         # GET /metrics answers this status (an engine started without its metrics, say).
         self.metrics_status = 200
+        self.health_answered = 0  # GET /health answers sent
         self.generated = 0
 
     async def _get(self, path: str, send: Any) -> None:
@@ -61,6 +62,7 @@ class FakeEngine:
                 await asyncio.Event().wait()
             await asyncio.sleep(self.health_delay)
             status, payload = self.health_status, b""
+            self.health_answered += 1
         elif path == "/metrics":
             status = self.metrics_status
             payload = (
@@ -176,7 +178,11 @@ class FakeEngine:
                 {
                     "type": "http.response.start",
                     "status": 200,
-                    "headers": [(b"content-type", b"application/json"), (b"x-engine", b"fake")],
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"x-engine", b"fake"),
+                        (b"server", b"fake-engine/1.0"),
+                    ],
                 }
             )
             await send({"type": "http.response.body", "body": payload})
