@@ -180,7 +180,7 @@ async def test_a_few_hundred_mixed_requests_leave_no_slot_behind(setup: Any) -> 
             client.post(
                 url + "/v1/chat/completions",
                 content=body("holder", stream=False, mode="hang", text=HEAVY_PROMPT),
-                headers={"x-request-id": "holder"},
+                headers={"x-request-id": "holder", **JSON},
             )
         )
         await wait_for(lambda: "holder" in heavy.seen, 5, what="the heavy slot taken")
