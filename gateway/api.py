@@ -18,17 +18,17 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-import yaml
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from gateway.config_check import parse_policy
 from gateway.dashboard import add_dashboard_routes
 from gateway.errors import Unauthorized, error_body
 from gateway.exchange import Receive, Scope, Send
 from gateway.pipeline import snapshot
 from gateway.protocol import Endpoint
-from gateway.settings import ConfigError, parse_settings
+from gateway.settings import ConfigError
 from gateway.slots import endpoint_key, lane_key
 
 if TYPE_CHECKING:
@@ -149,13 +149,14 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
         raw = await request.body()
         try:
             if raw.strip():
-                data = yaml.safe_load(raw)
-                if not isinstance(data, dict):
-                    raise ConfigError("the policy in the body must be a mapping")
-                result = await gateway.reload(parse_settings(data))
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise ConfigError("the policy in the body is not UTF-8") from exc
+                result = await gateway.reload(parse_policy(text, "request body"))
             else:
                 result = await gateway.reload()
-        except (ConfigError, yaml.YAMLError) as exc:
+        except ConfigError as exc:
             gateway.log.warning("policy.reload_failed", trigger="admin", error=str(exc))
             return JSONResponse(error_body(str(exc), "invalid_request_error", 400), 400)
         return JSONResponse(

@@ -28,6 +28,7 @@ from engine_pool.monitor import EngineMonitor
 from engine_pool.registry import EnginePool
 from gateway.admission import Admission
 from gateway.auth import ClientAuth
+from gateway.config_check import CheckedPolicy, load_policy
 from gateway.engines import EngineEvents, probe_plans
 from gateway.exchange import Receive, Scope, Send
 from gateway.log import Logger, get_logger, swallowed
@@ -37,7 +38,7 @@ from gateway.protocol import Endpoint
 from gateway.proxy import Upstream
 from gateway.readiness import BootProbe
 from gateway.reload import ReloadResult, apply_reload
-from gateway.settings import ConfigError, Settings, load_settings
+from gateway.settings import ConfigError, Settings
 from gateway.slots import MemorySlotStore, SlotStore
 from gateway.tokens import TokenCounter
 
@@ -147,13 +148,19 @@ class Gateway:
         self.probe.adopt(settings, self.pipeline.policy.engine_keys)
         _set_limits(self.metrics, settings)
 
-    async def reload(self, settings: Settings | None = None) -> ReloadResult:
-        """Re-read the config file (or take ``settings``) and apply it; ConfigError if invalid."""
-        if settings is None:
+    async def reload(self, policy: CheckedPolicy | None = None) -> ReloadResult:
+        """Re-read the config file (or take ``policy``) and apply it; ConfigError if invalid.
+
+        The same checks as ``serve`` and ``check-config`` (gateway/config_check.py); a tokenizer
+        that fails to load is pointed at its line too, and nothing changes."""
+        if policy is None:
             if self.config_path is None:
                 raise ConfigError("this gateway was not started from a config file")
-            settings = load_settings(self.config_path)
-        return await apply_reload(self, settings)
+            policy = load_policy(self.config_path)
+        try:
+            return await apply_reload(self, policy.settings)
+        except ConfigError as exc:
+            raise policy.located(exc) from exc
 
     async def run_monitor(self) -> None:
         """The engine monitor, restarted whenever a reload replaces it."""

@@ -26,11 +26,11 @@ from typing import Any
 import httpx
 import yaml
 
-CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+from gateway.shipped import configs_dir
 
 
 def demo_config(port: int, engine_base: int) -> dict[str, Any]:
-    config: dict[str, Any] = yaml.safe_load(CONFIG.read_text())
+    config: dict[str, Any] = yaml.safe_load((configs_dir() / "demo.yaml").read_text())
     config["server"]["port"] = port
     for i, cluster in enumerate(config["clusters"]):
         cluster["endpoints"] = [f"http://127.0.0.1:{engine_base + 10 * i + k}" for k in (1, 2)]
@@ -212,8 +212,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="simulated engine clock: 0.1 runs 10x faster than an H100",
     )
     demo.add_argument("--burst", action="store_true", help="play production-shaped traffic")
-    demo.add_argument("--burst-requests", type=int, default=200)
-    demo.add_argument("--burst-monsters", type=int, default=3)
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--burst-requests", type=int, default=200, help="small requests in the burst")
+    demo.add_argument(
+        "--burst-monsters", type=int, default=3, help="100k-700k-token prompts in the burst"
+    )
+    demo.add_argument("--seed", type=int, default=0, help="seed of the burst's shapes")
     demo.add_argument("--exit-after-burst", action="store_true", help=argparse.SUPPRESS)
     demo.set_defaults(func=_demo)

@@ -17,6 +17,7 @@ import orjson
 
 from gateway.replay import SimReport, analyze, cluster_profiles, plot, render, simulate
 from gateway.settings import ConfigError, load_settings
+from gateway.shipped import resolve_policy
 from gateway.trace import SYNTH_KINDS, read_trace, synthesize, write_trace
 
 
@@ -40,8 +41,8 @@ def _synth(args: argparse.Namespace) -> int:
 
 def _replay(args: argparse.Namespace) -> int:
     try:
-        settings = load_settings(args.config)
-        others = [load_settings(path) for path in args.compare]
+        settings = load_settings(resolve_policy(args.config))
+        others = [load_settings(resolve_policy(path)) for path in args.compare]
         trace = read_trace(args.trace)
     except (ConfigError, OSError, ValueError) as exc:
         print(f"shapegate: {exc}", file=sys.stderr)
@@ -90,22 +91,37 @@ def _replay(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     trace = subparsers.add_parser("trace", help="traffic traces (request shapes, no text)")
-    trace_sub = trace.add_subparsers(dest="trace_command", required=True)
+    trace_sub = trace.add_subparsers(
+        dest="trace_command", required=True, metavar="ACTION", help="what to do with traces"
+    )
     synth = trace_sub.add_parser("synth", help="generate a trace from a description")
-    synth.add_argument("kind", choices=SYNTH_KINDS)
-    synth.add_argument("--seed", type=int, default=0)
-    synth.add_argument("--out", required=True)
+    synth.add_argument("kind", choices=SYNTH_KINDS, help="the traffic to describe")
+    synth.add_argument("--seed", type=int, default=0, help="seed of the random shapes")
+    synth.add_argument("--out", required=True, help="trace file to write (JSON lines)")
     synth.set_defaults(func=_synth)
 
     replay = subparsers.add_parser("replay", help="what a policy would do with a trace")
-    replay.add_argument("--config", required=True)
-    replay.add_argument("trace")
+    replay.add_argument(
+        "--config", required=True, help="policy file (YAML), or a shipped one: configs/NAME.yaml"
+    )
+    replay.add_argument("trace", help="trace file (JSON lines; shapegate trace synth makes one)")
     replay.add_argument(
         "--simulate",
         action="store_true",
         help="play the trace against the clusters' simulated engines",
     )
-    replay.add_argument("--compare", action="append", default=[], metavar="OTHER_CONFIG")
-    replay.add_argument("--count-by", choices=("tokens", "chars4"), default="tokens")
+    replay.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        metavar="OTHER_CONFIG",
+        help="another policy simulated on the same trace (needs --simulate; repeatable)",
+    )
+    replay.add_argument(
+        "--count-by",
+        choices=("tokens", "chars4"),
+        default="tokens",
+        help="route the simulation by real tokens, or by characters / 4 (to see what it costs)",
+    )
     replay.add_argument("--out", help="directory for replay.json and replay.png")
     replay.set_defaults(func=_replay)

@@ -1,7 +1,8 @@
 """Engine profiles: what one simulated vLLM engine is (its model, its scheduler limits, its costs).
 
 Contract:
-- ``load_profile(name_or_path)`` reads ``configs/engines/<name>.yaml`` (or a YAML file path) and
+- ``load_profile(name_or_path)`` reads a YAML file path, or the shipped profile
+  ``configs/engines/<name>.yaml`` (package data, ``gateway/shipped.py``; from any directory), and
   returns a frozen, validated ``EngineProfile``; it raises ``ProfileError`` naming the key at
   fault. Unknown keys are errors, as in the gateway's settings.
 - ``max_num_partial_prefills`` other than 1 is refused, as vLLM V1 refuses it at start-up
@@ -24,9 +25,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gateway.settings import TokenizerSettings
-
-# configs/engines/ at the repository root: engine_pool/sim/profile.py -> ../../../configs
-ENGINES_DIR = Path(__file__).resolve().parents[2] / "configs" / "engines"
+from gateway.shipped import profile_names, shipped_profile
 
 
 class ProfileError(Exception):
@@ -126,11 +125,11 @@ def parse_profile(data: Any, source: str = "<profile>") -> EngineProfile:
 
 
 def profile_path(name_or_path: str | Path) -> Path:
-    """A profile name (``h100-shared``) resolves under configs/engines/; anything else is a path."""
-    text = str(name_or_path)
-    if text.endswith((".yaml", ".yml")) or "/" in text:
-        return Path(text)
-    return ENGINES_DIR / f"{text}.yaml"
+    """An existing file, else a shipped profile by name (``h100-shared``), else the path given."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    return shipped_profile(str(name_or_path)) or path
 
 
 def load_profile(name_or_path: str | Path) -> EngineProfile:
@@ -147,4 +146,4 @@ def load_profile(name_or_path: str | Path) -> EngineProfile:
 
 
 def available_profiles() -> tuple[str, ...]:
-    return tuple(sorted(p.stem for p in ENGINES_DIR.glob("*.yaml")))
+    return profile_names()

@@ -30,7 +30,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from importlib import metadata, resources
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from gateway.bench.corpus import KINDS, Corpus
 from gateway.bench.harness import target_lines
 from gateway.protocol import ChatPrompt, parse_request
 from gateway.settings import ModelSettings, Settings, TokenizerSettings, load_settings
+from gateway.shipped import resolve_policy
 from gateway.tokenizers.vocab import Vocabulary
 from gateway.tokens import TokenCounter
 
@@ -104,11 +105,7 @@ def _set_affinity(cpus: set[int]) -> None:
 def _settings(path: str | None) -> Settings:
     if path is not None:
         return load_settings(path)
-    local = Path("configs/demo.yaml")
-    if local.is_file():
-        return load_settings(local)
-    with resources.as_file(resources.files("gateway").joinpath("configs", "demo.yaml")) as packaged:
-        return load_settings(packaged)
+    return load_settings(resolve_policy("configs/demo.yaml"))
 
 
 def _rss_mb() -> float:

@@ -33,10 +33,10 @@ def body(delay: float = 0.0, content: str = "hi") -> bytes:
 def test_the_diff_names_what_changed() -> None:
     old = parse_settings(lanes_config(["http://a"], ["http://b"]), environ={})
     config = lanes_config(["http://a", "http://c"], ["http://b"])
-    config["lanes"][0]["slots"]["lane"] = 3
+    config["lanes"][0]["slots"]["lane"] = 40
     new = parse_settings(config, environ={})
     diff = diff_settings(old, new)
-    assert diff["lanes[fast].slots.lane"] == {"old": 64, "new": 3}
+    assert diff["lanes[fast].slots.lane"] == {"old": 64, "new": 40}
     assert diff["clusters[fast].endpoints"]["new"] == ["http://a", "http://c"]
     assert len(diff) == 2
 
@@ -160,10 +160,10 @@ async def test_sighup_and_file_watch_reload_a_served_gateway(tmp_path: Path) -> 
         try:
             async with httpx.AsyncClient() as client:
                 await _until_up(client, url)
-                config["lanes"][0]["slots"]["lane"] = 5
+                config["lanes"][0]["slots"] = {"lane": 5, "per_endpoint": 5}
                 path.write_text(yaml.safe_dump(config))
                 await _until_version(client, url, 2)
-                config["lanes"][0]["slots"]["lane"] = 6
+                config["lanes"][0]["slots"] = {"lane": 6, "per_endpoint": 6}
                 path.write_text(yaml.safe_dump(config))
                 proc.send_signal(signal.SIGHUP)
                 await _until_version(client, url, 3)
