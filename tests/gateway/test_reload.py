@@ -169,11 +169,29 @@ async def test_sighup_and_file_watch_reload_a_served_gateway(tmp_path: Path) -> 
                 await _until_version(client, url, 3)
                 state = (await client.get(url + "/admin/state")).json()
                 assert state["lanes"][0]["slot_limit"] == 6
+                # SIGHUP refuses what check-config refuses: a gap between the lanes.
+                await asyncio.sleep(0.6)  # the file watch may also have reloaded the last write
+                version = (await client.get(url + "/admin/state")).json()["policy_version"]
+                config["lanes"][1]["min_prompt_tokens"] += 1000
+                path.write_text(yaml.safe_dump(config))
+                proc.send_signal(signal.SIGHUP)
+                await asyncio.sleep(0.6)  # the signal and the file watch (0.2 s) both refuse it
+                assert (await client.get(url + "/admin/state")).json()["policy_version"] == version
+                config["lanes"][1]["min_prompt_tokens"] -= 1000
+                config["lanes"][0]["slots"] = {"lane": 7, "per_endpoint": 7}
+                path.write_text(yaml.safe_dump(config))
+                await _until_version(client, url, version + 1)
+                state = (await client.get(url + "/admin/state")).json()
+                assert state["lanes"][0]["slot_limit"] == 7
         finally:
             proc.send_signal(signal.SIGTERM)
             out, _ = await asyncio.to_thread(proc.communicate, timeout=20)
         assert proc.returncode == 0
         assert b'"policy.reloaded"' in out
+        failed = [line for line in out.splitlines() if b'"policy.reload_failed"' in line]
+        assert b'"trigger": "sighup"' in b"".join(failed).replace(b'":"', b'": "')
+        for line in failed:
+            assert b"lanes.1.min_prompt_tokens: gap" in line and f"{path}:".encode() in line
 
 
 async def _until_up(client: httpx.AsyncClient, url: str) -> None:
