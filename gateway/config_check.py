@@ -189,9 +189,11 @@ def _is_tag(key: Key) -> bool:
     return last in {"str", "int", "float", "bool", "none"} or "[" in last
 
 
-def boot_problems(settings: Settings, environ: Mapping[str, str]) -> list[Problem]:
-    """The rules between keys, then what the environment must hold; pure."""
-    return [*policy_problems(settings), *_environment(settings, environ)]
+def boot_problems(settings: Settings, environ: Mapping[str, str] | None) -> list[Problem]:
+    """The rules between keys, then what the environment must hold (unless ``environ`` is None,
+    for tools that never contact an engine); pure."""
+    environment = _environment(settings, environ) if environ is not None else ()
+    return [*policy_problems(settings), *environment]
 
 
 def _environment(settings: Settings, environ: Mapping[str, str]) -> Iterable[Problem]:
@@ -208,8 +210,16 @@ def _environment(settings: Settings, environ: Mapping[str, str]) -> Iterable[Pro
             )
 
 
-def parse_policy(text: str, source: str, environ: Mapping[str, str] | None = None) -> CheckedPolicy:
-    """Validate a policy's YAML text; ``source`` names it in every message."""
+def parse_policy(
+    text: str,
+    source: str,
+    environ: Mapping[str, str] | None = None,
+    *,
+    secrets_from_environ: bool = True,
+) -> CheckedPolicy:
+    """Validate a policy's YAML text; ``source`` names it in every message.
+    ``secrets_from_environ=False`` leaves out the check that the variables the policy names for
+    keys are set (what ``load_settings`` does, for tools that never contact an engine)."""
     environ = os.environ if environ is None else environ
     try:
         node = yaml.compose(text)
@@ -231,15 +241,20 @@ def parse_policy(text: str, source: str, environ: Mapping[str, str] | None = Non
         settings = Settings.model_validate(_merge(data, overrides), context={"rules": "caller"})
     except ValidationError as exc:
         raise marks.error(_problems(exc)) from exc
-    problems = boot_problems(settings, environ)
+    problems = boot_problems(settings, environ if secrets_from_environ else None)
     if problems:
         raise marks.error(problems)
     return CheckedPolicy(settings, marks)
 
 
-def load_policy(path: str | Path, environ: Mapping[str, str] | None = None) -> CheckedPolicy:
+def load_policy(
+    path: str | Path,
+    environ: Mapping[str, str] | None = None,
+    *,
+    secrets_from_environ: bool = True,
+) -> CheckedPolicy:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
-    return parse_policy(text, str(path), environ)
+    return parse_policy(text, str(path), environ, secrets_from_environ=secrets_from_environ)

@@ -2,7 +2,7 @@
 
 Contract of ``apply_reload(gateway, new_settings)``:
 - ``new_settings`` is already a validated ``Settings`` (an invalid file never gets here: the
-  caller's ``load_settings`` raised ``ConfigError`` and nothing changed).
+  caller's ``config_check.load_policy`` raised ``ConfigError`` and nothing changed).
 - Keys that only take effect at start (``RESTART_ONLY``: listen address, state backend, logging)
   keep their running values and are reported in ``restart_required``.
 - New requests see the new policy at once; requests already admitted finish under the policy

@@ -398,17 +398,9 @@ def parse_settings(data: Mapping[str, Any], environ: Mapping[str, str] | None = 
 
 
 def load_settings(path: str | Path, environ: Mapping[str, str] | None = None) -> Settings:
-    """Read, merge and validate a YAML config file; raise ConfigError on any problem."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping at the top level")
-    return parse_settings(data, environ)
+    """Read, merge and validate a YAML config file; raise ConfigError (each problem at its
+    FILE:LINE) on any problem. The environment variables a policy names for secrets are not
+    required here; ``config_check.load_policy``, which serve uses, requires them too."""
+    from gateway.config_check import load_policy
+
+    return load_policy(path, environ, secrets_from_environ=False).settings
