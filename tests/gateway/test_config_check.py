@@ -175,3 +175,24 @@ async def test_reload_refuses_each_and_keeps_serving(
         path.write_text(GOOD.replace("lane: 8, per_endpoint: 8", "lane: 6, per_endpoint: 6"))
         assert (await client.post(url + "/admin/reload")).status_code == 200
         assert (await client.get(url + "/admin/state")).json()["policy_version"] == 2
+
+
+def test_emergency_clusters_must_serve_the_lanes_models() -> None:
+    text = GOOD.replace(
+        "  - name: heavy\n    endpoints: [http://127.0.0.1:9]\n",
+        "  - name: heavy\n    endpoints: [http://127.0.0.1:9]\n"
+        "  - name: spare\n    endpoints: [http://127.0.0.1:9]\n    models: [small]\n",
+    ).replace(
+        "    clusters: [heavy]\n",
+        "    clusters: [heavy]\n    emergency_clusters: [spare]\n",
+    )
+    small = "  - name: small\n    tokenizer: {source: builtin, name: qwen3.6}\n"
+    text = text.replace("clusters:\n  - name: fast", small + "clusters:\n  - name: fast")
+    with pytest.raises(ConfigError) as caught:
+        parse_policy(text, "p.yaml", environ={})
+    line = line_of(text, "emergency_clusters: [spare]")
+    assert f"p.yaml:{line}: lanes.1.emergency_clusters: no emergency cluster serves qwen3.6" in str(
+        caught.value
+    )
+    served = text.replace("    models: [small]\n", "")
+    assert parse_policy(served, "p.yaml", environ={}).settings.lanes[1].emergency_clusters
