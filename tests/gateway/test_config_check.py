@@ -3,6 +3,8 @@ named once at its file and line."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -196,3 +198,19 @@ def test_emergency_clusters_must_serve_the_lanes_models() -> None:
     )
     served = text.replace("    models: [small]\n", "")
     assert parse_policy(served, "p.yaml", environ={}).settings.lanes[1].emergency_clusters
+
+
+def test_serve_refuses_what_check_config_refuses_without_a_traceback(tmp_path: Path) -> None:
+    edit, needle, message = BAD["unknown builtin tokenizer"]
+    path = tmp_path / "policy.yaml"
+    path.write_text(edit(GOOD))
+    proc = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert f"{path}:{line_of(edit(GOOD), needle)}: {message}" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
