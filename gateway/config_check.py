@@ -26,13 +26,17 @@ import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
 from gateway.policy_rules import Key, Problem, policy_problems
 from gateway.settings import ENV_PREFIX, ConfigError, Settings, _env_overrides, _merge
+
+if TYPE_CHECKING:
+    from gateway.metrics import Metrics
+    from gateway.tokens import TokenCounter
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,9 +69,9 @@ class CheckedPolicy:
     settings: Settings
     marks: Marks
 
-    def load_counter(self, metrics: Any = None) -> Any:
-        """The tokenizers and templates, loaded and warmed as at boot (a ``TokenCounter``)."""
-        from gateway.tokens import TokenCounter
+    def load_counter(self, metrics: Metrics | None = None) -> TokenCounter:
+        """The tokenizers and templates, loaded and warmed as at boot."""
+        from gateway.tokens import TokenCounter  # the tokenizer libraries: only when asked
 
         try:
             return TokenCounter.from_settings(self.settings, metrics)
