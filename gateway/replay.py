@@ -227,11 +227,10 @@ def verdict(base: SimReport, other: SimReport, group: str = "small_requests") ->
         return f"{label}: no comparison (a side served none)"
     if math.isclose(ours, theirs, rel_tol=0.005):
         return f"{label}: {base.name} is the same as {other.name}"
-    if ours < theirs:
-        ratio = theirs / ours if ours > 0 else math.inf
-        return f"{label}: {base.name} is {ratio:.1f}x better than {other.name}"
-    ratio = ours / theirs if theirs > 0 else math.inf
-    return f"{label}: {base.name} is {ratio:.1f}x worse than {other.name}"
+    better = ours < theirs
+    ratio = max(ours, theirs) / min(ours, theirs) if min(ours, theirs) > 0 else math.inf
+    times = f"{ratio:.2f}x" if ratio < 2 else f"{ratio:.1f}x"  # never "1.0x better"
+    return f"{label}: {base.name} is {times} {'better' if better else 'worse'} than {other.name}"
 
 
 def demand_table(analysis: Mapping[str, Any], report: SimReport) -> str:

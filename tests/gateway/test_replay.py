@@ -11,7 +11,7 @@ import httpx
 import orjson
 
 from gateway.cli import main
-from gateway.replay import analyze, cluster_profiles, simulate, verdict
+from gateway.replay import SimReport, analyze, cluster_profiles, simulate, verdict
 from gateway.settings import load_settings
 from gateway.trace import TraceRecord, read_trace, synthesize, write_trace
 from tests.conftest import lanes_config
@@ -170,6 +170,11 @@ def test_verdicts_say_better_or_worse_as_the_numbers_do() -> None:
     assert verdict(lanes, shared).endswith(f"lanes is {theirs / ours:.1f}x better than shared")
     assert verdict(shared, lanes).endswith(f"shared is {theirs / ours:.1f}x worse than lanes")
     assert verdict(lanes, lanes).endswith("lanes is the same as lanes")
+    # Close calls keep their sign: the "t8k is 1.0x better than demo" was worse.
+    t8k = SimReport("t8k", lanes.result, {"small_requests": {"ttft_p99": 1.90}})
+    demo = SimReport("demo", lanes.result, {"small_requests": {"ttft_p99": 1.82}})
+    assert verdict(t8k, demo).endswith("t8k is 1.04x worse than demo")
+    assert verdict(demo, t8k).endswith("demo is 1.04x better than t8k")
 
 
 def test_compare_without_simulate_is_an_error(tmp_path: Path, capsys: Any) -> None:
