@@ -31,9 +31,13 @@ FROM ${PYTHON_IMAGE} AS runtime
 RUN groupadd --system --gid 10001 shapegate \
     && useradd --system --uid 10001 --gid shapegate --no-create-home --shell /usr/sbin/nologin shapegate
 COPY --from=build /opt/shapegate /opt/shapegate
-# Example policies and the simulator's engine profiles (`--profile /app/configs/engines/...`).
-COPY configs /app/configs
-COPY configs/demo.yaml /etc/shapegate/policy.yaml
+# Example policies and the simulator's engine profiles ship inside the package (gateway/configs/,
+# the repository's configs/ links to it); /app/configs points at them
+# (`--profile /app/configs/engines/...`), and the demo policy is the default.
+RUN configs="$(/opt/shapegate/bin/python -c 'from gateway.shipped import configs_dir; print(configs_dir())')" \
+    && mkdir -p /app /etc/shapegate \
+    && ln -s "$configs" /app/configs \
+    && cp "$configs/demo.yaml" /etc/shapegate/policy.yaml
 ENV PATH=/opt/shapegate/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

@@ -18,18 +18,18 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import yaml
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from gateway.config_check import parse_policy
 from gateway.dashboard.routes import add_dashboard_routes
 from gateway.errors import GatewayError, Unauthorized, error_body
 from gateway.exchange import Receive, Scope, Send, read_body, require_media_type
 from gateway.protocol import ENDPOINT_PATHS, Endpoint
 from gateway.reload import reload_policy
 from gateway.services import Gateway
-from gateway.settings import ConfigError, parse_settings
+from gateway.settings import ConfigError
 from gateway.slots import endpoint_key, lane_key
 
 # A policy file is a few kB; anything near this cap is not one.
@@ -165,13 +165,14 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
             return JSONResponse(exc.body(), exc.status, headers={"connection": "close"})
         try:
             if raw.strip():
-                data = yaml.safe_load(raw)
-                if not isinstance(data, dict):
-                    raise ConfigError("the policy in the body must be a mapping")
-                result = await reload_policy(gateway, parse_settings(data))
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise ConfigError("the policy in the body is not UTF-8") from exc
+                result = await reload_policy(gateway, parse_policy(text, "request body"))
             else:
                 result = await reload_policy(gateway)
-        except (ConfigError, yaml.YAMLError) as exc:
+        except ConfigError as exc:
             gateway.log.warning("policy.reload_failed", trigger="admin", error=str(exc))
             return JSONResponse(error_body(str(exc), "invalid_request_error", 400), 400)
         return JSONResponse(

@@ -11,16 +11,20 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
-from pathlib import Path
+from importlib import metadata
+from typing import Any
 
 from engine_pool.launch import policy_warnings
+from gateway.config_check import load_policy
 from gateway.extras import MissingExtra
-from gateway.settings import ConfigError, Settings, load_settings
+from gateway.settings import ConfigError, Settings
+from gateway.shipped import policy_names, resolve_policy
 
 REGISTRARS: tuple[str, ...] = (
     # one module path a line
     "gateway.sim_support",
     "gateway.demo",
+    "gateway.init_cli",
     "gateway.replay_cli",
     "gateway.bench",
     "gateway.launch_cli",
@@ -30,7 +34,13 @@ REGISTRARS: tuple[str, ...] = (
 def _serve(args: argparse.Namespace) -> int:
     from gateway.server import serve
 
-    settings = load_settings(args.config)
+    path = resolve_policy(args.config)
+    try:
+        policy = load_policy(path)
+    except ConfigError as exc:
+        print(f"shapegate: {exc}", file=sys.stderr)
+        return 2
+    settings = policy.settings
     overrides = {}
     if args.host is not None:
         overrides["host"] = args.host
@@ -40,7 +50,11 @@ def _serve(args: argparse.Namespace) -> int:
         settings = settings.model_copy(
             update={"server": settings.server.model_copy(update=overrides)}
         )
-    return serve(settings, Path(args.config))
+    try:
+        return serve(settings, path)
+    except ConfigError as exc:  # a tokenizer or template that fails to load at boot
+        print(f"shapegate: {policy.located(exc)}", file=sys.stderr)
+        return 2
 
 
 def describe_policy(settings: Settings) -> str:
@@ -83,24 +97,61 @@ def describe_policy(settings: Settings) -> str:
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    settings = load_settings(args.config)
-    print(describe_policy(settings))
-    sys.stderr.writelines(f"shapegate: warning: {w}\n" for w in policy_warnings(settings))
+    try:
+        policy = load_policy(resolve_policy(args.config))
+        policy.load_counter()
+    except ConfigError as exc:
+        print(f"shapegate: {exc}", file=sys.stderr)
+        return 2
+    print(describe_policy(policy.settings))
+    sys.stderr.writelines(f"shapegate: warning: {w}\n" for w in policy_warnings(policy.settings))
     return 0
 
 
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" where there is a default to tell (not None, not a flag's False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.required or action.default in (None, False, [], ()):
+            return text
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """Every (sub)command's ``--help`` shows each option's default; subcommands inherit it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+
+
+POLICY_HELP = "policy file (YAML), or a shipped policy by name: " + ", ".join(
+    f"configs/{name}.yaml" for name in policy_names()
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shapegate", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = Parser(prog="shapegate", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--version", action="version", version=f"shapegate {metadata.version('shapegate')}"
+    )
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", help="COMMAND --help tells more"
+    )
 
     serve = sub.add_parser("serve", help="run the gateway")
-    serve.add_argument("--config", required=True, help="policy file (YAML)")
-    serve.add_argument("--host", default=None)
-    serve.add_argument("--port", type=int, default=None)
+    serve.add_argument("--config", required=True, help=POLICY_HELP)
+    serve.add_argument("--host", default=None, help="listen address (default: server.host)")
+    serve.add_argument("--port", type=int, default=None, help="listen port (default: server.port)")
     serve.set_defaults(func=_serve)
 
-    check = sub.add_parser("check-config", help="validate a policy file and print it")
-    check.add_argument("config")
+    check = sub.add_parser(
+        "check-config",
+        help="validate a policy as serve does at boot (tokenizers, templates, environment) "
+        "and print it",
+    )
+    check.add_argument("config", help=POLICY_HELP)
     check.set_defaults(func=_check_config)
 
     for path in REGISTRARS:

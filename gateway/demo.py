@@ -15,22 +15,25 @@ import asyncio
 import math
 import os
 import random
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
 
-CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+from gateway.shipped import configs_dir
 
 
 def demo_config(port: int, engine_base: int) -> dict[str, Any]:
-    config: dict[str, Any] = yaml.safe_load(CONFIG.read_text())
+    config: dict[str, Any] = yaml.safe_load((configs_dir() / "demo.yaml").read_text())
     config["server"]["port"] = port
     for i, cluster in enumerate(config["clusters"]):
         cluster["endpoints"] = [f"http://127.0.0.1:{engine_base + 10 * i + k}" for k in (1, 2)]
@@ -38,28 +41,58 @@ def demo_config(port: int, engine_base: int) -> dict[str, Any]:
 
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    handle = log.open("wb")
-    return subprocess.Popen(  # noqa: S603 - our own interpreter and fixed arguments
-        [sys.executable, "-m", "gateway.cli", *args],
-        stdout=handle,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    with log.open("wb") as handle:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(  # noqa: S603 - our own interpreter and fixed arguments
+            [sys.executable, "-m", "gateway.cli", *args],
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
-async def _wait_up(url: str, children: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
+class DemoError(Exception):
+    """The demo cannot start; the message says which port or process, and why."""
+
+
+def taken_ports(ports: Mapping[int, str]) -> list[str]:
+    """The ports (with what they were for) another process already listens on."""
+    taken = []
+    for port, role in ports.items():
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                taken.append(f"{port} ({role})")
+    return taken
+
+
+def _tail(log: Path, lines: int = 15) -> str:
+    try:
+        text = log.read_text(errors="replace").splitlines()[-lines:]
+    except OSError as exc:
+        return f"    (cannot read {log}: {exc.strerror})"
+    return "\n".join(f"    {line}" for line in text)
+
+
+async def _wait_up(
+    url: str, children: Mapping[subprocess.Popen[bytes], Path], timeout_s: float
+) -> None:
     deadline = time.monotonic() + timeout_s
     async with httpx.AsyncClient(timeout=2) as client:
         while time.monotonic() < deadline:
-            if any(child.poll() is not None for child in children):
-                raise RuntimeError("a demo process exited early; see its log")
+            for child, log in children.items():
+                if child.poll() is not None:
+                    raise DemoError(
+                        f"{log.stem} (pid {child.pid}) exited with code {child.returncode}; "
+                        f"the end of its log:\n{_tail(log)}"
+                    )
             try:
                 if (await client.get(url)).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
             await asyncio.sleep(0.1)
-    raise RuntimeError(f"{url} did not come up within {timeout_s:g}s")
+    raise DemoError(f"{url} did not come up within {timeout_s:g}s")
 
 
 def _prompt(rng: random.Random, tokens: int) -> str:
@@ -126,34 +159,34 @@ def summarize(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-async def _run(args: argparse.Namespace) -> int:
-    workdir = Path(tempfile.mkdtemp(prefix="shapegate-demo-"))
+async def _run(args: argparse.Namespace, workdir: Path) -> int:
+    config = demo_config(args.port, args.engine_port_base)
+    ports = {args.port: "gateway, --port"}
+    for cluster in config["clusters"]:
+        for endpoint in cluster["endpoints"]:
+            ports[int(endpoint.rsplit(":", 1)[1])] = f"{cluster['name']} engine, --engine-port-base"
+    taken = taken_ports(ports)
+    if taken:
+        raise DemoError(
+            f"port{'s' if len(taken) > 1 else ''} already in use: {', '.join(taken)}; "
+            "choose free ones with --port and --engine-port-base"
+        )
     config_path = workdir / "demo.yaml"
-    config_path.write_text(yaml.safe_dump(demo_config(args.port, args.engine_port_base)))
-    config = yaml.safe_load(config_path.read_text())
-    children: list[subprocess.Popen[bytes]] = []
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    children: dict[subprocess.Popen[bytes], Path] = {}
     try:
         for cluster in config["clusters"]:
             for endpoint in cluster["endpoints"]:
                 port = endpoint.rsplit(":", 1)[1]
-                children.append(
-                    _spawn(
-                        [
-                            "sim",
-                            "--port",
-                            port,
-                            "--profile",
-                            cluster["sim_profile"],
-                            "--time-scale",
-                            str(args.time_scale),
-                        ],
-                        workdir / f"sim-{port}.log",
-                    )
-                )
+                log = workdir / f"sim-{port}.log"
+                sim = ["sim", "--port", port, "--profile", cluster["sim_profile"]]
+                children[_spawn([*sim, "--time-scale", str(args.time_scale)], log)] = log
         for cluster in config["clusters"]:
             for endpoint in cluster["endpoints"]:
                 await _wait_up(endpoint + "/health", children, 60)
-        children.append(_spawn(["serve", "--config", str(config_path)], workdir / "gateway.log"))
+        log = workdir / "gateway.log"
+        gateway = _spawn(["serve", "--config", str(config_path)], log)
+        children[gateway] = log
         url = f"http://127.0.0.1:{args.port}"
         await _wait_up(url + "/readyz", children, 60)
         print(
@@ -162,7 +195,10 @@ async def _run(args: argparse.Namespace) -> int:
             f"  dashboard  {url}/dashboard\n"
             f"  metrics    {url}/metrics\n"
             f"  state      {url}/admin/state\n"
-            f"  logs       {workdir}",
+            f"  policy     {config_path}\n"
+            f"  reload     edit the policy, then: curl -X POST {url}/admin/reload"
+            f"  (or kill -HUP {gateway.pid})\n"
+            f"  logs       {workdir}  (removed when the demo stops)",
             flush=True,
         )
         if args.burst:
@@ -190,10 +226,18 @@ async def _run(args: argparse.Namespace) -> int:
                 child.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 os.killpg(child.pid, signal.SIGKILL)
+                child.wait(timeout=15)
 
 
 def _demo(args: argparse.Namespace) -> int:
-    return asyncio.run(_run(args))
+    workdir = Path(tempfile.mkdtemp(prefix="shapegate-demo-"))
+    try:
+        return asyncio.run(_run(args, workdir))
+    except DemoError as exc:
+        print(f"shapegate demo: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -212,8 +256,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="simulated engine clock: 0.1 runs 10x faster than an H100",
     )
     demo.add_argument("--burst", action="store_true", help="play production-shaped traffic")
-    demo.add_argument("--burst-requests", type=int, default=200)
-    demo.add_argument("--burst-monsters", type=int, default=3)
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--burst-requests", type=int, default=200, help="small requests in the burst")
+    demo.add_argument(
+        "--burst-monsters", type=int, default=3, help="100k-700k-token prompts in the burst"
+    )
+    demo.add_argument("--seed", type=int, default=0, help="seed of the burst's shapes")
     demo.add_argument("--exit-after-burst", action="store_true", help=argparse.SUPPRESS)
     demo.set_defaults(func=_demo)

@@ -64,6 +64,19 @@ def choose_lane(
     return Decision(lane=lane, clusters=(), reason="no_healthy_cluster")
 
 
+def no_lane_message(prompt_tokens: int, lanes: Sequence[LaneSettings]) -> str:
+    """Why no lane takes this count, truthfully: above every range, or (a policy with a hole,
+    which validation refuses) in no range."""
+    top = max(lane.max_prompt_tokens for lane in lanes)
+    if prompt_tokens >= top:
+        return f"prompt of {prompt_tokens} tokens is above every lane's range (largest {top - 1})"
+    ranges = ", ".join(
+        f"{lane.min_prompt_tokens}-{lane.max_prompt_tokens - 1}"
+        for lane in sorted(lanes, key=lambda lane: lane.min_prompt_tokens)
+    )
+    return f"no lane takes a prompt of {prompt_tokens} tokens (lanes take {ranges})"
+
+
 def exact_count_above(lanes: Sequence[LaneSettings]) -> int:
     """Counts (or bounds) below this need no tokenizer: they can only land in the lowest lane."""
     lowest = min(lanes, key=lambda lane: lane.min_prompt_tokens)

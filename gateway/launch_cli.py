@@ -18,15 +18,23 @@ import yaml
 
 from engine_pool.launch import EngineCommand, LaunchError, policy_warnings, render_command
 from gateway.settings import ConfigError, load_settings
+from gateway.shipped import resolve_policy
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "launch-command", help="print the engine launch command for a cluster's engine profile"
     )
-    parser.add_argument("--config", required=True, help="policy file (YAML)")
+    parser.add_argument(
+        "--config", required=True, help="policy file (YAML), or a shipped one: configs/NAME.yaml"
+    )
     parser.add_argument("--cluster", required=True, help="cluster name")
-    parser.add_argument("--format", choices=("shell", "k8s", "json"), default="shell")
+    parser.add_argument(
+        "--format",
+        choices=("shell", "k8s", "json"),
+        default="shell",
+        help="one command line, a Kubernetes container's fields, or those as JSON",
+    )
     parser.set_defaults(func=run)
 
 
@@ -42,7 +50,7 @@ def container_fields(command: EngineCommand) -> dict[str, object]:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        settings = load_settings(args.config)
+        settings = load_settings(resolve_policy(args.config))
         command = render_command(settings, args.cluster)
     except (ConfigError, LaunchError) as exc:
         print(f"shapegate: {exc}", file=sys.stderr)

@@ -53,7 +53,7 @@ from gateway.exchange import (
     require_media_type,
     watch_disconnect,
 )
-from gateway.lanes import choose_lane, exact_count_above
+from gateway.lanes import choose_lane, exact_count_above, no_lane_message
 from gateway.log import Logger, swallowed
 from gateway.metrics import Metrics
 from gateway.protocol import (
@@ -238,11 +238,7 @@ class Pipeline:
         decision = choose_lane(count.tokens, settings.lanes, healthy)
         self.recorder.decided(record, Routed.of(request, count, decision, healthy))
         if decision.lane is None:
-            raise PromptTooLong(
-                f"prompt of {count.tokens} tokens is above every lane's range "
-                f"(largest {max(lane.max_prompt_tokens for lane in settings.lanes) - 1})",
-                param="input_tokens",
-            )
+            raise PromptTooLong(no_lane_message(count.tokens, settings.lanes), param="input_tokens")
         if not decision.clusters:
             raise NoHealthyCluster(
                 f"no healthy cluster for lane '{decision.lane.name}'", retry_after_s=5

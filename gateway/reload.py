@@ -2,7 +2,7 @@
 
 Contract of ``apply_reload(gateway, new_settings)``:
 - ``new_settings`` is already a validated ``Settings`` (an invalid file never gets here: the
-  caller's ``load_settings`` raised ``ConfigError`` and nothing changed).
+  caller's ``config_check.load_policy`` raised ``ConfigError`` and nothing changed).
 - Keys that only take effect at start (``RESTART_ONLY``: listen address, state backend, logging)
   keep their running values and are reported in ``restart_required``.
 - New requests see the new policy at once; requests already admitted finish under the policy
@@ -28,10 +28,11 @@ from typing import Any
 import anyio
 
 from gateway.auth import ClientAuth
+from gateway.config_check import CheckedPolicy, load_policy
 from gateway.log import swallowed
 from gateway.pipeline import Policy
 from gateway.services import Gateway, clusters_of
-from gateway.settings import ConfigError, Settings, load_settings
+from gateway.settings import ConfigError, Settings
 from gateway.tokens import TokenCounter
 
 RESTART_ONLY = ("server.host", "server.port", "state", "logging", "counting")
@@ -111,13 +112,19 @@ async def apply_reload(gateway: Gateway, new: Settings) -> ReloadResult:
     return ReloadResult(policy.version, applied, restart)
 
 
-async def reload_policy(gateway: Gateway, settings: Settings | None = None) -> ReloadResult:
-    """Re-read the config file (or take ``settings``) and apply it; ConfigError if invalid."""
-    if settings is None:
+async def reload_policy(gateway: Gateway, policy: CheckedPolicy | None = None) -> ReloadResult:
+    """Re-read the config file (or take ``policy``) and apply it; ConfigError if invalid.
+
+    The same checks as ``serve`` and ``check-config`` (gateway/config_check.py); a tokenizer that
+    fails to load is pointed at its line too, and nothing changes."""
+    if policy is None:
         if gateway.config_path is None:
             raise ConfigError("this gateway was not started from a config file")
-        settings = load_settings(gateway.config_path)
-    return await apply_reload(gateway, settings)
+        policy = load_policy(gateway.config_path)
+    try:
+        return await apply_reload(gateway, policy.settings)
+    except ConfigError as exc:
+        raise policy.located(exc) from exc
 
 
 async def reload_on_signal(gateway: Gateway) -> None:

@@ -14,11 +14,23 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import yaml
 
 from gateway.extras import pyplot
-from gateway.replay import SimReport, analyze, cluster_profiles, plot, render, simulate
+from gateway.replay import (
+    SimReport,
+    analyze,
+    cluster_profiles,
+    demand_table,
+    plot,
+    render,
+    simulate,
+    verdict,
+)
 from gateway.settings import ConfigError, load_settings
-from gateway.trace import SYNTH_KINDS, read_trace, synthesize, write_trace
+from gateway.shipped import resolve_policy
+from gateway.sweep import Sweep, parse_sweep, plot_sweep, render_sweep, run_sweep
+from gateway.trace import SYNTH_KINDS, TraceRecord, read_trace, synthesize, write_trace
 
 
 def _progress(label: str) -> Any:
@@ -40,18 +52,35 @@ def _synth(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    if args.simulate and args.out:
+    if (args.simulate or args.sweep) and args.out:
         pyplot()  # a missing [bench] extra fails now, not after minutes of simulation
+    if args.compare and not args.simulate:
+        print("shapegate replay: --compare needs --simulate", file=sys.stderr)
+        return 2
+    if args.sweep and (args.compare or args.simulate):
+        print(
+            "shapegate replay: --sweep runs its own simulations; drop --simulate and --compare",
+            file=sys.stderr,
+        )
+        return 2
+    path = resolve_policy(args.config)
     try:
-        settings = load_settings(args.config)
-        others = [load_settings(path) for path in args.compare]
+        settings = load_settings(path)
+        others = [load_settings(resolve_policy(p)) for p in args.compare]
         trace = read_trace(args.trace)
+        sweep = parse_sweep(args.sweep) if args.sweep else None
     except (ConfigError, OSError, ValueError) as exc:
         print(f"shapegate: {exc}", file=sys.stderr)
         return 2
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    if sweep is not None:
+        return _sweep(path, sweep, trace, args, out)
     profiles = cluster_profiles(settings) if all(c.sim_profile for c in settings.clusters) else None
-    report: dict[str, Any] = {"analysis": analyze(settings, trace, profiles)}
-    print(orjson.dumps(report["analysis"], option=orjson.OPT_INDENT_2).decode())
+    analysis = analyze(settings, trace, profiles)
+    report: dict[str, Any] = {"analysis": analysis}
+    print(orjson.dumps(analysis, option=orjson.OPT_INDENT_2).decode())
     if args.simulate:
         runs: list[SimReport] = []
         for name, policy in [
@@ -69,46 +98,90 @@ def _replay(args: argparse.Namespace) -> int:
                 )
             )
         print(render(runs))
-        if len(runs) > 1:
-            base, other = runs[0].summary["small_requests"], runs[1].summary["small_requests"]
-            if base["ttft_p99"] > 0:
-                print(
-                    f"small-request TTFT p99: {runs[0].name} is "
-                    f"{other['ttft_p99'] / base['ttft_p99']:.1f}x better than {runs[1].name}"
-                )
+        for other in runs[1:]:
+            print(verdict(runs[0], other))
+        print(demand_table(analysis, runs[0]))
         report["simulations"] = [r.summary for r in runs]
-        if args.out:
-            out = Path(args.out)
-            out.mkdir(parents=True, exist_ok=True)
+        if out is not None:
             plot(runs, out / "replay.png")
             print(f"plots: {out / 'replay.png'}")
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+    if out is not None:
         (out / "replay.json").write_bytes(
             orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
         )
     return 0
 
 
+def _sweep(
+    path: Path, sweep: Sweep, trace: list[TraceRecord], args: argparse.Namespace, out: Path | None
+) -> int:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        rows = run_sweep(data, sweep, trace, small_below=args.small_below, progress=_progress)
+    except (ConfigError, OSError, ValueError, TypeError, yaml.YAMLError) as exc:
+        print(f"shapegate: {exc}", file=sys.stderr)
+        return 2
+    print(render_sweep(sweep, rows))
+    out = out or Path(".")
+    plot_sweep(sweep, rows, out / "sweep.png")
+    (out / "sweep.json").write_bytes(
+        orjson.dumps(
+            {"sweep": sweep.name, "rows": [{"value": r.label, **r.report.summary} for r in rows]},
+            option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY,
+        )
+    )
+    print(f"plot: {out / 'sweep.png'}")
+    return 0
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     trace = subparsers.add_parser("trace", help="traffic traces (request shapes, no text)")
-    trace_sub = trace.add_subparsers(dest="trace_command", required=True)
+    trace_sub = trace.add_subparsers(
+        dest="trace_command", required=True, metavar="ACTION", help="what to do with traces"
+    )
     synth = trace_sub.add_parser("synth", help="generate a trace from a description")
-    synth.add_argument("kind", choices=SYNTH_KINDS)
-    synth.add_argument("--seed", type=int, default=0)
-    synth.add_argument("--out", required=True)
+    synth.add_argument("kind", choices=SYNTH_KINDS, help="the traffic to describe")
+    synth.add_argument("--seed", type=int, default=0, help="seed of the random shapes")
+    synth.add_argument("--out", required=True, help="trace file to write (JSON lines)")
     synth.set_defaults(func=_synth)
 
     replay = subparsers.add_parser("replay", help="what a policy would do with a trace")
-    replay.add_argument("--config", required=True)
-    replay.add_argument("trace")
+    replay.add_argument(
+        "--config", required=True, help="policy file (YAML), or a shipped one: configs/NAME.yaml"
+    )
+    replay.add_argument("trace", help="trace file (JSON lines; shapegate trace synth makes one)")
     replay.add_argument(
         "--simulate",
         action="store_true",
         help="play the trace against the clusters' simulated engines",
     )
-    replay.add_argument("--compare", action="append", default=[], metavar="OTHER_CONFIG")
-    replay.add_argument("--count-by", choices=("tokens", "chars4"), default="tokens")
-    replay.add_argument("--out", help="directory for replay.json and replay.png")
+    replay.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        metavar="OTHER_CONFIG",
+        help="another policy simulated on the same trace (needs --simulate; repeatable)",
+    )
+    replay.add_argument(
+        "--count-by",
+        choices=("tokens", "chars4"),
+        default="tokens",
+        help="route the simulation by real tokens, or by characters / 4 (to see what it costs)",
+    )
+    replay.add_argument(
+        "--sweep",
+        metavar="KEY=V1,V2,...",
+        help="simulate one policy per value of KEY and print one table and one plot, e.g. "
+        "lanes.fast.max_prompt_tokens=8k,16k,32k,64k (k = 1024; a lane boundary moves with "
+        "its neighbour)",
+    )
+    replay.add_argument(
+        "--small-below",
+        type=int,
+        default=32768,
+        help="--sweep: prompts under this many tokens are 'small', the rest 'monsters'",
+    )
+    replay.add_argument(
+        "--out", help="directory for replay.json and replay.png (sweep.json and sweep.png)"
+    )
     replay.set_defaults(func=_replay)

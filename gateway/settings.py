@@ -7,8 +7,9 @@ Contract:
 - Environment variables override the file, nested keys joined by ``__``:
   ``SHAPEGATE_STATE__BACKEND=redis``, ``SHAPEGATE_SERVER__PORT=9000``. Values are parsed as
   YAML scalars, so ``SHAPEGATE_LANES='[...]'`` is rejected only if the YAML is invalid.
-- Cross-references are checked: every lane names clusters that exist, lane token ranges do not
-  overlap, every model has a tokenizer.
+- Cross-references are checked (gateway/policy_rules.py): every lane names clusters that exist,
+  lane token ranges start at 0 with no gap and no overlap, every model has a tokenizer.
+  ``gateway/config_check.py`` adds file lines and environment checks on top (what serve runs).
 
 Why plain pydantic models and not pydantic-settings' ``BaseSettings``: an unknown
 ``SHAPEGATE_*`` variable is an error here (it joins the tree and ``extra="forbid"`` names it),
@@ -27,14 +28,21 @@ Example::
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
 
 from engine_pool.cluster import EngineKind
 from engine_pool.engine_profile import EngineProfileSettings
@@ -44,7 +52,14 @@ ENV_PREFIX = "SHAPEGATE_"
 
 
 class ConfigError(Exception):
-    """The configuration file or environment is invalid; the message says where and why."""
+    """The configuration file or environment is invalid; the message says where and why.
+
+    ``key`` is the settings path at fault (``("models", 0, "tokenizer")``) where one is known,
+    for ``config_check`` to point at its line in the file."""
+
+    def __init__(self, message: str, key: tuple[str | int, ...] = ()) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 class _Frozen(BaseModel):
@@ -268,33 +283,16 @@ class Settings(_Frozen):
     auth: AuthSettings = AuthSettings()
 
     @model_validator(mode="after")
-    def _cross_references(self) -> Settings:
-        names = [c.name for c in self.clusters]
-        if len(set(names)) != len(names):
-            raise ValueError("cluster names must be unique")
-        lane_names = [lane.name for lane in self.lanes]
-        if len(set(lane_names)) != len(lane_names):
-            raise ValueError("lane names must be unique")
-        model_names = [n for m in self.models for n in (m.name, *m.aliases)]
-        if len(set(model_names)) != len(model_names):
-            raise ValueError("model names and aliases must be unique")
-        known = set(names)
-        for lane in self.lanes:
-            for cluster in (*lane.clusters, *lane.emergency_clusters):
-                if cluster not in known:
-                    raise ValueError(f"lane {lane.name!r} names unknown cluster {cluster!r}")
-            if set(lane.clusters) & set(lane.emergency_clusters):
-                raise ValueError(f"lane {lane.name!r}: a cluster is both primary and emergency")
-        for spec in self.clusters:
-            for model in spec.models:
-                if model not in model_names:
-                    raise ValueError(f"cluster {spec.name!r} names unknown model {model!r}")
-        ranges = sorted(
-            (lane.min_prompt_tokens, lane.max_prompt_tokens, lane.name) for lane in self.lanes
-        )
-        for (_, hi, a), (lo, _, b) in itertools.pairwise(ranges):
-            if lo < hi:
-                raise ValueError(f"lanes {a!r} and {b!r} have overlapping token ranges")
+    def _cross_references(self, info: ValidationInfo) -> Settings:
+        # The rules between keys live in policy_rules.py; config_check runs them itself (with
+        # each problem's line in the file) and asks for them to be skipped here.
+        from gateway.policy_rules import policy_problems
+
+        if info.context and info.context.get("rules") == "caller":
+            return self
+        problems = policy_problems(self)
+        if problems:
+            raise ValueError("; ".join(str(p) for p in problems))
         return self
 
     def lane(self, name: str) -> LaneSettings:
@@ -358,17 +356,9 @@ def parse_settings(data: Mapping[str, Any], environ: Mapping[str, str] | None = 
 
 
 def load_settings(path: str | Path, environ: Mapping[str, str] | None = None) -> Settings:
-    """Read, merge and validate a YAML config file; raise ConfigError on any problem."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping at the top level")
-    return parse_settings(data, environ)
+    """Read, merge and validate a YAML config file; raise ConfigError (each problem at its
+    FILE:LINE) on any problem. The environment variables a policy names for secrets are not
+    required here; ``config_check.load_policy``, which serve uses, requires them too."""
+    from gateway.config_check import load_policy
+
+    return load_policy(path, environ, secrets_from_environ=False).settings

@@ -151,8 +151,9 @@ class TokenCounter:
         log = get_logger("tokens")
         loaded: dict[str, Vocabulary] = {}
         models: dict[str, _Model] = {}
-        for model in settings.models:
+        for index, model in enumerate(settings.models):
             spec = model.tokenizer
+            key = ("models", index, "tokenizer")
             started = time.perf_counter()
             # Models sharing a vocabulary share one loaded tokenizer (~120 MB for Qwen's).
             shared = spec.model_dump_json(exclude={"chat_template"})
@@ -165,21 +166,24 @@ class TokenCounter:
                         EncoderLimits(settings.counting.max_encoder_rss_mb, metrics),
                     )
                 except ConfigError as exc:
-                    raise ConfigError(f"model {model.name!r}: {exc}") from exc
+                    raise ConfigError(f"model {model.name!r}: {exc}", key) from exc
                 loaded[shared] = vocab
             template = None
             if spec.chat_template == "hf":
                 if vocab.chat_template is None:
                     raise ConfigError(
-                        f"model {model.name!r}: chat_template hf, but no chat "
-                        f"template ships beside {vocab.origin}"
+                        f"model {model.name!r}: chat_template hf, but no chat template "
+                        f"(chat_template.jinja, or chat_template in tokenizer_config.json) "
+                        f"ships beside {vocab.origin}",
+                        (*key, "chat_template"),
                     )
                 try:
                     template = ChatTemplate(vocab.chat_template, vocab.template_vars)
                 except TemplateError as exc:
                     raise ConfigError(
                         f"model {model.name!r}: the chat template beside "
-                        f"{vocab.origin} does not compile: {exc}"
+                        f"{vocab.origin} does not compile: {exc}",
+                        (*key, "chat_template"),
                     ) from exc
             entry = _Model(vocab, spec.chat_template, template)
             for name in (model.name, *model.aliases):

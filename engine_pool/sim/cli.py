@@ -38,8 +38,8 @@ def register(
     configure_logging: Callable[[str], None],
 ) -> None:
     parser = subparsers.add_parser("sim", help="run one simulated vLLM engine")
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True, help="port to listen on")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument(
         "--profile",
         default="h100-shared",
@@ -52,10 +52,20 @@ def register(
         help="wall seconds per simulated second (0.01 = 100x faster)",
     )
     parser.add_argument("--model", default=None, help="served model name (default: profile's)")
-    parser.add_argument("--faults", default=None, help="faults to start with")
-    parser.add_argument("--seed", type=int, default=None, help="seed for fault rates")
     parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+        "--faults",
+        default=None,
+        help="faults to start with, e.g. 'dead', 'error_500_rate=0.2,drop_after_chunks=3' or "
+        "JSON (README: Simulator faults; change them live with POST /sim/faults)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=None, help="seed for fault rates (default: random)"
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="least severe log event printed",
     )
     parser.set_defaults(
         func=functools.partial(run, counter_for=counter_for, configure_logging=configure_logging)

@@ -1,7 +1,8 @@
 """Engine profiles: what one simulated vLLM engine is (its model, its scheduler limits, its costs).
 
 Contract:
-- ``load_profile(name_or_path)`` reads ``configs/engines/<name>.yaml`` (or a YAML file path) and
+- ``load_profile(name_or_path)`` reads a YAML file path, or the shipped profile
+  ``configs/engines/<name>.yaml`` (package data beside this module; from any directory), and
   returns a frozen, validated ``EngineProfile``; it raises ``ProfileError`` naming the key at
   fault. Unknown keys are errors, as in the gateway's settings.
 - ``max_num_partial_prefills`` other than 1 is refused, as vLLM V1 refuses it at start-up
@@ -23,8 +24,10 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-# configs/engines/ at the repository root: engine_pool/sim/profile.py -> ../../../configs
-ENGINES_DIR = Path(__file__).resolve().parents[2] / "configs" / "engines"
+# The shipped profiles: package data beside this module, so a wheel finds them from any directory
+# (the repository's configs/engines/ is a link to this folder).
+PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
+_DOCUMENTED = "configs/engines/"
 
 
 class ProfileError(Exception):
@@ -126,11 +129,21 @@ def parse_profile(data: Any, source: str = "<profile>") -> EngineProfile:
 
 
 def profile_path(name_or_path: str | Path) -> Path:
-    """A profile name (``h100-shared``) resolves under configs/engines/; anything else is a path."""
-    text = str(name_or_path)
-    if text.endswith((".yaml", ".yml")) or "/" in text:
-        return Path(text)
-    return ENGINES_DIR / f"{text}.yaml"
+    """An existing file, else a shipped profile by name (``h100-shared``), else the path given."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    return shipped_profile(str(name_or_path)) or path
+
+
+def shipped_profile(ref: str) -> Path | None:
+    """The shipped profile called ``ref`` (``h100-fast``, ``h100-fast.yaml`` or
+    ``configs/engines/h100-fast.yaml``), if there is one."""
+    name = ref.removeprefix("./").removeprefix(_DOCUMENTED).removesuffix(".yaml")
+    if not name or "/" in name:
+        return None
+    candidate = PROFILES_DIR / f"{name}.yaml"
+    return candidate if candidate.is_file() else None
 
 
 def load_profile(name_or_path: str | Path) -> EngineProfile:
@@ -147,4 +160,4 @@ def load_profile(name_or_path: str | Path) -> EngineProfile:
 
 
 def available_profiles() -> tuple[str, ...]:
-    return tuple(sorted(p.stem for p in ENGINES_DIR.glob("*.yaml")))
+    return tuple(sorted(p.stem for p in PROFILES_DIR.glob("*.yaml")))

@@ -26,6 +26,8 @@ SUITES: tuple[str, ...] = (
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("bench", help="run a benchmark suite and write its JSON")
-    suites = parser.add_subparsers(dest="suite", required=True, metavar="SUITE")
+    suites = parser.add_subparsers(
+        dest="suite", required=True, metavar="SUITE", help="the benchmark suite to run"
+    )
     for path in SUITES:
         importlib.import_module(path).register(suites)

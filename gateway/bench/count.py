@@ -30,7 +30,6 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ from gateway.bench.corpus import KINDS, Corpus
 from gateway.bench.harness import package_version, tree_rss_mb, with_targets
 from gateway.protocol import ChatPrompt, parse_request
 from gateway.settings import ModelSettings, Settings, TokenizerSettings, load_settings
+from gateway.shipped import resolve_policy
 from gateway.tokenizers.vocab import Vocabulary
 from gateway.tokens import TokenCounter
 
@@ -104,11 +104,7 @@ def _set_affinity(cpus: set[int]) -> None:
 def _settings(path: str | None) -> Settings:
     if path is not None:
         return load_settings(path)
-    local = Path("configs/demo.yaml")
-    if local.is_file():
-        return load_settings(local)
-    with resources.as_file(resources.files("gateway").joinpath("configs", "demo.yaml")) as packaged:
-        return load_settings(packaged)
+    return load_settings(resolve_policy("configs/demo.yaml"))
 
 
 def _rss_mb() -> float:
@@ -214,8 +210,7 @@ def _measure(settings: Settings, *, smoke: bool, all_cpus: set[int] | None) -> d
         "tokenizer": counter.tokenizer_id(model),
         "exact_above": exact_above,
         "versions": {
-            name: package_version(name)
-            for name in ("gigatoken", "tokenizers", "tiktoken")
+            name: package_version(name) for name in ("gigatoken", "tokenizers", "tiktoken")
         },
         "python": platform.python_version(),
         "load_s": round(load_s, 3),

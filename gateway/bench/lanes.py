@@ -23,14 +23,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
 from gateway.bench.harness import machine, machine_line, publish, with_targets
 from gateway.fleet_sim import CountBy
 from gateway.replay import SimReport, cluster_profiles, plot, simulate
 from gateway.settings import Settings, load_settings
+from gateway.shipped import resolve_policy
 from gateway.trace import synthesize
 
 POLICIES: tuple[tuple[str, str, CountBy], ...] = (
@@ -51,11 +50,7 @@ def register(suites: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def _config(name: str) -> Settings:
-    local = Path("configs") / name
-    if local.is_file():
-        return load_settings(local)
-    with resources.as_file(resources.files("gateway").joinpath("configs", name)) as packaged:
-        return load_settings(packaged)
+    return load_settings(resolve_policy(f"configs/{name}"))
 
 
 def run(args: argparse.Namespace) -> int:

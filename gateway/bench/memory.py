@@ -67,7 +67,9 @@ ADVERSARIAL_RATE = 100  # requests/s: each is an exact count of ~40 kB (a few ms
 def register(suites: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = suites.add_parser("memory", help="gateway RSS idle, after traffic, under attack")
     parser.add_argument("--out", default="bench-results", help="folder for memory.json/png")
-    parser.add_argument("--requests", type=int, default=100_000)
+    parser.add_argument(
+        "--requests", type=int, default=100_000, help="requests sent while RSS is sampled"
+    )
     parser.add_argument("--rate", type=int, default=800, help="requests/s while filling")
     parser.add_argument(
         "--adversarial", type=int, default=5000, help="unique-text requests of each kind"
@@ -151,10 +153,7 @@ def measure(
         smoke=smoke,
         machine=info,
         imports_rss_mb=imports,
-        tokenizer_package={
-            name: package_version(name)
-            for name in ("gigatoken", "tokenizers")
-        },
+        tokenizer_package={name: package_version(name) for name in ("gigatoken", "tokenizers")},
     )
     result["targets"] = targets(result)
     return result

@@ -23,7 +23,9 @@ SUITES = ("overhead", "count", "lanes", "memory", "encoder")
 
 def register(suites: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = suites.add_parser("readme", help="regenerate the README's performance section")
-    parser.add_argument("readme", nargs="?", default="README.md")
+    parser.add_argument(
+        "readme", nargs="?", default="README.md", help="the README whose section is rewritten"
+    )
     parser.add_argument("--out", default="bench-results", help="folder holding the JSON")
     parser.add_argument("--check", action="store_true", help="exit 1 if the section is stale")
     parser.set_defaults(func=run)

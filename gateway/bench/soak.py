@@ -93,7 +93,7 @@ def register(suites: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     length.add_argument("--minutes", type=float, default=None, help="how long (default 10)")
     length.add_argument("--seconds", type=float, default=None, help="how long, in seconds")
     parser.add_argument("--rate", type=float, default=40.0, help="requests per second offered")
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=1, help="seed of the traffic mix")
     parser.add_argument("--out", default="bench-results", help="folder for soak.json")
     parser.set_defaults(func=run)
 

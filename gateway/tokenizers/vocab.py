@@ -118,6 +118,8 @@ _BUILTIN = {
     "qwen3.5": _Builtin("hf_json", "qwen3.6", "tokenizer.json.zip"),
     "cl100k_base": _Builtin("tiktoken", "cl100k_base", "cl100k_base.tiktoken"),
 }
+# Every name ``source: builtin`` accepts.
+BUILTIN_NAMES = tuple(_BUILTIN)
 # The distinct vocabularies shipped (qwen3.5 is the same files as qwen3.6).
 BUILTIN_VOCABULARIES = ("qwen3.6", "cl100k_base")
 

@@ -141,12 +141,17 @@ def test_secret_references_name_existing_keys() -> None:
 
 
 def test_the_configmap_policy_is_the_production_example_and_passes_check_config(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     text, settings = configmap_policy()
     assert text == (ROOT / "configs" / "production-two-lanes.yaml").read_text()
     path = tmp_path / "policy.yaml"
     path.write_text(text)
+    # The engine key comes from the Secret in the pod; without it serve would not start.
+    monkeypatch.delenv("ENGINE_API_KEY", raising=False)
+    assert main(["check-config", str(path)]) == 2
+    assert "api_key_env: environment variable ENGINE_API_KEY is not set" in capsys.readouterr().err
+    monkeypatch.setenv("ENGINE_API_KEY", "from-the-secret")
     assert main(["check-config", str(path)]) == 0
     captured = capsys.readouterr()
     assert "heavy: 32768 <= prompt tokens < 1040384" in captured.out

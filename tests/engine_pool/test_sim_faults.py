@@ -7,6 +7,7 @@ import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -225,3 +226,11 @@ async def test_bad_fault_json_is_a_400(sim: SimServer) -> None:
         r = await client.post("/sim/faults", json={"hang": "sometimes"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "faults"
     assert sim.faults.spec == FaultSpec()
+
+
+def test_the_readme_documents_every_fault() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Simulator faults", 1)[1].split("\n## ", 1)[0]
+    for name in FaultSpec.model_fields:
+        assert f"`{name}`" in section, name
+    assert parse_fault_arg("error_500_rate=0.2,drop_after_chunks=3").drop_after_chunks == 3

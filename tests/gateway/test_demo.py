@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
+from pathlib import Path
 
 from tests.support.checkout import ROOT, checkout_env, gateway_cli
 from tests.support.servers import free_port
@@ -41,3 +43,34 @@ def test_the_demo_runs_a_burst_through_both_lanes() -> None:
         if line.startswith(("fast ", "heavy "))
     }
     assert lanes == {"fast": 12, "heavy": 1}
+    # The policy to edit and how to apply it; its folder is gone once the demo stopped.
+    (policy,) = [line.split()[1] for line in proc.stdout.splitlines() if "  policy " in line]
+    assert policy.endswith("demo.yaml")
+    assert "curl -X POST http://127.0.0.1:" in proc.stdout and "/admin/reload" in proc.stdout
+    assert not Path(policy).parent.exists()
+
+
+def test_the_demo_refuses_taken_ports_and_names_them() -> None:
+    with socket.socket() as gateway, socket.socket() as engine:
+        gateway.bind(("127.0.0.1", 0))
+        gateway.listen()
+        engine.bind(("127.0.0.1", 0))
+        engine.listen()
+        port = gateway.getsockname()[1]
+        base = engine.getsockname()[1] - 12  # the second heavy engine's port
+        args = ["--port", str(port), "--engine-port-base", str(base)]
+        proc = subprocess.run(
+            gateway_cli("demo", *args),
+            capture_output=True,
+            cwd=ROOT,
+            env=checkout_env(),
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert proc.returncode == 2
+    assert (
+        f"ports already in use: {port} (gateway, --port), "
+        f"{base + 12} (heavy engine, --engine-port-base)" in proc.stderr
+    ), proc.stderr
+    assert "is up" not in proc.stdout

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from gateway.lanes import choose_lane, exact_count_above
+from gateway.lanes import choose_lane, exact_count_above, no_lane_message
 from gateway.settings import parse_settings
 from tests.conftest import lanes_config
 
@@ -33,3 +33,15 @@ def test_emergency_clusters_only_when_every_primary_is_down() -> None:
 
 def test_the_bound_decides_below_the_first_ceiling() -> None:
     assert exact_count_above(policy().lanes) == 32768  # type: ignore[attr-defined]
+
+
+def test_the_no_lane_message_is_true_above_and_inside_a_hole() -> None:
+    fast, heavy = policy().lanes  # type: ignore[attr-defined]
+    assert no_lane_message(1_000_000, [fast, heavy]) == (
+        "prompt of 1000000 tokens is above every lane's range (largest 999999)"
+    )
+    # Validation refuses a hole between lanes; a lane list built around it still says why.
+    holed = [fast, heavy.model_copy(update={"min_prompt_tokens": 40_000})]
+    assert no_lane_message(35_000, holed) == (
+        "no lane takes a prompt of 35000 tokens (lanes take 0-32767, 40000-999999)"
+    )

@@ -35,10 +35,10 @@ def body(delay: float = 0.0, content: str = "hi") -> bytes:
 def test_the_diff_names_what_changed() -> None:
     old = parse_settings(lanes_config(["http://a"], ["http://b"]), environ={})
     config = lanes_config(["http://a", "http://c"], ["http://b"])
-    config["lanes"][0]["slots"]["lane"] = 3
+    config["lanes"][0]["slots"]["lane"] = 40
     new = parse_settings(config, environ={})
     diff = diff_settings(old, new)
-    assert diff["lanes[fast].slots.lane"] == {"old": 64, "new": 3}
+    assert diff["lanes[fast].slots.lane"] == {"old": 64, "new": 40}
     assert diff["clusters[fast].endpoints"]["new"] == ["http://a", "http://c"]
     assert len(diff) == 2
 
@@ -156,17 +156,35 @@ async def test_sighup_reloads_a_served_gateway(tmp_path: Path) -> None:
         try:
             async with httpx.AsyncClient() as client:
                 await wait_for(lambda: _healthy(client, url), 30, what="gateway up")
-                config["lanes"][0]["slots"]["lane"] = 6
+                config["lanes"][0]["slots"] = {"lane": 6, "per_endpoint": 6}
                 path.write_text(yaml.safe_dump(config))
                 proc.send_signal(signal.SIGHUP)
                 await _until_version(client, url, 2)
                 state = (await client.get(url + "/admin/state")).json()
                 assert state["lanes"][0]["slot_limit"] == 6
+                # SIGHUP refuses what check-config refuses: a gap between the lanes. Signals
+                # are handled in order, so once the next (valid) one lands as version 3, the
+                # gap was refused, not applied.
+                config["lanes"][1]["min_prompt_tokens"] += 1000
+                path.write_text(yaml.safe_dump(config))
+                proc.send_signal(signal.SIGHUP)
+                await asyncio.sleep(0.2)  # two signals at once may be delivered as one
+                config["lanes"][1]["min_prompt_tokens"] -= 1000
+                config["lanes"][0]["slots"] = {"lane": 7, "per_endpoint": 7}
+                path.write_text(yaml.safe_dump(config))
+                proc.send_signal(signal.SIGHUP)
+                await _until_version(client, url, 3)
+                state = (await client.get(url + "/admin/state")).json()
+                assert state["lanes"][0]["slot_limit"] == 7 and state["policy_version"] == 3
         finally:
             proc.send_signal(signal.SIGTERM)
             out, _ = await asyncio.to_thread(proc.communicate, timeout=20)
         assert proc.returncode == 0
         assert b'"policy.reloaded"' in out
+        failed = [line for line in out.splitlines() if b'"policy.reload_failed"' in line]
+        assert b'"trigger": "sighup"' in b"".join(failed).replace(b'":"', b'": "')
+        for line in failed:
+            assert b"lanes.1.min_prompt_tokens: gap" in line and f"{path}:".encode() in line
 
 
 async def test_the_file_watcher_reloads_a_changed_policy(

@@ -10,7 +10,7 @@ import httpx
 import orjson
 
 from gateway.cli import main
-from gateway.replay import analyze, cluster_profiles, simulate
+from gateway.replay import SimReport, analyze, cluster_profiles, simulate, verdict
 from gateway.settings import load_settings
 from gateway.trace import TraceRecord, read_trace, synthesize, write_trace
 from tests.conftest import lanes_config
@@ -76,7 +76,8 @@ def test_the_offline_what_if_explains_lanes_thresholds_and_characters() -> None:
     assert report["near_threshold"] == 1  # 31000 is within 10% of 32768
     # prose at 31k tokens looks heavy by characters; JSON at 60k tokens looks fast
     assert report["chars4_would_move"] == {"fast->heavy": 1, "heavy->fast": 1}
-    assert report["slot_demand"]["fast"]["peak"] >= 1
+    assert report["slot_demand_lower_bound"]["fast"]["peak"] >= 1
+    assert "lower bound" in report["slot_demand_note"]
 
 
 def test_offline_replay_of_100k_requests_takes_seconds() -> None:
@@ -127,7 +128,10 @@ def test_replay_cli_compares_and_plots(tmp_path: Path, capsys: Any) -> None:
         == 0
     )
     out = capsys.readouterr().out
-    assert "better than shared-pool" in out
+    assert "demo is " in out and "x better than shared-pool" in out
+    # the offline lower bound beside the simulated peak, said to be one
+    (fast,) = [line.split() for line in out.splitlines() if line.startswith("  fast ")]
+    assert int(fast[1]) <= int(fast[2]) and "lower bound" in out
     assert (tmp_path / "out" / "replay.png").stat().st_size > 10_000
     report = orjson.loads((tmp_path / "out" / "replay.json").read_bytes())
     assert len(report["simulations"]) == 2
@@ -158,3 +162,28 @@ async def test_the_gateway_captures_shapes_never_text(gateway_at: Any, tmp_path:
     records = read_trace(path)
     assert [r.prompt_tokens > 2000 for r in records] == [False, True]
     assert all(r.output_tokens == 3 for r in records)
+
+
+def test_verdicts_say_better_or_worse_as_the_numbers_do() -> None:
+    trace = synthesize("production-burst", seed=1)
+    lanes = simulate("lanes", DEMO, trace, cluster_profiles(DEMO))
+    shared = simulate("shared", SHARED, trace, cluster_profiles(SHARED))
+    ours = lanes.summary["small_requests"]["ttft_p99"]
+    theirs = shared.summary["small_requests"]["ttft_p99"]
+    assert ours < theirs
+    assert verdict(lanes, shared).endswith(f"lanes is {theirs / ours:.1f}x better than shared")
+    assert verdict(shared, lanes).endswith(f"shared is {theirs / ours:.1f}x worse than lanes")
+    assert verdict(lanes, lanes).endswith("lanes is the same as lanes")
+    # Close calls keep their sign: the "t8k is 1.0x better than demo" was worse.
+    t8k = SimReport("t8k", lanes.result, {"small_requests": {"ttft_p99": 1.90}})
+    demo = SimReport("demo", lanes.result, {"small_requests": {"ttft_p99": 1.82}})
+    assert verdict(t8k, demo).endswith("t8k is 1.04x worse than demo")
+    assert verdict(demo, t8k).endswith("demo is 1.04x better than t8k")
+
+
+def test_compare_without_simulate_is_an_error(tmp_path: Path, capsys: Any) -> None:
+    trace = tmp_path / "burst.jsonl"
+    write_trace(trace, synthesize("production-burst", seed=1))
+    demo = str(ROOT / "configs" / "demo.yaml")
+    assert main(["replay", "--config", demo, str(trace), "--compare", demo]) == 2
+    assert "--compare needs --simulate" in capsys.readouterr().err

@@ -41,7 +41,8 @@ def test_environment_overrides_nested_keys() -> None:
     ("mutate", "message"),
     [
         (lambda c: c["lanes"][0].update(clusters=["nope"]), "unknown cluster 'nope'"),
-        (lambda c: c["lanes"][1].update(min_prompt_tokens=1000), "overlapping"),
+        (lambda c: c["lanes"][1].update(min_prompt_tokens=1000), "overlap: lanes"),
+        (lambda c: c["lanes"][1].update(min_prompt_tokens=3000), "gap: no lane takes"),
         (lambda c: c["clusters"][0].update(endpoints=["ftp://x"]), "not an http"),
         (lambda c: c["lanes"][0].update(min_prompt_tokens=5000), "min_prompt_tokens"),
         (lambda c: c["lanes"][0].update(on_full="spill"), "on_full"),
