@@ -23,13 +23,13 @@ from pathlib import Path
 import anyio
 from fastapi import FastAPI
 
-from engine_pool.cluster import Cluster
 from engine_pool.monitor import EngineMonitor
 from engine_pool.registry import EnginePool
 from gateway.admission import Admission
 from gateway.auth import ClientAuth
-from gateway.engines import EngineEvents, probe_plans
+from gateway.engines import EngineEvents, pool_clusters, probe_plans
 from gateway.exchange import Receive, Scope, Send
+from gateway.failover import Failover
 from gateway.log import Logger, get_logger, swallowed
 from gateway.metrics import Metrics
 from gateway.pipeline import Pipeline, Policy
@@ -86,14 +86,12 @@ class Gateway:
         metrics = Metrics()
         log = get_logger("gateway")
         counter = counter or TokenCounter.from_settings(settings, metrics)
-        pool = EnginePool(
-            Cluster(name=c.name, kind=c.kind, endpoints=c.endpoints, models=c.models)
-            for c in settings.clusters
-        )
+        pool = EnginePool(pool_clusters(settings))
         store = build_store(settings, metrics, log)
         admission = Admission(store, metrics, log, poll_interval_s=settings.state.poll_interval_s)
         upstream = Upstream(metrics, log)
         keys = cls.engine_keys_for(settings)
+        events = EngineEvents(settings, metrics, log)
         pipeline = Pipeline(
             Policy(settings, counter, keys, ClientAuth.from_settings(settings.auth)),
             pool,
@@ -101,8 +99,9 @@ class Gateway:
             upstream,
             metrics,
             log,
+            Failover(pool, metrics, log, events),
         )
-        monitor = EngineMonitor(pool, probe_plans(settings), EngineEvents(settings, metrics, log))
+        monitor = EngineMonitor(pool, probe_plans(settings), events)
         probe = BootProbe(settings, pool, upstream, log, keys)
         _set_limits(metrics, settings)
         return cls(

@@ -13,6 +13,7 @@ when an endpoint's scrapes start failing, not on every interval.
 
 from __future__ import annotations
 
+from engine_pool.cluster import Cluster
 from engine_pool.health import Thresholds
 from engine_pool.monitor import LoadRead, MonitorEvent, ProbePlan, ScrapeFailed, SlowProbe
 from engine_pool.registry import StateChange
@@ -39,6 +40,20 @@ def _lenient(healths: list[HealthSettings]) -> HealthSettings:
         up_after_successes=max(h.up_after_successes for h in healths),
         scrape_interval_s=min(h.scrape_interval_s for h in healths),
     )
+
+
+def pool_clusters(settings: Settings) -> list[Cluster]:
+    """The engine pool's view of the configured clusters."""
+    return [
+        Cluster(
+            name=c.name,
+            kind=c.kind,
+            endpoints=c.endpoints,
+            models=c.models,
+            slow_start_s=c.outlier.slow_start_s,
+        )
+        for c in settings.clusters
+    ]
 
 
 def probe_plans(settings: Settings) -> list[ProbePlan]:

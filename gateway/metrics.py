@@ -163,6 +163,19 @@ class Metrics:
         self.state_degraded = Gauge(
             "shapegate_state_degraded", "1 while the shared slot store is unreachable.", registry=r
         )
+        # Failover (gateway/failover.py): retries before the response began, passive ejections.
+        self.retries = Counter(
+            "shapegate_retries",
+            "Requests sent again before any response byte, by why the last attempt failed.",
+            ["lane", "reason"],
+            registry=r,
+        )
+        self.ejections = Counter(
+            "shapegate_engine_ejections",
+            "Endpoints marked down by what real requests saw (not by a probe).",
+            ["cluster", "cause"],
+            registry=r,
+        )
 
         # Not Prometheus metrics: what the ops dashboard shows (swallowed errors and watchdog
         # events as a list; per-lane rates and percentiles over the last minutes). They hang

@@ -33,10 +33,11 @@ import orjson
 from engine_pool.cluster import EngineView
 from engine_pool.picker import order_endpoints
 from engine_pool.registry import EnginePool
-from gateway.admission import Admission, Grant
+from gateway.admission import Admission, Held
 from gateway.auth import ClientAuth
 from gateway.errors import (
     BadRequest,
+    EngineUnreachable,
     GatewayError,
     ModelNotFound,
     NoHealthyCluster,
@@ -54,7 +55,8 @@ from gateway.exchange import (
     read_body,
     watch_disconnect,
 )
-from gateway.lanes import Decision, choose_lane, exact_count_above
+from gateway.failover import Attempts, Failover, failover_candidates
+from gateway.lanes import Decision, choose_lane, endpoint_limit, exact_count_above
 from gateway.log import Logger, swallowed
 from gateway.metrics import Metrics
 from gateway.protocol import Endpoint, RoutedRequest, parse_request, prefix_key
@@ -154,6 +156,14 @@ class Policy:
         models = self.settings.cluster(cluster).models
         return not models or model in models
 
+    def limit_of(self, lane: LaneSettings) -> Callable[[EngineView], int]:
+        """The slot limit of an endpoint for this lane's requests (gateway/lanes.py)."""
+        limits = {
+            c.name: endpoint_limit(self.settings.lanes, lane, c.name)
+            for c in self.settings.clusters
+        }
+        return lambda view: limits[view.cluster]
+
 
 class Pipeline:
     def __init__(
@@ -164,6 +174,7 @@ class Pipeline:
         upstream: Upstream,
         metrics: Metrics,
         log: Logger,
+        failover: Failover,
     ) -> None:
         self.policy = policy
         self.pool = pool
@@ -171,6 +182,7 @@ class Pipeline:
         self.upstream = upstream
         self.metrics = metrics
         self.log = log
+        self.failover = failover
         self.recent: deque[Record] = deque(maxlen=policy.settings.server.decision_ring_size)
         trace_file = policy.settings.state.trace_file
         self.trace = TraceWriter(Path(trace_file)) if trace_file else None
@@ -279,44 +291,96 @@ class Pipeline:
         def candidates() -> Sequence[EngineView]:
             return [v for c in serving for v in order_endpoints(self.pool.views(c), affinity)]
 
+        def elsewhere() -> Sequence[EngineView]:
+            views = {c: self.pool.views(c) for c in (*lane.clusters, *lane.emergency_clusters)}
+            return failover_candidates(
+                lane, views, attempts.tried, lambda c: policy.serves(c, model.name)
+            )
+
+        limit_of = policy.limit_of(lane)
+        attempts = Attempts()
+        watch = Watch(deadlines_for(lane.timeouts, count.tokens))  # spans every attempt
         # The slot token is ours, never the client's request id: two requests sharing an id
         # must not share (and free) one slot.
-        async with self.admission.slot(lane, candidates, uuid.uuid4().hex) as grant:
-            self._decided(record, grant, decision, count)
-            with (
-                anyio.CancelScope() as engine_down,
-                self.pool.track(grant.cluster, grant.url, engine_down) as engine,
-            ):
-                cluster = settings.cluster(grant.cluster)
-                await self._forward(
-                    request,
-                    scope,
-                    body,
-                    grant,
-                    lane,
-                    cluster,
-                    policy.engine_keys.get(cluster.name),
-                    count,
-                    out,
-                    record,
-                )
+        async with self.admission.slot(lane, candidates, uuid.uuid4().hex, limit_of) as held:
+            self._decided(record, held, decision, count)
+            while True:
+                cluster = settings.cluster(held.cluster)
+                try:
+                    with (
+                        anyio.CancelScope() as engine_down,
+                        self.pool.track(held.cluster, held.url, engine_down) as engine,
+                    ):
+                        await self._forward(
+                            request,
+                            scope,
+                            body,
+                            held,
+                            cluster,
+                            policy.engine_keys.get(cluster.name),
+                            count,
+                            out,
+                            record,
+                            watch,
+                            attempts.fresh,
+                        )
+                    if engine_down.cancelled_caught and record.status == 0:
+                        raise EngineUnreachable(
+                            f"engine was marked down before answering: {engine.evidence}",
+                            reason="marked_down",
+                        )
+                    break
+                except EngineUnreachable as exc:
+                    # Nothing reached the client: fail over (gateway/failover.py) or give up.
+                    self.failover.unreachable(cluster, held.url, exc)
+                    if not await self._fail_over(
+                        record.request_id, lane, held, exc, attempts, elsewhere, limit_of
+                    ):
+                        raise
+                    record.fields.update(cluster=held.cluster, endpoint=held.url)
+                    record.fields["retries"] = record.fields.get("retries", 0) + 1
             if engine_down.cancelled_caught and not out.finished:
                 raise UpstreamError(f"engine was marked down mid-request: {engine.evidence}")
+
+    async def _fail_over(
+        self,
+        request_id: str,
+        lane: LaneSettings,
+        held: Held,
+        exc: EngineUnreachable,
+        attempts: Attempts,
+        elsewhere: Callable[[], Sequence[EngineView]],
+        limit_of: Callable[[EngineView], int],
+    ) -> bool:
+        """Set up the next attempt: the same engine on a fresh connection, or the next endpoint
+        with the slot moved there. False: give up (no retry left, or nowhere to go)."""
+        old = held.url
+        if exc.stale and not attempts.fresh:
+            attempts.fresh = True
+        elif held.moves < lane.retry.max_retries:
+            attempts.tried.add((held.cluster, held.url))
+            attempts.fresh = False
+            if not await self.admission.move(held, lane, elsewhere, limit_of):
+                return False
+        else:
+            return False
+        self.failover.retried(request_id, lane.name, old, held.url, exc.reason)
+        return True
 
     async def _forward(
         self,
         request: RoutedRequest,
         scope: Scope,
         body: bytes,
-        grant: Grant,
-        lane: LaneSettings,
+        grant: Held,
         cluster: ClusterSettings,
         engine_key: str | None,
         count: TokenCount,
         out: Outbound,
         record: Record,
+        watch: Watch,
+        fresh: bool,
     ) -> None:
-        watch = Watch(deadlines_for(lane.timeouts, count.tokens))
         headers = upstream_headers(
             scope.get("headers", ()),
             record.request_id,
@@ -330,8 +394,9 @@ class Pipeline:
             "x-shapegate-prompt-tokens": str(count.tokens),
         }
         url = grant.url.rstrip("/") + UPSTREAM_PATH[request.endpoint]
-        async with self.upstream.open(url, body, headers, watch) as response:
+        async with self.upstream.open(url, body, headers, watch, fresh=fresh) as response:
             record.status = response.status
+            self.failover.answered(cluster, grant.url, response.status)
             if not (request.stream and response.status == 200):
                 payload = await response.read(watch)
                 record.ttft_s = time.monotonic() - record.started
@@ -388,7 +453,7 @@ class Pipeline:
             "cluster_health": {c: healthy.get(c, True) for c in candidates},
         }
 
-    def _decided(self, record: Record, grant: Grant, decision: Decision, count: TokenCount) -> None:
+    def _decided(self, record: Record, grant: Held, decision: Decision, count: TokenCount) -> None:
         record.fields.update(
             cluster=grant.cluster, endpoint=grant.url, queue_wait_s=round(grant.queued_s, 4)
         )

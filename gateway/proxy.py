@@ -3,8 +3,11 @@
 Contract:
 - ``Upstream.open(url, body, headers, watch)`` sends the client's original body bytes (never a
   re-serialisation) and yields an ``UpstreamResponse`` once the engine answered with headers. It
-  raises ``UpstreamError`` (502) for a refused, reset or otherwise failed connection and
-  ``DeadlineHit`` (504) for a connect or first-byte deadline.
+  raises ``EngineUnreachable`` (502, safe to send elsewhere: the engine sent no byte) for a
+  refused, reset or closed connection before any answer byte, with ``stale`` set when that
+  connection was a kept-alive one; ``UpstreamError`` (502) for any other failure; and
+  ``DeadlineHit`` (504) for a connect or first-byte deadline. ``fresh=True`` opens a new
+  connection rather than reusing an idle one.
 - Leaving the ``async with`` always closes the upstream response: a response read to its end
   returns its connection to the pool, any other is closed, synchronously (no await, so no
   cancellation can interrupt it): an engine whose client left sees its connection closed and
@@ -28,7 +31,7 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from gateway.errors import UpstreamError
+from gateway.errors import EngineUnreachable, UpstreamError
 from gateway.http1 import Connection, ConnectionLost, Origin, Pool, PoolTimeout, request_head
 from gateway.log import Logger
 from gateway.metrics import Metrics
@@ -127,6 +130,24 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
+def _unreached(exc: OSError | ConnectionLost, conn: Connection | None) -> EngineUnreachable | None:
+    """The failure as ``EngineUnreachable`` when the engine sent no byte of an answer."""
+    if conn is not None and conn.answered:
+        return None  # a partial answer: the engine may have acted on the request
+    if isinstance(exc, ConnectionRefusedError):
+        reason = "refused"
+    elif isinstance(exc, ConnectionResetError | ConnectionAbortedError):
+        reason = "reset"
+    elif isinstance(exc, ConnectionLost):
+        reason = "closed"
+    else:
+        reason = "connect_failed"
+    stale = conn is not None and conn.reused
+    return EngineUnreachable(
+        f"engine request failed: {_why(exc)}", reason="stale" if stale else reason, stale=stale
+    )
+
+
 class Upstream:
     """One connection pool for every engine; per-request deadlines come from the watchdog.
 
@@ -142,7 +163,13 @@ class Upstream:
 
     @asynccontextmanager
     async def open(
-        self, url: str, body: bytes, headers: Mapping[str, str], watch: Watch
+        self,
+        url: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        watch: Watch,
+        *,
+        fresh: bool = False,
     ) -> AsyncIterator[UpstreamResponse]:
         try:
             origin, target = Origin.of(url)
@@ -153,11 +180,19 @@ class Upstream:
         try:
             with watch.within("first_byte"):
                 try:
-                    conn = await self._pool.request(origin, head, body, watch.deadlines.connect_s)
+                    conn = await self._pool.request(
+                        origin, head, body, watch.deadlines.connect_s, fresh=fresh
+                    )
                 except TimeoutError as exc:
                     raise DeadlineHit("connect", watch.deadlines.connect_s) from exc
                 status, response_headers = await conn.headers()
-        except (OSError, ConnectionLost, PoolTimeout) as exc:
+        except (OSError, ConnectionLost) as exc:
+            self._close(conn)
+            unreached = _unreached(exc, conn)
+            if unreached is not None:
+                raise unreached from exc
+            raise UpstreamError(f"engine request failed: {_why(exc)}") from exc
+        except PoolTimeout as exc:
             self._close(conn)
             raise UpstreamError(f"engine request failed: {_why(exc)}") from exc
         except BaseException:

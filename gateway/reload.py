@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from engine_pool.cluster import Cluster
 from gateway.auth import ClientAuth
+from gateway.engines import pool_clusters
 from gateway.pipeline import Policy
 from gateway.settings import Settings
 from gateway.tokens import TokenCounter
@@ -97,10 +97,7 @@ async def apply_reload(gateway: Gateway, new: Settings) -> ReloadResult:
     keys = gateway.engine_keys_for(effective)
     auth = ClientAuth.from_settings(effective.auth)
     policy = Policy(effective, counter, keys, auth, version=old_policy.version + 1)
-    gateway.pool.reconcile(
-        Cluster(name=c.name, kind=c.kind, endpoints=c.endpoints, models=c.models)
-        for c in effective.clusters
-    )
+    gateway.pool.reconcile(pool_clusters(effective))
     gateway.pipeline.policy = policy
     gateway.adopt(effective)
     applied = {k: v for k, v in changed.items() if k not in restart}

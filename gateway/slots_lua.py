@@ -35,6 +35,7 @@ PROBE_INTERVAL_S = 1.0
 # What a failed call means for the request, when it is not the on_redis_down policy itself.
 _DECISIONS = {
     "release": "left_to_lease_ttl",
+    "move": "no_failover",
     "leave": "left_to_queue_ttl",
     "renew": "retry_next_renewal",
     "refresh": "retry_next_refresh",
@@ -226,6 +227,33 @@ extend(KEYS[chosen], 3 * ttl)
 redis.call('ZREM', queue, me)
 redis.call('ZREM', live, me)
 return chosen - 5
+"""
+)
+
+# KEYS: lane, the endpoint to give up, candidate endpoints...
+# ARGV: token, ttl_ms, candidate limits... (ARGV[i] is the limit of KEYS[i], i >= 3)
+# Returns the 0-based index of the candidate now held, -1 when none has room (the token keeps
+# its lane slot only), -2 when the token's lane lease is gone (nothing taken).
+MOVE = Script(
+    _PRELUDE
+    + """
+local token, ttl, lane = ARGV[1], tonumber(ARGV[2]), KEYS[1]
+redis.call('ZREM', KEYS[2], token)
+local score = redis.call('ZSCORE', lane, token)
+if not score or tonumber(score) <= now then return -2 end
+for i = 3, #KEYS do
+  redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
+  if redis.call('ZSCORE', KEYS[i], token) then return i - 3 end
+  if redis.call('ZCARD', KEYS[i]) < tonumber(ARGV[i]) then
+    local deadline = now + ttl
+    redis.call('ZADD', KEYS[i], deadline, token)
+    redis.call('ZADD', lane, 'XX', deadline, token)
+    extend(KEYS[i], 3 * ttl)
+    extend(lane, 3 * ttl)
+    return i - 3
+  end
+end
+return -1
 """
 )
 

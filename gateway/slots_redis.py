@@ -140,6 +140,24 @@ class RedisSlotStore:
             self._local_tokens.add(token)
         return index
 
+    async def move(
+        self, token: str, lane: Limit, release: str, candidates: Sequence[Limit]
+    ) -> int | None:
+        if token in self._local_tokens:
+            return await self._local.move(token, lane, release, candidates)
+        keys = self._keys([lane.key, release, *(c.key for c in candidates)])
+        args: list[str | int] = [token, self._ttl_ms, *(c.limit for c in candidates)]
+        index = await self._redis.call("move", slots_lua.MOVE, keys, args)
+        if index is slots_lua.DOWN or int(index) == -1:
+            return None
+        if int(index) == -2:
+            self._log.warning("slot.lease_lost", token=token, keys=[lane.key], op="move")
+            raise StateUnavailable(
+                "the request's slot lease was lost before it could fail over",
+                retry_after_s=RETRY_AFTER_S,
+            )
+        return int(index)
+
     async def release(self, token: str, keys: Sequence[str]) -> None:
         if token in self._local_tokens:
             self._local_tokens.discard(token)
