@@ -30,6 +30,7 @@ from gateway.auth import ClientAuth
 from gateway.engines import EngineEvents, pool_clusters, probe_plans
 from gateway.exchange import Receive, Scope, Send
 from gateway.failover import Failover
+from gateway.lanes import endpoint_limit
 from gateway.log import Logger, get_logger, swallowed
 from gateway.metrics import Metrics
 from gateway.pipeline import Pipeline, Policy
@@ -56,7 +57,10 @@ def _set_limits(metrics: Metrics, settings: Settings) -> None:
         for name in (*lane.clusters, *lane.emergency_clusters):
             cluster = settings.cluster(name)
             metrics.slots_limit.labels(lane=lane.name, cluster=name).set(
-                min(lane.slots.lane, lane.slots.per_endpoint * len(cluster.endpoints))
+                min(
+                    lane.slots.lane,
+                    endpoint_limit(settings.lanes, lane, name) * len(cluster.endpoints),
+                )
             )
             metrics.slots_in_use.labels(lane=lane.name, cluster=name).inc(0)
 
