@@ -170,6 +170,12 @@ class Metrics:
             ["lane", "reason"],
             registry=r,
         )
+        # Redis that lost its data (gateway/slots_redis.py): leases re-established by their owners.
+        self.leases_restored = Counter(
+            "shapegate_slot_leases_restored",
+            "Leases in flight re-established after the shared store lost its data.",
+            registry=r,
+        )
         self.ejections = Counter(
             "shapegate_engine_ejections",
             "Endpoints marked down by what real requests saw (not by a probe).",
