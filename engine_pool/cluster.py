@@ -63,13 +63,12 @@ class Engine:
             "load_age_s": None if self.load_at is None else round(max(0.0, now - self.load_at), 1),
             "connect_failures": self.connect_failures,
             "errors_5xx": self.errors_5xx,
-            "slow_start": None
-            if self.warming_since is None
-            else {
-                "window_s": self.warming_s,
-                "share": round(ramp(self.warming_since, self.warming_s, time.monotonic()), 3),
-            },
+            "slow_start": self._slow_start(),
         }
+
+    def _slow_start(self) -> dict[str, float] | None:
+        share = ramp(self.warming_since, self.warming_s, time.monotonic())
+        return None if share >= 1.0 else {"window_s": self.warming_s, "share": round(share, 3)}
 
 
 @dataclass(frozen=True, slots=True)

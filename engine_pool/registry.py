@@ -37,6 +37,8 @@ class StateChange:
     old: EngineState
     new: EngineState
     evidence: str
+    # Back from DOWN into a slow start of this many seconds (0: full admission at once).
+    slow_start_s: float = 0.0
 
 
 class EnginePool:
@@ -52,20 +54,24 @@ class EnginePool:
         }
         self._retired: dict[tuple[str, str], Engine] = {}
 
-    def reconcile(self, clusters: Iterable[Cluster]) -> None:
+    def reconcile(self, clusters: Iterable[Cluster]) -> list[Engine]:
         """Adopt a new cluster list (a policy reload). Endpoints that stay keep their state and
-        in-flight counts; new ones start UP; removed ones leave routing at once, and their
-        records live on, out of sight, until their in-flight requests finish."""
+        in-flight counts; new ones start UP (slow-starting if their cluster says so) and are
+        returned; removed ones leave routing at once, and their records live on, out of sight,
+        until their in-flight requests finish."""
         self.clusters = {c.name: c for c in clusters}
         wanted = {(c.name, url): c for c in self.clusters.values() for url in c.endpoints}
+        joined = []
         for key, cluster in wanted.items():
             if key not in self._engines:
                 engine = self._engines[key] = Engine(cluster=key[0], url=key[1], kind=cluster.kind)
                 self._scopes[key] = set()
                 self._warm(engine, cluster.slow_start_s)
+                joined.append(engine)
         for key in [k for k in self._engines if k not in wanted]:
             self._retired[key] = self._engines.pop(key)
         self._drop_idle_retired()
+        return joined
 
     def _drop_idle_retired(self) -> None:
         for key in [k for k, e in self._retired.items() if e.in_flight == 0]:
@@ -123,7 +129,8 @@ class EnginePool:
         engine.evidence = evidence
         if engine.state is state:
             return None
-        change = StateChange(cluster, url, engine.state, state, evidence)
+        window = self.clusters[cluster].slow_start_s if engine.state is EngineState.DOWN else 0.0
+        change = StateChange(cluster, url, engine.state, state, evidence, window)
         engine.state = state
         engine.changed_at = time.time()
         if not state.routable:
@@ -131,7 +138,7 @@ class EnginePool:
                 scope.cancel()
         elif change.old is EngineState.DOWN:
             engine.connect_failures = engine.errors_5xx = 0
-            self._warm(engine, self.clusters[cluster].slow_start_s)
+            self._warm(engine, window)
         return change
 
     def unreachable(

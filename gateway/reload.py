@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from gateway.auth import ClientAuth
-from gateway.engines import pool_clusters
+from gateway.engines import pool_clusters, slow_start
 from gateway.pipeline import Policy
 from gateway.settings import Settings
 from gateway.tokens import TokenCounter
@@ -97,7 +97,9 @@ async def apply_reload(gateway: Gateway, new: Settings) -> ReloadResult:
     keys = gateway.engine_keys_for(effective)
     auth = ClientAuth.from_settings(effective.auth)
     policy = Policy(effective, counter, keys, auth, version=old_policy.version + 1)
-    gateway.pool.reconcile(pool_clusters(effective))
+    for engine in gateway.pool.reconcile(pool_clusters(effective)):
+        if engine.warming_since is not None:
+            slow_start(gateway.log, engine.cluster, engine.url, engine.warming_s, "joined")
     gateway.pipeline.policy = policy
     gateway.adopt(effective)
     applied = {k: v for k, v in changed.items() if k not in restart}
