@@ -21,8 +21,9 @@ import math
 
 
 def judge_failure(failures: int, threshold: int, *, refused: bool, others_routable: int) -> bool:
-    """Whether ``failures`` consecutive failures (the last one ``refused`` or not) eject."""
-    if failures < threshold:
+    """Whether ``failures`` consecutive failures (the last one ``refused`` or not) eject;
+    a ``threshold`` of 0 never does."""
+    if threshold <= 0 or failures < threshold:
         return False
     return others_routable > 0 or refused
 

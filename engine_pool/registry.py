@@ -149,14 +149,13 @@ class EnginePool:
         if engine is None:
             return None
         engine.connect_failures += 1
-        if engine.state is EngineState.DOWN or not judge_failure(
+        return self._judged(
+            engine,
             engine.connect_failures,
             eject_after,
             refused=refused,
-            others_routable=self._others_routable(engine),
-        ):
-            return None
-        return self._eject(engine, f"{engine.connect_failures} requests in a row: {why}")
+            evidence=f"{engine.connect_failures} requests in a row: {why}",
+        )
 
     def answered(
         self, cluster: str, url: str, status: int, eject_after_5xx: int
@@ -170,25 +169,27 @@ class EnginePool:
             engine.errors_5xx = 0
             return None
         engine.errors_5xx += 1
-        if (
-            eject_after_5xx <= 0
-            or engine.state is EngineState.DOWN
-            or not judge_failure(
-                engine.errors_5xx,
-                eject_after_5xx,
-                refused=False,
-                others_routable=self._others_routable(engine),
-            )
-        ):
-            return None
-        return self._eject(engine, f"{engine.errors_5xx} requests in a row answered HTTP {status}")
+        return self._judged(
+            engine,
+            engine.errors_5xx,
+            eject_after_5xx,
+            refused=False,
+            evidence=f"{engine.errors_5xx} requests in a row answered HTTP {status}",
+        )
 
-    def _others_routable(self, engine: Engine) -> int:
-        return sum(
+    def _judged(
+        self, engine: Engine, failures: int, threshold: int, *, refused: bool, evidence: str
+    ) -> StateChange | None:
+        if engine.state is EngineState.DOWN:
+            return None
+        others = sum(
             1
             for e in self._engines.values()
             if e.cluster == engine.cluster and e is not engine and e.state.routable
         )
+        if not judge_failure(failures, threshold, refused=refused, others_routable=others):
+            return None
+        return self._eject(engine, evidence)
 
     def _eject(self, engine: Engine, evidence: str) -> StateChange:
         # Its in-flight requests are not cancelled: each meets the engine's failure itself, and

@@ -117,6 +117,15 @@ async def gateway_over(
         yield url, client
 
 
+@asynccontextmanager
+async def raw_gateway(
+    gateway_at: Any, engine: RawEngine
+) -> AsyncIterator[tuple[str, str, httpx.AsyncClient]]:
+    """A gateway whose fast lane has ``engine`` as its only endpoint."""
+    async with engine.serving() as engine_url, gateway_over(gateway_at, [engine_url]) as gw:
+        yield engine_url, *gw
+
+
 async def fast_endpoints(client: httpx.AsyncClient, url: str) -> list[dict[str, Any]]:
     state = (await client.get(url + "/admin/state")).json()
     endpoints: list[dict[str, Any]] = state["clusters"][0]["endpoints"]
@@ -234,13 +243,7 @@ async def test_a_stale_kept_alive_connection_is_retried_fresh_on_the_same_engine
     whose keep-alive timer fired as the request arrived: each is sent again on a new
     connection to the same engine and answers 200; the engine is not ejected."""
     engine = RawEngine(lambda _, on_conn: ("drop", None) if on_conn == 1 else ("ok", None))
-    async with (
-        engine.serving() as engine_url,
-        gateway_over(gateway_at, [engine_url]) as (
-            url,
-            client,
-        ),
-    ):
+    async with raw_gateway(gateway_at, engine) as (engine_url, url, client):
         with capture_logs() as logs:
             answers = [await post(client, url, f"s{i}") for i in range(6)]
         assert [r.status_code for r in answers] == [200] * 6
@@ -260,13 +263,7 @@ async def test_engine_500_then_close_without_connection_close_never_poisons_the_
     client as the engine's 500, every other request answers 200, none meets a closed
     connection (``ConnectionLost``), and nothing is retried."""
     engine = RawEngine(lambda index, _: ("500", 0.005) if index % 2 == 0 else ("ok", None))
-    async with (
-        engine.serving() as engine_url,
-        gateway_over(gateway_at, [engine_url]) as (
-            url,
-            client,
-        ),
-    ):
+    async with raw_gateway(gateway_at, engine) as (_, url, client):
         with capture_logs() as logs:
             # Back to back: the next request goes out before the engine's close lands.
             answers = [await post(client, url, f"x{i}") for i in range(100)]
