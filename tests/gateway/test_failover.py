@@ -279,7 +279,11 @@ async def test_consecutive_5xx_eject_an_endpoint_but_never_the_last_one(gateway_
     """``eject_after_5xx: 3``: the endpoint answering 500 is ejected after three in a row and
     the other serves; a cluster's last routable endpoint is never ejected for 5xx."""
     failing = RawEngine(lambda *_: ("500", None))
-    async with failing.serving() as bad_url, serve_asgi(FakeEngine()) as good_url:
+    bad_port, good_port = ordered_ports()  # the failing one is picked first on ties
+    async with (
+        failing.serving(bad_port) as bad_url,
+        serve_asgi(FakeEngine(), port=good_port) as good_url,
+    ):
         outlier = {"eject_after_5xx": 3}
         async with gateway_over(gateway_at, [bad_url, good_url], outlier=outlier) as (url, client):
             with capture_logs() as logs:
@@ -306,7 +310,11 @@ async def test_the_prober_brings_an_ejected_endpoint_back_after_successes_in_a_r
     answers = iter([("500", None)] * 2)
     failing = RawEngine(lambda *_: next(answers, ("ok", None)))
     health = {"interval_s": 0.1, "timeout_s": 2, "up_after_successes": 4}
-    async with failing.serving() as bad_url, serve_asgi(FakeEngine()) as good_url:
+    bad_port, good_port = ordered_ports()  # the failing one is picked first on ties
+    async with (
+        failing.serving(bad_port) as bad_url,
+        serve_asgi(FakeEngine(), port=good_port) as good_url,
+    ):
         outlier = {"eject_after_5xx": 2}
         async with gateway_over(
             gateway_at, [bad_url, good_url], outlier=outlier, health=health

@@ -105,13 +105,13 @@ class RawEngine:
             writer.close()
 
     @asynccontextmanager
-    async def serving(self) -> AsyncIterator[str]:
+    async def serving(self, port: int = 0) -> AsyncIterator[str]:
         def spawn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             task = asyncio.create_task(self._serve(reader, writer))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-        server = await asyncio.start_server(spawn, "127.0.0.1", 0)
+        server = await asyncio.start_server(spawn, "127.0.0.1", port)
         port = server.sockets[0].getsockname()[1]
         try:
             yield f"http://127.0.0.1:{port}"
