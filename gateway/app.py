@@ -103,7 +103,7 @@ class Gateway:
             upstream,
             metrics,
             log,
-            Failover(pool, metrics, log, events),
+            Failover(pool, admission, metrics, log, events),
         )
         monitor = EngineMonitor(pool, probe_plans(settings), events)
         probe = BootProbe(settings, pool, upstream, log, keys)

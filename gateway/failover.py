@@ -1,7 +1,8 @@
 """Failing over before the response began, and what real requests tell about engines.
 
     failover_candidates(lane, views, tried, serves) -> list[EngineView]      pure
-    Failover(pool, metrics, log, on_change)                                  the edge: pool, logs
+    Failover(pool, admission, metrics, log, on_change)                       the edge
+    await failover.next_attempt(request_id, held, exc, attempts, cluster) -> bool
 
 A request whose engine could not be reached (``EngineUnreachable``: refused, reset, or a
 connection found closed, with no answer byte) may go elsewhere, because nothing reached the
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from engine_pool.cluster import EngineView
 from engine_pool.picker import order_endpoints
 from engine_pool.registry import EnginePool, StateChange
+from gateway.admission import Admission, Held
 from gateway.errors import EngineUnreachable
 from gateway.log import Logger
 from gateway.metrics import Metrics
@@ -56,24 +58,61 @@ def failover_candidates(
 
 @dataclass(slots=True)
 class Attempts:
-    """One request's attempts: endpoints that failed it, and whether the next goes out fresh."""
+    """One request's attempts: its lane, where it may go, the endpoints that failed it, and
+    whether the next attempt goes out on a fresh connection."""
 
+    lane: LaneSettings
+    views: Callable[[str], Sequence[EngineView]]
+    serves: Callable[[str], bool]
+    limit_of: Callable[[EngineView], int]
     tried: set[tuple[str, str]] = field(default_factory=set)
     fresh: bool = False
+
+    def candidates(self) -> list[EngineView]:
+        lane = self.lane
+        views = {c: self.views(c) for c in (*lane.clusters, *lane.emergency_clusters)}
+        return failover_candidates(lane, views, self.tried, self.serves)
 
 
 class Failover:
     def __init__(
         self,
         pool: EnginePool,
+        admission: Admission,
         metrics: Metrics,
         log: Logger,
         on_change: Callable[[StateChange], None],
     ) -> None:
         self._pool = pool
+        self._admission = admission
         self._metrics = metrics
         self._log = log
         self._on_change = on_change
+
+    async def next_attempt(
+        self,
+        request_id: str,
+        held: Held,
+        exc: EngineUnreachable,
+        attempts: Attempts,
+        cluster: ClusterSettings,
+    ) -> bool:
+        """Record the failure and set up the next attempt: the same engine on a fresh
+        connection, or the next endpoint with the slot moved there. False: give up (no retry
+        left, or nowhere to go); the caller answers with ``exc``."""
+        self.unreachable(cluster, held.url, exc)
+        old, lane = held.url, attempts.lane
+        if exc.stale and not attempts.fresh:
+            attempts.fresh = True
+        elif held.moves < lane.retry.max_retries:
+            attempts.tried.add((held.cluster, held.url))
+            attempts.fresh = False
+            if not await self._admission.move(held, lane, attempts.candidates, attempts.limit_of):
+                return False
+        else:
+            return False
+        self.retried(request_id, lane.name, old, held.url, exc.reason)
+        return True
 
     def unreachable(self, cluster: ClusterSettings, url: str, exc: EngineUnreachable) -> None:
         if exc.stale:

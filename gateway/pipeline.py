@@ -55,7 +55,7 @@ from gateway.exchange import (
     read_body,
     watch_disconnect,
 )
-from gateway.failover import Attempts, Failover, failover_candidates
+from gateway.failover import Attempts, Failover
 from gateway.lanes import Decision, choose_lane, endpoint_limit, exact_count_above
 from gateway.log import Logger, swallowed
 from gateway.metrics import Metrics
@@ -291,14 +291,8 @@ class Pipeline:
         def candidates() -> Sequence[EngineView]:
             return [v for c in serving for v in order_endpoints(self.pool.views(c), affinity)]
 
-        def elsewhere() -> Sequence[EngineView]:
-            views = {c: self.pool.views(c) for c in (*lane.clusters, *lane.emergency_clusters)}
-            return failover_candidates(
-                lane, views, attempts.tried, lambda c: policy.serves(c, model.name)
-            )
-
         limit_of = policy.limit_of(lane)
-        attempts = Attempts()
+        attempts = Attempts(lane, self.pool.views, lambda c: policy.serves(c, model.name), limit_of)
         watch = Watch(deadlines_for(lane.timeouts, count.tokens))  # spans every attempt
         # The slot token is ours, never the client's request id: two requests sharing an id
         # must not share (and free) one slot.
@@ -332,40 +326,14 @@ class Pipeline:
                     break
                 except EngineUnreachable as exc:
                     # Nothing reached the client: fail over (gateway/failover.py) or give up.
-                    self.failover.unreachable(cluster, held.url, exc)
-                    if not await self._fail_over(
-                        record.request_id, lane, held, exc, attempts, elsewhere, limit_of
+                    if not await self.failover.next_attempt(
+                        record.request_id, held, exc, attempts, cluster
                     ):
                         raise
                     record.fields.update(cluster=held.cluster, endpoint=held.url)
                     record.fields["retries"] = record.fields.get("retries", 0) + 1
             if engine_down.cancelled_caught and not out.finished:
                 raise UpstreamError(f"engine was marked down mid-request: {engine.evidence}")
-
-    async def _fail_over(
-        self,
-        request_id: str,
-        lane: LaneSettings,
-        held: Held,
-        exc: EngineUnreachable,
-        attempts: Attempts,
-        elsewhere: Callable[[], Sequence[EngineView]],
-        limit_of: Callable[[EngineView], int],
-    ) -> bool:
-        """Set up the next attempt: the same engine on a fresh connection, or the next endpoint
-        with the slot moved there. False: give up (no retry left, or nowhere to go)."""
-        old = held.url
-        if exc.stale and not attempts.fresh:
-            attempts.fresh = True
-        elif held.moves < lane.retry.max_retries:
-            attempts.tried.add((held.cluster, held.url))
-            attempts.fresh = False
-            if not await self.admission.move(held, lane, elsewhere, limit_of):
-                return False
-        else:
-            return False
-        self.failover.retried(request_id, lane.name, old, held.url, exc.reason)
-        return True
 
     async def _forward(
         self,
