@@ -7,9 +7,12 @@ its load as last read from the engine's own metrics, and the gateway's in-flight
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal
+
+from engine_pool.outlier import ramp
 
 EngineKind = Literal["vllm", "sglang"]
 
@@ -44,6 +47,12 @@ class Engine:
     ttft_p95: float | None = None
     slow: str | None = None
     slow_since: float | None = None
+    # Passive health: consecutive failures seen by real requests (engine_pool/outlier.py).
+    connect_failures: int = 0
+    errors_5xx: int = 0
+    # Slow start: monotonic time the endpoint joined or came back, until fully ramped.
+    warming_since: float | None = None
+    warming_s: float = 0.0
 
     def as_json(self, now: float) -> dict[str, Any]:
         """The endpoint as the admin state and the dashboard show it."""
@@ -62,7 +71,14 @@ class Engine:
             "waiting": self.waiting,
             "kv_usage": self.kv_usage,
             "load_age_s": None if self.load_at is None else round(max(0.0, now - self.load_at), 1),
+            "connect_failures": self.connect_failures,
+            "errors_5xx": self.errors_5xx,
+            "slow_start": self._slow_start(),
         }
+
+    def _slow_start(self) -> dict[str, float] | None:
+        share = ramp(self.warming_since, self.warming_s, time.monotonic())
+        return None if share >= 1.0 else {"window_s": self.warming_s, "share": round(share, 3)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +88,8 @@ class EngineView:
     state: EngineState
     in_flight: int
     waiting: float | None = None
+    # Slow start: the share of its slot limit the endpoint may use now (engine_pool/outlier.py).
+    ramp: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,3 +98,4 @@ class Cluster:
     kind: EngineKind
     endpoints: tuple[str, ...]
     models: tuple[str, ...] = field(default=())
+    slow_start_s: float = 0.0

@@ -138,11 +138,16 @@ class Prober:
     limits: Thresholds
     progressing: Callable[[], bool]
     report: Callable[[Verdict], None]
+    # The endpoint's state in the pool: an ejection by real requests (engine_pool/outlier.py)
+    # happens between probes, and recovery from it takes the same successes in a row.
+    pool_state: Callable[[], EngineState] = lambda: EngineState.UP
     track: Track = Track()
 
     async def run(self, client: httpx.AsyncClient) -> None:
         while True:
             result = await probe(client, self.url, self.timeout_s)
+            if self.pool_state() is EngineState.DOWN and self.track.state is not EngineState.DOWN:
+                self.track = Track(EngineState.DOWN)
             verdict = judge(self.track, result, self.progressing(), self.limits)
             self.track = verdict.track
             self.report(verdict)

@@ -122,6 +122,7 @@ class EngineMonitor:
             limits=plan.thresholds,
             progressing=lambda: progress.advanced,
             report=report,
+            pool_state=lambda: self._pool.state_of(plan.cluster, plan.url),
         )
         await prober.run(client)
 

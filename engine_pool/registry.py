@@ -13,7 +13,12 @@ Contract:
   context is open (the count can never leak: release is the context's exit) and registers the
   request's cancel scope: when the endpoint goes DOWN, its in-flight requests are cancelled so
   they end with an error and free their slots instead of waiting out their deadlines.
-- The caller logs each ``StateChange`` once, with its evidence.
+- Every state change is returned as a ``StateChange`` so the caller logs it once with evidence.
+- Passive health (engine_pool/outlier.py): ``unreachable`` and ``answered`` feed what real
+  requests saw; enough consecutive failures eject the endpoint (DOWN, without cancelling its
+  in-flight requests: they meet the failure themselves). The prober brings it back.
+- Slow start: an endpoint that joins (``reconcile``) or comes back from DOWN is ramped over its
+  cluster's ``slow_start_s``; ``views`` carry the share (``EngineView.ramp``).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import anyio
 
 from engine_pool.cluster import Cluster, Engine, EngineState, EngineView
 from engine_pool.latency import Latency, LatencyBook
+from engine_pool.outlier import judge_failure, ramp
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +42,8 @@ class StateChange:
     old: EngineState
     new: EngineState
     evidence: str
+    # Back from DOWN into a slow start of this many seconds (0: full admission at once).
+    slow_start_s: float = 0.0
 
 
 class EnginePool:
@@ -53,20 +61,25 @@ class EnginePool:
         # What requests measured on each endpoint; judged against its peers (latency.py).
         self.latency = LatencyBook()
 
-    def reconcile(self, clusters: Iterable[Cluster]) -> None:
+    def reconcile(self, clusters: Iterable[Cluster]) -> list[Engine]:
         """Adopt a new cluster list (a policy reload). Endpoints that stay keep their state and
-        in-flight counts; new ones start UP; removed ones leave routing at once, and their
-        records live on, out of sight, until their in-flight requests finish."""
+        in-flight counts; new ones start UP (slow-starting if their cluster says so) and are
+        returned; removed ones leave routing at once, and their records live on, out of sight,
+        until their in-flight requests finish."""
         self.clusters = {c.name: c for c in clusters}
         wanted = {(c.name, url): c for c in self.clusters.values() for url in c.endpoints}
+        joined = []
         for key, cluster in wanted.items():
             if key not in self._engines:
-                self._engines[key] = Engine(cluster=key[0], url=key[1], kind=cluster.kind)
+                engine = self._engines[key] = Engine(cluster=key[0], url=key[1], kind=cluster.kind)
                 self._scopes[key] = set()
+                self._warm(engine, cluster.slow_start_s)
+                joined.append(engine)
         for key in [k for k in self._engines if k not in wanted]:
             self._retired[key] = self._engines.pop(key)
         self.latency.forget(wanted)
         self._drop_idle_retired()
+        return joined
 
     def _drop_idle_retired(self) -> None:
         for key in [k for k, e in self._retired.items() if e.in_flight == 0]:
@@ -79,18 +92,34 @@ class EnginePool:
     def engine(self, cluster: str, url: str) -> Engine:
         return self._engines[(cluster, url)]
 
+    def state_of(self, cluster: str, url: str) -> EngineState:
+        engine = self._engines.get((cluster, url))
+        return EngineState.UP if engine is None else engine.state
+
     def views(self, cluster: str) -> list[EngineView]:
-        return [
-            EngineView(
-                cluster=e.cluster,
-                url=e.url,
-                state=e.state,
-                in_flight=e.in_flight,
-                waiting=e.waiting,
+        now = time.monotonic()
+        out = []
+        for e in self._engines.values():
+            if e.cluster != cluster:
+                continue
+            share = ramp(e.warming_since, e.warming_s, now)
+            if share >= 1.0:
+                e.warming_since = None
+            out.append(
+                EngineView(
+                    cluster=e.cluster,
+                    url=e.url,
+                    state=e.state,
+                    in_flight=e.in_flight,
+                    waiting=e.waiting,
+                    ramp=share,
+                )
             )
-            for e in self._engines.values()
-            if e.cluster == cluster
-        ]
+        return out
+
+    def _warm(self, engine: Engine, window_s: float) -> None:
+        if window_s > 0:
+            engine.warming_since, engine.warming_s = time.monotonic(), window_s
 
     def routable(self, cluster: str, url: str) -> bool:
         engine = self._engines.get((cluster, url))
@@ -112,12 +141,76 @@ class EnginePool:
         engine.evidence = evidence
         if engine.state is state:
             return None
-        change = StateChange(cluster, url, engine.state, state, evidence)
+        window = self.clusters[cluster].slow_start_s if engine.state is EngineState.DOWN else 0.0
+        change = StateChange(cluster, url, engine.state, state, evidence, window)
         engine.state = state
         engine.changed_at = time.time()
         if not state.routable:
             for scope in self._scopes[(cluster, url)]:
                 scope.cancel()
+        elif change.old is EngineState.DOWN:
+            engine.connect_failures = engine.errors_5xx = 0
+            self._warm(engine, window)
+        return change
+
+    def unreachable(
+        self, cluster: str, url: str, *, refused: bool, eject_after: int, why: str
+    ) -> StateChange | None:
+        """A real request could not reach the endpoint; eject it after ``eject_after`` in a row."""
+        engine = self._engines.get((cluster, url))
+        if engine is None:
+            return None
+        engine.connect_failures += 1
+        return self._judged(
+            engine,
+            engine.connect_failures,
+            eject_after,
+            refused=refused,
+            evidence=f"{engine.connect_failures} requests in a row: {why}",
+        )
+
+    def answered(
+        self, cluster: str, url: str, status: int, eject_after_5xx: int
+    ) -> StateChange | None:
+        """A real request got an answer with ``status``; eject after enough 5xx in a row."""
+        engine = self._engines.get((cluster, url))
+        if engine is None:
+            return None
+        engine.connect_failures = 0
+        if status < 500:
+            engine.errors_5xx = 0
+            return None
+        engine.errors_5xx += 1
+        return self._judged(
+            engine,
+            engine.errors_5xx,
+            eject_after_5xx,
+            refused=False,
+            evidence=f"{engine.errors_5xx} requests in a row answered HTTP {status}",
+        )
+
+    def _judged(
+        self, engine: Engine, failures: int, threshold: int, *, refused: bool, evidence: str
+    ) -> StateChange | None:
+        if engine.state is EngineState.DOWN:
+            return None
+        others = sum(
+            1
+            for e in self._engines.values()
+            if e.cluster == engine.cluster and e is not engine and e.state.routable
+        )
+        if not judge_failure(failures, threshold, refused=refused, others_routable=others):
+            return None
+        return self._eject(engine, evidence)
+
+    def _eject(self, engine: Engine, evidence: str) -> StateChange:
+        # Its in-flight requests are not cancelled: each meets the engine's failure itself, and
+        # one erroring request is no proof the others are lost.
+        change = StateChange(
+            engine.cluster, engine.url, engine.state, EngineState.DOWN, "ejected: " + evidence
+        )
+        engine.state, engine.evidence = EngineState.DOWN, change.evidence
+        engine.changed_at = time.time()
         return change
 
     def set_load(

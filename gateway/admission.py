@@ -1,7 +1,8 @@
 """Admission: wait for a lane slot and an endpoint slot, in arrival order, and give them back.
 
-    async with admission.slot(lane, candidates, token) as grant:
+    async with admission.slot(lane, candidates, token, limit_of) as held:
         ...  # the request runs here; the slots are released when the block exits, however
+        await admission.move(held, lane, candidates, limit_of)  # fail over, slot and all
 
 Contract:
 - A request first tries the store at once if nobody is queued ahead of it in its lane.
@@ -17,7 +18,13 @@ Contract:
 - Release is shielded from cancellation and bounded by ``release_timeout_s``; a release that
   fails is logged and counted, and the store's lease TTL is the backstop.
 - ``candidates()`` is called on every try, so an endpoint that went down while we waited is not
-  picked.
+  picked. ``limit_of(view)`` is the endpoint's slot limit for this lane (its engine's share,
+  gateway/lanes.py ``endpoint_limit``); by default the lane's ``per_endpoint``. Either way it is
+  scaled down while the endpoint slow-starts (``EngineView.ramp``).
+- ``move`` fails a granted request over to another endpoint: the old endpoint slot is given up
+  and a new one taken in one store step, the lane slot kept, so it never holds two; it waits
+  for room up to ``queue.max_wait_s`` (renewing its lane lease meanwhile) and returns False if
+  none came, or at once when there is no candidate at all.
 """
 
 from __future__ import annotations
@@ -25,12 +32,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 
 import anyio
 
 from engine_pool.cluster import EngineView
+from engine_pool.outlier import ramped_limit
 from gateway.errors import Overloaded, QueueTimeout
 from gateway.log import Logger, swallowed
 from gateway.metrics import Metrics
@@ -49,6 +57,44 @@ class Grant:
     url: str
     keys: tuple[str, ...]
     queued_s: float
+
+
+LimitOf = Callable[[EngineView], int]
+
+
+class Held:
+    """A granted slot as the request holds it: the current grant, which ``move`` may replace."""
+
+    __slots__ = ("_stack", "grant", "moves")
+
+    def __init__(self, grant: Grant) -> None:
+        self.grant = grant
+        self.moves = 0
+        self._stack = AsyncExitStack()
+
+    @property
+    def token(self) -> str:
+        return self.grant.token
+
+    @property
+    def lane(self) -> str:
+        return self.grant.lane
+
+    @property
+    def cluster(self) -> str:
+        return self.grant.cluster
+
+    @property
+    def url(self) -> str:
+        return self.grant.url
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return self.grant.keys
+
+    @property
+    def queued_s(self) -> float:
+        return self.grant.queued_s
 
 
 @dataclass(eq=False, slots=True)
@@ -83,23 +129,82 @@ class Admission:
         lane: LaneSettings,
         candidates: Callable[[], Sequence[EngineView]],
         token: str,
-    ) -> AsyncIterator[Grant]:
-        grant = await self._acquire(lane, candidates, token)
-        self._metrics.slots_in_use.labels(lane=grant.lane, cluster=grant.cluster).inc()
+        limit_of: LimitOf | None = None,
+    ) -> AsyncIterator[Held]:
+        limit_of = limit_of or (lambda _: lane.slots.per_endpoint)
+        held = Held(await self._acquire(lane, candidates, token, limit_of))
+        self._metrics.slots_in_use.labels(lane=held.lane, cluster=held.cluster).inc()
         try:
-            async with self.store.hold(grant.token, grant.keys):
-                yield grant
+            await held._stack.enter_async_context(self.store.hold(held.token, held.keys))
+            yield held
         finally:
-            self._metrics.slots_in_use.labels(lane=grant.lane, cluster=grant.cluster).dec()
-            await self._release(grant.token, grant.keys, lane=grant.lane)
+            await held._stack.aclose()
+            self._metrics.slots_in_use.labels(lane=held.lane, cluster=held.cluster).dec()
+            await self._release(held.token, held.keys, lane=held.lane)
+
+    async def move(
+        self,
+        held: Held,
+        lane: LaneSettings,
+        candidates: Callable[[], Sequence[EngineView]],
+        limit_of: LimitOf | None = None,
+    ) -> bool:
+        """Move ``held`` to the first of ``candidates()`` with room; False if none in time."""
+        limit_of = limit_of or (lambda _: lane.slots.per_endpoint)
+        old = held.grant
+        lane_limit = Limit(lane_key(lane.name), lane.slots.lane)
+        # Renew the lane lease alone while no endpoint slot is held.
+        await held._stack.aclose()
+        held._stack = AsyncExitStack()
+        await held._stack.enter_async_context(self.store.hold(old.token, (lane_limit.key,)))
+        with anyio.move_on_after(lane.queue.max_wait_s):
+            while views := list(candidates()):
+                limits = [self._endpoint_limit(v, limit_of) for v in views]
+                try:
+                    index = await self.store.move(old.token, lane_limit, old.keys[1], limits)
+                except BaseException:
+                    # The store may have taken a candidate before the failure reached us.
+                    await self._release(old.token, [lim.key for lim in limits], lane.name)
+                    raise
+                if index is not None:
+                    view = views[index]
+                    held.grant = Grant(
+                        token=old.token,
+                        lane=old.lane,
+                        cluster=view.cluster,
+                        url=view.url,
+                        keys=(lane_limit.key, limits[index].key),
+                        queued_s=old.queued_s,
+                    )
+                    held.moves += 1
+                    self._metrics.slots_in_use.labels(lane=old.lane, cluster=old.cluster).dec()
+                    self._metrics.slots_in_use.labels(lane=old.lane, cluster=view.cluster).inc()
+                    await held._stack.aclose()
+                    held._stack = AsyncExitStack()
+                    await held._stack.enter_async_context(
+                        self.store.hold(old.token, held.grant.keys)
+                    )
+                    self._wake_all()
+                    return True
+                await anyio.sleep(self._poll_s)
+        self._wake_all()  # the old endpoint slot is free
+        return False
+
+    @staticmethod
+    def _endpoint_limit(view: EngineView, limit_of: LimitOf) -> Limit:
+        return Limit(endpoint_key(view.cluster, view.url), ramped_limit(limit_of(view), view.ramp))
 
     async def _acquire(
-        self, lane: LaneSettings, candidates: Callable[[], Sequence[EngineView]], token: str
+        self,
+        lane: LaneSettings,
+        candidates: Callable[[], Sequence[EngineView]],
+        token: str,
+        limit_of: LimitOf,
     ) -> Grant:
         started = time.monotonic()
         queue = self._queues.setdefault(lane.name, deque())
         if not queue:
-            grant = await self._try(lane, candidates, token, started)
+            grant = await self._try(lane, candidates, token, started, limit_of)
             if grant is not None:
                 return grant
         if lane.on_full == "reject":
@@ -118,7 +223,7 @@ class Admission:
                 async with self.store.waiting(token, lane_key(lane.name)):
                     while True:
                         if queue[0] is waiter:
-                            grant = await self._try(lane, candidates, token, started)
+                            grant = await self._try(lane, candidates, token, started, limit_of)
                             if grant is not None:
                                 return grant
                         waiter.wake = anyio.Event()
@@ -141,12 +246,13 @@ class Admission:
         candidates: Callable[[], Sequence[EngineView]],
         token: str,
         started: float,
+        limit_of: LimitOf,
     ) -> Grant | None:
         views = list(candidates())
         if not views:
             return None
         lane_limit = Limit(lane_key(lane.name), lane.slots.lane)
-        limits = [Limit(endpoint_key(v.cluster, v.url), lane.slots.per_endpoint) for v in views]
+        limits = [self._endpoint_limit(v, limit_of) for v in views]
         try:
             index = await self.store.try_acquire(token, lane_limit, limits)
         except BaseException:
@@ -180,6 +286,9 @@ class Admission:
                     lane=lane,
                     token=token,
                 )
+        self._wake_all()
+
+    def _wake_all(self) -> None:
         for queue in self._queues.values():
             if queue:
                 queue[0].wake.set()

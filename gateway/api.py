@@ -4,8 +4,9 @@ the rest answer from config or from snapshots of the gateway's state.
     POST /v1/chat/completions, /v1/completions   -> Pipeline.handle
     GET  /v1/models                              the configured models (names and aliases)
     GET  /healthz                                the process answers
-    GET  /readyz                                 503 until every lane passed the boot probe, and
-                                                 while draining
+    GET  /readyz                                 503 until every lane passed the boot probe, while
+                                                 draining, and while a lane has no routable
+                                                 cluster; each lane's state and evidence
     POST /admin/probe                            run the boot probe now; per-lane results
     POST /admin/reload                           reload the policy (file, or a policy in the body)
     GET  /admin/state                            lanes, clusters, slots, queues, recent decisions
@@ -27,6 +28,7 @@ from gateway.dashboard.routes import add_dashboard_routes
 from gateway.errors import GatewayError, Unauthorized, error_body
 from gateway.exchange import Receive, Scope, Send, read_body, require_media_type
 from gateway.protocol import ENDPOINT_PATHS, Endpoint
+from gateway.readiness import endpoint_health, lane_states
 from gateway.reload import reload_policy
 from gateway.services import Gateway
 from gateway.settings import ConfigError
@@ -129,7 +131,15 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
             return JSONResponse({"ready": False, "why": {"gateway": "draining"}}, status_code=503)
         if not gateway.ready:
             return JSONResponse({"ready": False, "why": gateway.probe.why_not()}, status_code=503)
-        return JSONResponse({"ready": True})
+        lanes = lane_states(gateway.settings.lanes, endpoint_health(gateway.pool))
+        down = {
+            name: "no routable endpoint in any of its clusters"
+            for name, lane in lanes.items()
+            if lane["state"] == "down"
+        }
+        degraded = any(lane["state"] == "degraded" for lane in lanes.values())
+        body = {"ready": not down, "degraded": degraded, "lanes": lanes}
+        return JSONResponse({**body, "why": down} if down else body, 503 if down else 200)
 
     @app.post("/admin/probe")
     async def probe_now() -> JSONResponse:

@@ -80,6 +80,11 @@ def probe_plans(settings: Settings) -> list[ProbePlan]:
     return plans
 
 
+def slow_start(log: Logger, cluster: str, url: str, window_s: float, why: str) -> None:
+    """One ``engine.slow_start``: the endpoint's admission ramps up over ``window_s``."""
+    log.info("engine.slow_start", cluster=cluster, endpoint=url, window_s=window_s, why=why)
+
+
 class EngineEvents:
     """Turns monitor events into log lines and metrics."""
 
@@ -105,6 +110,8 @@ class EngineEvents:
             self._metrics.engine_up.labels(cluster=event.cluster, endpoint=event.url).set(
                 1 if event.new.routable else 0
             )
+            if event.new.routable and event.slow_start_s > 0:
+                slow_start(self._log, event.cluster, event.url, event.slow_start_s, "recovered")
         elif isinstance(event, SlowProbe):
             lanes = lanes_of(self._settings, event.cluster)
             lane = lanes[0].name if lanes else "none"

@@ -13,6 +13,7 @@
     ├── StateUnavailable              503     service_unavailable (Redis down, fail_closed)
     ├── ShuttingDown                  503     service_unavailable
     └── UpstreamError                 502     upstream_error
+        ├── EngineUnreachable         502     upstream_error     (no answer byte: may fail over)
         └── UpstreamTimeout           504     timeout            (a watchdog deadline)
 
 The body shape is vLLM's: ``{"error": {"message", "type", "param", "code"}}`` with ``code``
@@ -102,6 +103,17 @@ class ShuttingDown(GatewayError):
 class UpstreamError(GatewayError):
     status = 502
     type = "upstream_error"
+
+
+class EngineUnreachable(UpstreamError):
+    """The engine could not be reached, and it sent no byte of an answer: refused, reset, or a
+    connection found closed. ``reason`` names which; ``stale`` says the connection was a
+    kept-alive one (it may simply have expired), so a fresh one to the same engine may work."""
+
+    def __init__(self, message: str, *, reason: str, stale: bool = False) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.stale = stale
 
 
 class UpstreamTimeout(UpstreamError):

@@ -19,9 +19,13 @@ Contract:
 - ``Connection.headers()`` waits for the status line and headers; ``Connection.next_bytes()``
   returns every body byte received so far (de-chunked), waiting only when there is none;
   ``b""`` at the end of the body; ``ConnectionLost`` if the engine dropped the connection first.
-- ``Pool.release(conn)`` takes it back: to the idle stack if its response was read to the end
-  and both sides allow keep-alive, else the connection is closed (the engine sees the client
-  leave and aborts the request). Never raises, never awaits.
+- ``Pool.release(conn)`` takes it back: to the idle stack if its response was read to the end,
+  framed by Content-Length or chunked encoding, not a 5xx, and both sides allow keep-alive;
+  else the connection is closed (the engine sees the client leave and aborts the request). An
+  engine that failed (5xx, a protocol error) may close the socket a moment later without
+  saying so: such a connection is never reused. Never raises, never awaits.
+- ``Pool.request(..., fresh=True)`` never takes an idle connection. ``Connection.reused`` says
+  the request went out on a kept-alive one, ``Connection.answered`` that a response byte came.
 - Idle connections older than ``keepalive_s`` (below uvicorn's 5 s default) are closed rather
   than reused, and a connection the engine closed is never handed out. ``max_connections`` per
   origin bounds the pool; past it a request waits up to ``pool_timeout_s``, then ``PoolTimeout``.
@@ -83,6 +87,8 @@ class Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.idle_since = 0.0
         self.lost = False
+        # The current request went out on a kept-alive connection (not a new one).
+        self.reused = False
         self._reset_exchange()
 
     def _reset_exchange(self) -> None:
@@ -95,6 +101,7 @@ class Connection(asyncio.Protocol):
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
         self._framed = False  # content-length or chunked: the end of the body is known
+        self.answered = False  # a byte of the response arrived
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -102,6 +109,7 @@ class Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
+        self.answered = True
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -200,6 +208,8 @@ class Connection(asyncio.Protocol):
         return (
             self.complete
             and self.keep_alive
+            and self._framed
+            and self.status < 500
             and not self.lost
             and not self._body
             and self.transport is not None
@@ -263,15 +273,16 @@ class Pool:
         return None
 
     async def request(
-        self, origin: Origin, head: bytes, body: bytes, connect_s: float
+        self, origin: Origin, head: bytes, body: bytes, connect_s: float, *, fresh: bool = False
     ) -> Connection:
         """Send the request; the returned connection is the caller's until ``release``."""
         pool = self._pool(origin)
         deadline = time.monotonic() + self.pool_timeout_s
         while True:
-            conn = self._idle(pool)
+            conn = None if fresh else self._idle(pool)
             if conn is not None:
                 conn.send(head, body)
+                conn.reused = True
                 return conn
             if len(pool.open) + pool.connecting < self.max_connections:
                 break
@@ -296,6 +307,7 @@ class Pool:
                     waiter.cancel()
         conn = await self._connect(pool, connect_s)
         conn.send(head, body)
+        conn.reused = False
         return conn
 
     async def _connect(self, pool: _OriginPool, connect_s: float) -> Connection:

@@ -10,6 +10,12 @@
 - A count outside every range is ``no_lane``; no healthy cluster at all is
   ``no_healthy_cluster``. The pipeline turns those into 400 and 503.
 
+``endpoint_limit(lanes, lane, cluster)`` is how many requests one endpoint of ``cluster`` may
+hold in flight when ``lane`` sends one there: its own ``per_endpoint`` on its own clusters; on an
+emergency cluster, the engine's own limit (the ``per_endpoint`` of the lanes whose primary it
+is), never the visiting lane's. The endpoint count is shared by every lane, so the engine never
+holds more than its limit; the visiting lane stays bounded by its own ``slots.lane``.
+
 ``exact_count_above(lanes)`` is the token count below which the free upper bound alone decides
 the lane: a bound under the first lane's ceiling proves the prompt belongs to that lane.
 """
@@ -75,6 +81,14 @@ def no_lane_message(prompt_tokens: int, lanes: Sequence[LaneSettings]) -> str:
         for lane in sorted(lanes, key=lambda lane: lane.min_prompt_tokens)
     )
     return f"no lane takes a prompt of {prompt_tokens} tokens (lanes take {ranges})"
+
+
+def endpoint_limit(lanes: Sequence[LaneSettings], lane: LaneSettings, cluster: str) -> int:
+    """The slot limit of one endpoint of ``cluster`` for a request of ``lane``."""
+    if cluster in lane.clusters:
+        return lane.slots.per_endpoint
+    owners = [other.slots.per_endpoint for other in lanes if cluster in other.clusters]
+    return max(owners) if owners else lane.slots.per_endpoint
 
 
 def exact_count_above(lanes: Sequence[LaneSettings]) -> int:

@@ -253,6 +253,25 @@ class Metrics:
         self.state_degraded = Gauge(
             "shapegate_state_degraded", "1 while the shared slot store is unreachable.", registry=r
         )
+        # Failover (gateway/failover.py): retries before the response began, passive ejections.
+        self.retries = Counter(
+            "shapegate_retries",
+            "Requests sent again before any response byte, by why the last attempt failed.",
+            ["lane", "reason"],
+            registry=r,
+        )
+        # Redis that lost its data (gateway/slots_redis.py): leases re-established by their owners.
+        self.leases_restored = Counter(
+            "shapegate_slot_leases_restored",
+            "Leases in flight re-established after the shared store lost its data.",
+            registry=r,
+        )
+        self.ejections = Counter(
+            "shapegate_engine_ejections",
+            "Endpoints marked down by what real requests saw (not by a probe).",
+            ["cluster", "cause"],
+            registry=r,
+        )
 
         # Not a Prometheus metric: the swallowed errors and watchdog events the ops dashboard
         # lists. It hangs here because everything that reports those events already holds this

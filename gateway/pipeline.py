@@ -31,10 +31,11 @@ import anyio
 from engine_pool.cluster import EngineView
 from engine_pool.picker import order_endpoints
 from engine_pool.registry import EnginePool
-from gateway.admission import Admission, Grant
+from gateway.admission import Admission
 from gateway.auth import ClientAuth
 from gateway.errors import (
     BadRequest,
+    EngineUnreachable,
     GatewayError,
     ModelNotFound,
     NoHealthyCluster,
@@ -53,6 +54,7 @@ from gateway.exchange import (
     require_media_type,
     watch_disconnect,
 )
+from gateway.failover import Attempts, Failover
 from gateway.lanes import choose_lane, exact_count_above, no_lane_message
 from gateway.log import Logger, swallowed
 from gateway.metrics import Metrics
@@ -122,6 +124,14 @@ class Policy:
         models = self.settings.cluster(cluster).models
         return not models or model in models
 
+    def limit_of(self, lane: LaneSettings) -> Callable[[EngineView], int]:
+        """The slot limit of an endpoint for this lane's requests (gateway/lanes.py)."""
+        limits = {
+            c.name: endpoint_limit(self.settings.lanes, lane, c.name)
+            for c in self.settings.clusters
+        }
+        return lambda view: limits[view.cluster]
+
 
 @dataclass(frozen=True, slots=True)
 class Target:
@@ -134,6 +144,8 @@ class Target:
     cluster: ClusterSettings
     engine_key: str | None
     count: ExactCount
+    watch: Watch  # one for every attempt: failing over never extends the request's deadlines
+    fresh: bool  # open a new connection (a kept-alive one was found closed)
 
 
 class Pipeline:
@@ -144,6 +156,7 @@ class Pipeline:
         admission: Admission,
         upstream: Upstream,
         recorder: Recorder,
+        failover: Failover,
     ) -> None:
         self.policy = policy
         self.pool = pool
@@ -152,6 +165,7 @@ class Pipeline:
         self.recorder = recorder
         self.metrics = recorder.metrics
         self.log = recorder.log
+        self.failover = failover
         self.accepting = True
         self.in_flight = 0
 
@@ -253,26 +267,49 @@ class Pipeline:
         def candidates() -> Sequence[EngineView]:
             return [v for c in serving for v in order_endpoints(self.pool.views(c), affinity)]
 
+        limit_of = policy.limit_of(lane)
+        attempts = Attempts(lane, self.pool.views, lambda c: policy.serves(c, model.name), limit_of)
+        exact = ExactCount(policy.counter, count)
+        # One watch spans every attempt. A bound errs long: deadlines grown from it are never
+        # shorter than the exact count's.
+        watch = Watch(deadlines_for(lane.timeouts, exact.decided_by))
         # The slot token is ours, never the client's request id: two requests sharing an id
         # must not share (and free) one slot.
-        async with self.admission.slot(lane, candidates, uuid.uuid4().hex) as grant:
-            self.recorder.admitted(record, grant)
-            with (
-                anyio.CancelScope() as engine_down,
-                self.pool.track(grant.cluster, grant.url, engine_down) as engine,
-            ):
-                target = Target(
-                    grant,
-                    lane,
-                    settings.cluster(grant.cluster),
-                    policy.engine_keys.get(grant.cluster),
-                    ExactCount(policy.counter, count),
-                )
-                try:
-                    await self._forward(request, scope, body, target, out, record)
-                finally:
-                    record.prompt_tokens = target.count.settle()
-                self.recorder.engine_counted(record, model.name, model.tokenizer.chat_template)
+        async with self.admission.slot(lane, candidates, uuid.uuid4().hex, limit_of) as held:
+            self.recorder.admitted(record, held.grant)
+            try:
+                while True:
+                    target = Target(
+                        held.grant,
+                        lane,
+                        settings.cluster(held.cluster),
+                        policy.engine_keys.get(held.cluster),
+                        exact,
+                        watch,
+                        attempts.fresh,
+                    )
+                    try:
+                        with (
+                            anyio.CancelScope() as engine_down,
+                            self.pool.track(held.cluster, held.url, engine_down) as engine,
+                        ):
+                            await self._forward(request, scope, body, target, out, record)
+                        if engine_down.cancelled_caught and record.status == 0:
+                            raise EngineUnreachable(
+                                f"engine was marked down before answering: {engine.evidence}",
+                                reason="marked_down",
+                            )
+                        break
+                    except EngineUnreachable as exc:
+                        # Nothing reached the client: fail over (gateway/failover.py) or give up.
+                        if not await self.failover.next_attempt(
+                            record.request_id, held, exc, attempts, target.cluster
+                        ):
+                            raise
+                        self.recorder.moved(record, held.grant)
+            finally:
+                record.prompt_tokens = exact.settle()
+            self.recorder.engine_counted(record, model.name, model.tokenizer.chat_template)
             if engine_down.cancelled_caught and not out.finished:
                 raise UpstreamError(f"engine was marked down mid-request: {engine.evidence}")
 
@@ -285,9 +322,7 @@ class Pipeline:
         out: Outbound,
         record: Record,
     ) -> None:
-        grant, exact = target.grant, target.count
-        # A bound errs long: deadlines grown from it are never shorter than the exact count's.
-        watch = Watch(deadlines_for(target.lane.timeouts, exact.decided_by))
+        grant, exact, watch = target.grant, target.count, target.watch
         headers = upstream_headers(
             scope.get("headers", ()),
             record.request_id,
@@ -302,8 +337,11 @@ class Pipeline:
         if exact.bound is not None:
             ours["x-shapegate-prompt-tokens-bound"] = str(exact.bound)
         url = grant.url.rstrip("/") + ENDPOINT_PATHS[request.endpoint]
-        async with self.upstream.open(url, body, headers, watch, exact.meanwhile) as response:
+        async with self.upstream.open(
+            url, body, headers, watch, exact.meanwhile, fresh=target.fresh
+        ) as response:
             record.status = response.status
+            self.failover.answered(target.cluster, grant.url, response.status)
             # Counted while the engine worked: done by now, so the header carries tokens.
             ours["x-shapegate-prompt-tokens"] = str(await exact.tokens())
             if not (request.stream and response.status == 200):

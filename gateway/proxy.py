@@ -1,12 +1,15 @@
 """Forwarding to an engine and relaying its bytes back, unchanged.
 
 Contract:
-- ``Upstream.open(url, body, headers, watch, meanwhile)`` sends the client's original body bytes
-  (never a re-serialisation) and yields an ``UpstreamResponse`` once the engine answered with
-  headers; ``meanwhile`` (optional, synchronous) runs once the request is written, before the
-  wait for the answer: work that overlaps the engine's instead of delaying the request. It
-  raises ``UpstreamError`` (502) for a refused, reset or otherwise failed connection and
-  ``DeadlineHit`` (504) for a connect or first-byte deadline.
+- ``Upstream.open(url, body, headers, watch, meanwhile, fresh=False)`` sends the client's
+  original body bytes (never a re-serialisation) and yields an ``UpstreamResponse`` once the
+  engine answered with headers; ``meanwhile`` (optional, synchronous) runs once the request is
+  written, before the wait for the answer: work that overlaps the engine's instead of delaying
+  the request. It raises ``EngineUnreachable`` (502, safe to send elsewhere: the engine sent no
+  byte) for a refused, reset or closed connection before any answer byte, with ``stale`` set
+  when that connection was a kept-alive one; ``UpstreamError`` (502) for any other failure; and
+  ``DeadlineHit`` (504) for a connect or first-byte deadline. ``fresh=True`` opens a new
+  connection rather than reusing an idle one.
 - Leaving the ``async with`` always closes the upstream response: a response read to its end
   returns its connection to the pool, any other is closed, synchronously (no await, so no
   cancellation can interrupt it): an engine whose client left sees its connection closed and
@@ -30,7 +33,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from gateway.errors import UpstreamError
+from gateway.errors import EngineUnreachable, UpstreamError
 from gateway.http1 import Connection, ConnectionLost, Origin, Pool, PoolTimeout, request_head
 from gateway.watchdog import DeadlineHit, Phase, Watch
 
@@ -127,6 +130,24 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
+def _unreached(exc: OSError | ConnectionLost, conn: Connection | None) -> EngineUnreachable | None:
+    """The failure as ``EngineUnreachable`` when the engine sent no byte of an answer."""
+    if conn is not None and conn.answered:
+        return None  # a partial answer: the engine may have acted on the request
+    if isinstance(exc, ConnectionRefusedError):
+        reason = "refused"
+    elif isinstance(exc, ConnectionResetError | ConnectionAbortedError):
+        reason = "reset"
+    elif isinstance(exc, ConnectionLost):
+        reason = "closed"
+    else:
+        reason = "connect_failed"
+    stale = conn is not None and conn.reused
+    return EngineUnreachable(
+        f"engine request failed: {_why(exc)}", reason="stale" if stale else reason, stale=stale
+    )
+
+
 class Upstream:
     """One connection pool for every engine; per-request deadlines come from the watchdog.
 
@@ -146,6 +167,8 @@ class Upstream:
         headers: Mapping[str, str],
         watch: Watch,
         meanwhile: Callable[[], None] | None = None,
+        *,
+        fresh: bool = False,
     ) -> AsyncIterator[UpstreamResponse]:
         try:
             origin, target = Origin.of(url)
@@ -156,13 +179,21 @@ class Upstream:
         try:
             with watch.within("first_byte"):
                 try:
-                    conn = await self._pool.request(origin, head, body, watch.deadlines.connect_s)
+                    conn = await self._pool.request(
+                        origin, head, body, watch.deadlines.connect_s, fresh=fresh
+                    )
                 except TimeoutError as exc:
                     raise DeadlineHit("connect", watch.deadlines.connect_s) from exc
                 if meanwhile is not None:
                     meanwhile()  # the request is written: this overlaps the engine's work
                 status, response_headers = await conn.headers()
-        except (OSError, ConnectionLost, PoolTimeout) as exc:
+        except (OSError, ConnectionLost) as exc:
+            self._close(conn)
+            unreached = _unreached(exc, conn)
+            if unreached is not None:
+                raise unreached from exc
+            raise UpstreamError(f"engine request failed: {_why(exc)}") from exc
+        except PoolTimeout as exc:
             self._close(conn)
             raise UpstreamError(f"engine request failed: {_why(exc)}") from exc
         except BaseException:

@@ -1,22 +1,34 @@
-"""The boot probe: proof that each lane really serves, not just that it is configured.
+"""Readiness: the boot probe as the first gate, then each lane's current truth.
 
-At start-up (and on ``POST /admin/probe``) one tiny real request (a one-token chat completion)
-goes to each lane's primary clusters, trying their routable endpoints in order, with the lane's
-own deadlines. A lane passes when any endpoint answers 200 with choices. ``/readyz`` is 503 until
-every lane has passed once, and says which lane failed and why. Lanes that failed are retried
-every ``RETRY_S`` until they pass.
+The boot probe is proof that each lane really serves, not just that it is configured. At
+start-up (and on ``POST /admin/probe``) one tiny real request (a one-token chat completion) goes
+to each lane's primary clusters, trying their routable endpoints in order, with the lane's own
+deadlines, then, if none answered, to its emergency clusters (the lane passes ``degraded``). A
+lane passes when any endpoint answers 200 with choices. ``/readyz`` is 503 until every lane has
+passed once, and says which lane failed and why. Lanes that failed are retried every ``RETRY_S``
+until they pass. The probe bypasses the slot store: it is one request per lane, made before
+traffic is admitted.
 
-The probe bypasses the slot store: it is one request per lane, made before traffic is admitted.
+After it, ``lane_states`` (pure) tells each lane's state now, from the engine pool:
+
+    ready      a primary cluster has a routable endpoint
+    degraded   only an emergency cluster has one: the lane serves through it (still ready)
+    down       no cluster of the lane has one: /readyz answers 503
+
+with, per cluster, how many endpoints are routable and each endpoint's state and evidence.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import anyio
 import orjson
 
+from engine_pool.cluster import EngineState
 from engine_pool.picker import order_endpoints
 from engine_pool.registry import EnginePool
 from gateway.errors import GatewayError
@@ -27,6 +39,48 @@ from gateway.settings import LaneSettings, Settings
 from gateway.watchdog import Watch, deadlines_for
 
 RETRY_S = 5.0
+LaneState = Literal["ready", "degraded", "down"]
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointHealth:
+    url: str
+    state: EngineState
+    evidence: str
+
+
+def lane_states(
+    lanes: Sequence[LaneSettings], endpoints: Mapping[str, Sequence[EndpointHealth]]
+) -> dict[str, dict[str, Any]]:
+    """Each lane's state now and the evidence for it (see the module docstring)."""
+    out: dict[str, dict[str, Any]] = {}
+    for lane in lanes:
+        clusters = {
+            name: {
+                "role": role,
+                "routable": sum(e.state.routable for e in endpoints.get(name, ())),
+                "endpoints": {
+                    e.url: f"{e.state.value}: {e.evidence}" for e in endpoints.get(name, ())
+                },
+            }
+            for role, names in (("primary", lane.clusters), ("emergency", lane.emergency_clusters))
+            for name in names
+        }
+        serving = [n for n in lane.clusters if clusters[n]["routable"]]
+        state: LaneState = "ready"
+        if not serving:
+            serving = [n for n in lane.emergency_clusters if clusters[n]["routable"]]
+            state = "degraded" if serving else "down"
+        out[lane.name] = {"state": state, "serving": serving, "clusters": clusters}
+    return out
+
+
+def endpoint_health(pool: EnginePool) -> dict[str, list[EndpointHealth]]:
+    """The pool's endpoints by cluster, as ``lane_states`` reads them."""
+    out: dict[str, list[EndpointHealth]] = {name: [] for name in pool.clusters}
+    for engine in pool.engines():
+        out[engine.cluster].append(EndpointHealth(engine.url, engine.state, engine.evidence))
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +145,7 @@ class BootProbe:
         started = time.monotonic()
         failures: list[str] = []
         passed = False
-        for name in lane.clusters:
+        for name in (*lane.clusters, *lane.emergency_clusters):
             cluster = self._settings.cluster(name)
             model = cluster.models[0] if cluster.models else self._settings.models[0].name
             body = orjson.dumps(
@@ -115,6 +169,8 @@ class BootProbe:
                 break
         seconds = time.monotonic() - started
         detail = "ok" if passed else "; ".join(failures) or "no cluster"
+        if passed and name not in lane.clusters:
+            detail = f"degraded: served by emergency cluster {name}; " + "; ".join(failures)
         self.checks[lane.name] = LaneCheck(lane.name, passed, detail, seconds, time.time())
         if passed:
             self.passed_once.add(lane.name)

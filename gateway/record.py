@@ -12,6 +12,7 @@ Contract:
                                 decisions (the dashboard shows it in flight)
       admitted(record, grant)   one ``route.decision`` event; decision, queue-wait and
                                 prompt-token metrics
+      moved(record, grant)      the request failed over to another endpoint (its slot moved)
       chunk(record, now)        a chunk reached the client: TTFT on the first, ITL after
       refused(record, exc)      the gateway answered with an error: the outcome it means;
                                 ``route.rejected`` if the request was never admitted; a
@@ -129,6 +130,8 @@ class Record:
     output_tokens_estimate: int | None = None
     chunks: int = 0
     last_chunk_at: float = 0.0
+    # How often it failed over before the engine answered (gateway/failover.py).
+    retries: int = 0
     # Why it ended, when not as planned: the error the client was told, the deadline hit.
     error: str | None = None
     deadline: Phase | None = None
@@ -167,6 +170,7 @@ class Record:
             "cluster": grant.cluster if grant else None,
             "endpoint": grant.url if grant else None,
             "queue_wait_s": round(grant.queued_s, 4) if grant else None,
+            "retries": self.retries,
             "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 4),
             "duration_s": self.duration_s,
             "output_tokens": self.output_tokens,
@@ -223,6 +227,12 @@ class Recorder:
         m = self.metrics
         m.child(m.route_decisions, grant.lane, routed.reason, routed.count.method).inc()
         m.child(m.queue_wait, grant.lane).observe(grant.queued_s)
+
+    def moved(self, record: Record, grant: Grant) -> None:
+        """The request failed over before any answer byte: its slot is now ``grant``'s (the
+        ``route.retry`` event itself is gateway/failover.py's)."""
+        record.grant = grant
+        record.retries += 1
 
     def engine_counted(self, record: Record, model: str, template: str) -> None:
         """The engine answered: compare its prompt count with ours when both exist."""
@@ -296,6 +306,7 @@ class Recorder:
             output_tokens=record.output_tokens,
             output_tokens_estimate=record.output_tokens_estimate,
             chunks=record.chunks,
+            retries=record.retries,
             error=record.error,
             deadline=record.deadline,
         )

@@ -29,6 +29,7 @@ import anyio
 
 from gateway.auth import ClientAuth
 from gateway.config_check import CheckedPolicy, load_policy
+from gateway.engines import slow_start
 from gateway.log import swallowed
 from gateway.pipeline import Policy
 from gateway.services import Gateway, clusters_of
@@ -102,7 +103,9 @@ async def apply_reload(gateway: Gateway, new: Settings) -> ReloadResult:
     keys = gateway.engine_keys_for(effective)
     auth = ClientAuth.from_settings(effective.auth)
     policy = Policy(effective, counter, keys, auth, version=old_policy.version + 1)
-    gateway.pool.reconcile(clusters_of(effective))
+    for engine in gateway.pool.reconcile(clusters_of(effective)):
+        if engine.warming_since is not None:
+            slow_start(gateway.log, engine.cluster, engine.url, engine.warming_s, "joined")
     gateway.pipeline.policy = policy
     gateway.adopt(effective)
     applied = {k: v for k, v in changed.items() if k not in restart}

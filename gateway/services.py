@@ -23,6 +23,8 @@ from engine_pool.registry import EnginePool
 from gateway.admission import Admission
 from gateway.auth import ClientAuth
 from gateway.engines import EngineEvents, probe_plans
+from gateway.failover import Failover
+from gateway.lanes import endpoint_limit
 from gateway.log import Logger, get_logger
 from gateway.metrics import Metrics
 from gateway.pipeline import Pipeline, Policy
@@ -37,7 +39,13 @@ from gateway.tokens import TokenCounter
 def clusters_of(settings: Settings) -> Iterator[Cluster]:
     """The engine pool's view of the configured clusters (at start and on every reload)."""
     for c in settings.clusters:
-        yield Cluster(name=c.name, kind=c.kind, endpoints=c.endpoints, models=c.models)
+        yield Cluster(
+            name=c.name,
+            kind=c.kind,
+            endpoints=c.endpoints,
+            models=c.models,
+            slow_start_s=c.outlier.slow_start_s,
+        )
 
 
 def deadlines_of(settings: Settings) -> list[float]:
@@ -63,7 +71,10 @@ def _set_limits(metrics: Metrics, settings: Settings) -> None:
         for name in (*lane.clusters, *lane.emergency_clusters):
             cluster = settings.cluster(name)
             metrics.slots_limit.labels(lane=lane.name, cluster=name).set(
-                min(lane.slots.lane, lane.slots.per_endpoint * len(cluster.endpoints))
+                min(
+                    lane.slots.lane,
+                    endpoint_limit(settings.lanes, lane, name) * len(cluster.endpoints),
+                )
             )
             metrics.slots_in_use.labels(lane=lane.name, cluster=name).inc(0)
 
@@ -99,6 +110,7 @@ class Gateway:
         admission = Admission(store, metrics, log, poll_interval_s=settings.state.poll_interval_s)
         upstream = Upstream()
         keys = cls.engine_keys_for(settings)
+        events = EngineEvents(settings, metrics, log)
         pipeline = Pipeline(
             Policy(settings, counter, keys, ClientAuth.from_settings(settings.auth)),
             pool,
@@ -111,8 +123,9 @@ class Gateway:
                 trace_file=settings.state.trace_file,
                 latency=pool.latency,
             ),
+            Failover(pool, admission, metrics, log, events),
         )
-        monitor = EngineMonitor(pool, probe_plans(settings), EngineEvents(settings, metrics, log))
+        monitor = EngineMonitor(pool, probe_plans(settings), events)
         probe = BootProbe(settings, pool, upstream, log, keys)
         _set_limits(metrics, settings)
         return cls(

@@ -159,6 +159,23 @@ class CountingSettings(_Frozen):
     max_encoder_rss_mb: float | None = Field(384.0, ge=128)
 
 
+class OutlierSettings(_Frozen):
+    """Passive health from real requests (``clusters[].outlier``), beside the prober's active one.
+
+    An endpoint is ejected (marked down at once, without waiting for a probe) after this many
+    consecutive requests could not reach it (refused, reset, closed before any answer byte), or
+    after ``eject_after_5xx`` consecutive 5xx answers (0: never for 5xx). The prober's
+    ``up_after_successes`` good probes in a row bring it back. Ejection never takes the last
+    routable endpoint of a cluster unless that one refuses connections too.
+    """
+
+    eject_after_connect_failures: int = Field(2, ge=1, le=100)
+    eject_after_5xx: int = Field(0, ge=0, le=1000)
+    # An endpoint that joins (reload) or comes back from down gets its per-endpoint slot limit
+    # ramped from 1 to the full limit over this window; 0: at once.
+    slow_start_s: float = Field(0.0, ge=0, le=3600)
+
+
 class ClusterSettings(_Frozen):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     kind: EngineKind = "vllm"
@@ -176,6 +193,7 @@ class ClusterSettings(_Frozen):
     sim_profile: str | None = None
     # How the engines are launched; optional: the gateway itself never reads it.
     engine: EngineProfileSettings | None = None
+    outlier: OutlierSettings = OutlierSettings()
 
     @model_validator(mode="after")
     def _endpoints_are_urls(self) -> ClusterSettings:
@@ -226,6 +244,19 @@ class HealthSettings(_Frozen):
     scrape_interval_s: float = Field(5.0, gt=0)
 
 
+class RetrySettings(_Frozen):
+    """Failing over before the response began (``lanes[].retry``).
+
+    A request whose engine could not be reached (refused, reset, or a kept-alive connection
+    found closed) before any response byte moves, slot and all, to the next routable endpoint
+    of its lane (its clusters, then its emergency clusters), at most ``max_retries`` times and
+    within the lane's deadlines. A stale kept-alive connection is first retried once on a fresh
+    connection to the same engine (not counted). Nothing is retried once a byte reached the client.
+    """
+
+    max_retries: int = Field(2, ge=0, le=16)
+
+
 class LaneSettings(_Frozen):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     # The lane takes prompts with min_prompt_tokens <= tokens < max_prompt_tokens.
@@ -240,6 +271,7 @@ class LaneSettings(_Frozen):
     on_full: Literal["wait", "reject"] = "wait"
     timeouts: TimeoutSettings = TimeoutSettings()
     health: HealthSettings = HealthSettings()
+    retry: RetrySettings = RetrySettings()
     # Send requests sharing a prompt prefix (the system prompt, else the first message's first
     # affinity_prefix_bytes) to the same endpoint, where the engine has it cached.
     prefix_affinity: bool = False

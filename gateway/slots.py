@@ -9,6 +9,11 @@ acquire is idempotent per token and release is exact and idempotent.
     MemorySlotStore   one process; the default and the demo's
     RedisSlotStore    shared by every gateway replica through leases (gateway/slots_redis.py)
 
+``move(token, lane, release, candidates)`` fails a granted request over: it gives up the
+endpoint slot ``release`` and takes the first candidate with room, keeping the lane slot, in one
+step (never two endpoint slots at once); None when no candidate has room (the token then holds
+the lane slot only).
+
 ``hold(token, keys)`` is the context a grant lives in: nothing to do in memory, lease renewal
 for Redis. ``waiting(token, lane_key)`` is the context a queued request waits in: nothing in
 memory; for Redis, a place in the lane's waiting list shared by every replica, which
@@ -46,6 +51,10 @@ class SlotStore(Protocol):
         self, token: str, lane: Limit, candidates: Sequence[Limit]
     ) -> int | None: ...
 
+    async def move(
+        self, token: str, lane: Limit, release: str, candidates: Sequence[Limit]
+    ) -> int | None: ...
+
     async def release(self, token: str, keys: Sequence[str]) -> None: ...
 
     def hold(self, token: str, keys: Sequence[str]) -> AbstractAsyncContextManager[None]: ...
@@ -75,6 +84,16 @@ class MemorySlotStore:
         for index, candidate in enumerate(candidates):
             if self._room(candidate, token):
                 self._held.setdefault(lane.key, set()).add(token)
+                self._held.setdefault(candidate.key, set()).add(token)
+                return index
+        return None
+
+    async def move(
+        self, token: str, lane: Limit, release: str, candidates: Sequence[Limit]
+    ) -> int | None:
+        self._held.get(release, set()).discard(token)
+        for index, candidate in enumerate(candidates):
+            if self._room(candidate, token):
                 self._held.setdefault(candidate.key, set()).add(token)
                 return index
         return None

@@ -12,6 +12,16 @@ holding up the queue after one TTL.
 Every key a script touches is passed in KEYS and shares one ``{hash tag}``, so the scripts run
 on Redis Cluster. Keys expire (3 x TTL, only ever extended) so abandoned limits disappear, but a
 key always outlives the leases in it.
+
+Data loss (a restart without persistence, a failover to an empty replica) is told apart from
+reaping by an epoch: a key that never expires, created by the first acquire with a random value
+that every acquire returns and every lease remembers. A renewal that finds its lease gone *and*
+the epoch changed or missing knows Redis lost its data, not that the lease expired: the owner
+is alive and its request in flight on an engine, so the lease is re-established (``RENEW``
+answers 2). Whoever notices the loss first (a renewal, or an acquire from a replica that knew the
+old epoch) sets a recovery marker for half a TTL, during which acquires take nothing: every
+live holder renews within a third of a TTL, so their leases are back before anyone new is
+admitted, and the count never exceeds the limit.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ PROBE_INTERVAL_S = 1.0
 # What a failed call means for the request, when it is not the on_redis_down policy itself.
 _DECISIONS = {
     "release": "left_to_lease_ttl",
+    "move": "no_failover",
     "leave": "left_to_queue_ttl",
     "renew": "retry_next_renewal",
     "refresh": "retry_next_refresh",
@@ -157,19 +168,32 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function extend(key, keep)
   if redis.call('PTTL', key) < keep then redis.call('PEXPIRE', key, keep) end
 end
+-- The store's epoch (see the module docstring); ``known`` is the caller's, '' if none yet.
+local function epoch_of(ekey, rkey, known, proposal, grace)
+  local epoch = redis.call('GET', ekey)
+  if not epoch then
+    redis.call('SET', ekey, proposal)
+    if known ~= '' then redis.call('SET', rkey, '1', 'PX', grace) end
+    return proposal
+  end
+  if known ~= '' and epoch ~= known then redis.call('SET', rkey, '1', 'PX', grace, 'NX') end
+  return epoch
+end
 """
 
-# KEYS: lane, queue, queue liveness, ticket counter, candidate endpoints...
+# KEYS: lane, queue, queue liveness, ticket counter, epoch, recovery marker, candidate endpoints...
 # ARGV: token, ttl_ms, lane limit, the token's waiting-list member ("replica|token"), "1" when it
-#       is a waiter, candidate limits... (ARGV[i + 1] is the limit of KEYS[i], i >= 5)
-# Returns the 0-based index of the candidate taken, or -1: nothing taken.
+#       is a waiter, the replica's known epoch ('' if none), a new epoch should none exist, the
+#       recovery grace in ms, candidate limits... (ARGV[i + 2] is the limit of KEYS[i], i >= 7)
+# Returns {index, epoch}: the 0-based index of the candidate taken, or -1: nothing taken.
 ACQUIRE = Script(
     _PRELUDE
     + """
 local token, ttl, me = ARGV[1], tonumber(ARGV[2]), ARGV[4]
 local lane, queue, live, tickets = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local epoch = epoch_of(KEYS[5], KEYS[6], ARGV[6], ARGV[7], tonumber(ARGV[8]))
 redis.call('ZREMRANGEBYSCORE', lane, '-inf', now)
-for i = 5, #KEYS do redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now) end
+for i = 7, #KEYS do redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now) end
 local dead = redis.call('ZRANGEBYSCORE', live, '-inf', now)
 for _, w in ipairs(dead) do redis.call('ZREM', queue, w) end
 redis.call('ZREMRANGEBYSCORE', live, '-inf', now)
@@ -184,13 +208,16 @@ local function refuse()
   return -1
 end
 
+local function decide()
 if redis.call('ZSCORE', lane, token) then
   -- A retried acquire: report what this token already holds, never take a second slot.
-  for i = 5, #KEYS do
-    if redis.call('ZSCORE', KEYS[i], token) then return i - 5 end
+  for i = 7, #KEYS do
+    if redis.call('ZSCORE', KEYS[i], token) then return i - 7 end
   end
   return -1
 end
+-- Redis lost its data a moment ago: the leases still in flight come back at their next renewal.
+if redis.call('EXISTS', KEYS[6]) == 1 then return refuse() end
 local free = tonumber(ARGV[3]) - redis.call('ZCARD', lane)
 if free <= 0 then return refuse() end
 -- Arrival order across replicas: a waiter goes only while fewer other replicas' waiters stand
@@ -211,8 +238,8 @@ if span >= free then
 end
 
 local chosen = nil
-for i = 5, #KEYS do
-  if redis.call('ZCARD', KEYS[i]) < tonumber(ARGV[i + 1]) then
+for i = 7, #KEYS do
+  if redis.call('ZCARD', KEYS[i]) < tonumber(ARGV[i + 2]) then
     chosen = i
     break
   end
@@ -225,31 +252,73 @@ extend(lane, 3 * ttl)
 extend(KEYS[chosen], 3 * ttl)
 redis.call('ZREM', queue, me)
 redis.call('ZREM', live, me)
-return chosen - 5
+return chosen - 7
+end
+
+return {decide(), epoch}
 """
 )
 
-# KEYS: the keys the token holds. ARGV: token, ttl_ms.
-# Returns 1 when every lease was live and now runs to now + ttl; otherwise 0, and the token is
-# removed everywhere: a reaped lease is never resurrected, and a half-held one is not kept.
+# KEYS: lane, the endpoint to give up, candidate endpoints...
+# ARGV: token, ttl_ms, candidate limits... (ARGV[i] is the limit of KEYS[i], i >= 3)
+# Returns the 0-based index of the candidate now held, -1 when none has room (the token keeps
+# its lane slot only), -2 when the token's lane lease is gone (nothing taken).
+MOVE = Script(
+    _PRELUDE
+    + """
+local token, ttl, lane = ARGV[1], tonumber(ARGV[2]), KEYS[1]
+redis.call('ZREM', KEYS[2], token)
+local score = redis.call('ZSCORE', lane, token)
+if not score or tonumber(score) <= now then return -2 end
+for i = 3, #KEYS do
+  redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
+  if redis.call('ZSCORE', KEYS[i], token) then return i - 3 end
+  if redis.call('ZCARD', KEYS[i]) < tonumber(ARGV[i]) then
+    local deadline = now + ttl
+    redis.call('ZADD', KEYS[i], deadline, token)
+    redis.call('ZADD', lane, 'XX', deadline, token)
+    extend(KEYS[i], 3 * ttl)
+    extend(lane, 3 * ttl)
+    return i - 3
+  end
+end
+return -1
+"""
+)
+
+# KEYS: epoch, recovery marker, the keys the token holds.
+# ARGV: token, ttl_ms, the epoch the lease was granted in ('' if unknown), a new epoch should none
+#       exist, the recovery grace in ms.
+# Returns {status, epoch}. status 1: every lease was live and now runs to now + ttl. 2: Redis
+# lost its data since the grant (the epoch changed): the leases are re-established. 0: reaped,
+# and the token is removed everywhere: a reaped lease is never resurrected, and a half-held one
+# is not kept.
 RENEW = Script(
     _PRELUDE
     + """
-local token, ttl = ARGV[1], tonumber(ARGV[2])
+local token, ttl, granted = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local epoch = epoch_of(KEYS[1], KEYS[2], granted, ARGV[4], tonumber(ARGV[5]))
+if granted ~= '' and epoch ~= granted then
+  for i = 3, #KEYS do
+    redis.call('ZADD', KEYS[i], now + ttl, token)
+    extend(KEYS[i], 3 * ttl)
+  end
+  return {2, epoch}
+end
 local alive = true
-for i = 1, #KEYS do
+for i = 3, #KEYS do
   local score = redis.call('ZSCORE', KEYS[i], token)
   if not score or tonumber(score) <= now then alive = false end
 end
 if not alive then
-  for i = 1, #KEYS do redis.call('ZREM', KEYS[i], token) end
-  return 0
+  for i = 3, #KEYS do redis.call('ZREM', KEYS[i], token) end
+  return {0, epoch}
 end
-for i = 1, #KEYS do
+for i = 3, #KEYS do
   redis.call('ZADD', KEYS[i], 'XX', now + ttl, token)
   extend(KEYS[i], 3 * ttl)
 end
-return 1
+return {1, epoch}
 """
 )
 

@@ -7,8 +7,11 @@ gateway/slots_lua.py. Contract, beyond the protocol's:
   task that lives only as long as the request's ``hold`` block (and stops if the request's task
   ends some other way), so a finished, cancelled or killed request stops renewing and its slots
   come back within one TTL. A lease is not renewed past ``lease_max_life_s`` (a runaway).
-  A renewal that finds its lease reaped (the holder was frozen, or Redis lost its data) logs
-  ``slot.lease_lost`` and stops: it never resurrects it. Renewal errors never end the request.
+  A renewal that finds its lease reaped (the holder was frozen past its TTL) logs
+  ``slot.lease_lost`` and stops: it never resurrects it. A renewal that finds Redis lost its
+  data since the grant (the store's epoch changed, gateway/slots_lua.py) re-establishes the
+  lease (``slot.lease_restored``), and acquires take nothing for half a TTL meanwhile, so the
+  leases in flight are back before anyone new is admitted. Renewal errors never end the request.
 - ``waiting`` keeps a queued request's place in the lane's waiting list in Redis, shared by all
   replicas, so waiters are served in arrival order across replicas; leaving the block (slot
   taken, timeout, client gone) leaves the list at once, and a dead replica's waiters lapse
@@ -75,6 +78,9 @@ class RedisSlotStore:
         self._queued: set[str] = set()
         self._unsent: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        # The store's epoch as last seen, and the epoch each lease of ours was granted in.
+        self._epoch = ""
+        self._lease_epoch: dict[str, str] = {}
 
     @classmethod
     def from_settings(
@@ -100,6 +106,13 @@ class RedisSlotStore:
     def _keys(self, keys: Sequence[str]) -> list[str]:
         return [self._tag + key for key in keys]
 
+    def _epoch_keys(self) -> list[str]:
+        return self._keys(["epoch", "recovering"])
+
+    def _epoch_args(self, known: str) -> list[str | int]:
+        # A new epoch, should Redis have none; the recovery grace: renewals come every TTL/3.
+        return [known, uuid.uuid4().hex, max(1, self._ttl_ms // 2)]
+
     def _queue_keys(self, lane_key: str) -> list[str]:
         return self._keys([f"queue:{lane_key}", f"qlive:{lane_key}", f"tickets:{lane_key}"])
 
@@ -116,20 +129,23 @@ class RedisSlotStore:
             # Nothing reaches Redis, so the release admission makes next has nothing to undo.
             self._unsent.add(token)
             raise _unavailable()
-        keys = [*self._keys([lane.key]), *self._queue_keys(lane.key)]
+        keys = [*self._keys([lane.key]), *self._queue_keys(lane.key), *self._epoch_keys()]
         keys += self._keys([c.key for c in candidates])
         waiter = int(token in self._queued)
         args: list[str | int] = [token, self._ttl_ms, lane.limit, self._member(token), waiter]
+        args += self._epoch_args(self._epoch)
         args += [c.limit for c in candidates]
-        index = await self._redis.call("acquire", slots_lua.ACQUIRE, keys, args, gated=True)
-        if index is slots_lua.DOWN:
+        reply = await self._redis.call("acquire", slots_lua.ACQUIRE, keys, args, gated=True)
+        if reply is slots_lua.DOWN:
             if not self._fail_open:
                 raise _unavailable()
             return await self._try_local(token, lane, candidates)
-        if int(index) < 0:
+        index, self._epoch = int(reply[0]), reply[1].decode()
+        if index < 0:
             return None
         self._queued.discard(token)  # the script took the token off the waiting list
-        return int(index)
+        self._lease_epoch[token] = self._epoch
+        return index
 
     async def _try_local(self, token: str, lane: Limit, candidates: Sequence[Limit]) -> int | None:
         def share(limit: Limit) -> Limit:
@@ -140,6 +156,24 @@ class RedisSlotStore:
             self._local_tokens.add(token)
         return index
 
+    async def move(
+        self, token: str, lane: Limit, release: str, candidates: Sequence[Limit]
+    ) -> int | None:
+        if token in self._local_tokens:
+            return await self._local.move(token, lane, release, candidates)
+        keys = self._keys([lane.key, release, *(c.key for c in candidates)])
+        args: list[str | int] = [token, self._ttl_ms, *(c.limit for c in candidates)]
+        index = await self._redis.call("move", slots_lua.MOVE, keys, args)
+        if index is slots_lua.DOWN or int(index) == -1:
+            return None
+        if int(index) == -2:
+            self._log.warning("slot.lease_lost", token=token, keys=[lane.key], op="move")
+            raise StateUnavailable(
+                "the request's slot lease was lost before it could fail over",
+                retry_after_s=RETRY_AFTER_S,
+            )
+        return int(index)
+
     async def release(self, token: str, keys: Sequence[str]) -> None:
         if token in self._local_tokens:
             self._local_tokens.discard(token)
@@ -148,6 +182,7 @@ class RedisSlotStore:
         if token in self._unsent:
             self._unsent.discard(token)
             return
+        self._lease_epoch.pop(token, None)
         full = self._keys(keys)
         # DOWN is already logged (decision left_to_lease_ttl): the TTL reclaims the lease.
         await self._redis.call("release", slots_lua.RELEASE, full, [token])
@@ -211,11 +246,25 @@ class RedisSlotStore:
     async def renew(
         self, token: str, keys: Sequence[str], ttl_s: float | None = None
     ) -> bool | None:
-        """Extend a live lease to now + TTL: True. False: it was reaped (and is not brought back).
-        None: Redis did not answer."""
+        """Extend a live lease to now + TTL, or re-establish it if Redis lost its data since the
+        grant: True. False: it was reaped (and is not brought back). None: Redis did not answer."""
         ttl_ms = max(1, round((self._ttl_s if ttl_s is None else ttl_s) * 1000))
-        alive = await self._redis.call("renew", slots_lua.RENEW, self._keys(keys), [token, ttl_ms])
-        return None if alive is slots_lua.DOWN else bool(alive)
+        granted = self._lease_epoch.get(token, "")
+        keys_ = [*self._epoch_keys(), *self._keys(keys)]
+        args = [token, ttl_ms, *self._epoch_args(granted)]
+        reply = await self._redis.call("renew", slots_lua.RENEW, keys_, args)
+        if reply is slots_lua.DOWN:
+            return None
+        status, epoch = int(reply[0]), reply[1].decode()
+        if status == 2:
+            self._log.warning(
+                "slot.lease_restored", token=token, keys=list(keys), reason="redis_lost_data"
+            )
+            if self._redis.metrics is not None:
+                self._redis.metrics.leases_restored.inc()
+        if token in self._lease_epoch:
+            self._lease_epoch[token] = epoch
+        return status > 0
 
     async def join(self, token: str, lane_key: str, mode: str = "join") -> bool | None:
         """``join``: take (or keep) a place in the lane's waiting list; True when it joined at
