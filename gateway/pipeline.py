@@ -31,7 +31,7 @@ import anyio
 from engine_pool.cluster import EngineView
 from engine_pool.picker import order_endpoints
 from engine_pool.registry import EnginePool
-from gateway.admission import Admission
+from gateway.admission import Admission, Grant
 from gateway.auth import ClientAuth
 from gateway.errors import (
     BadRequest,
@@ -55,7 +55,7 @@ from gateway.exchange import (
     watch_disconnect,
 )
 from gateway.failover import Attempts, Failover
-from gateway.lanes import choose_lane, exact_count_above, no_lane_message
+from gateway.lanes import choose_lane, endpoint_limit, exact_count_above, no_lane_message
 from gateway.log import Logger, swallowed
 from gateway.metrics import Metrics
 from gateway.protocol import (
