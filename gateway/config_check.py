@@ -7,9 +7,10 @@ Contract:
   ``ConfigError`` listing every problem, one line each: ``FILE:LINE: KEY: what is wrong``. An
   unknown key names the closest known one ("did you mean ..."). A key set from the environment is
   named by its variable instead of a line.
-- ``boot_problems(settings, environ)`` is pure: the rules between keys (``policy_rules.py``: lane
-  ranges from 0 with no gap or overlap, ``per_endpoint <= lane``, emergency clusters able to serve
-  the lane's models, names that resolve), then every environment variable the policy names
+- ``boot_problems(settings, environ)`` is pure: the rules between keys
+  (``settings.policy_problems``: lane ranges from 0 with no gap or overlap,
+  ``per_endpoint <= lane``, emergency clusters able to serve the lane's models, names that
+  resolve), then every environment variable the policy names
   (``auth.api_keys_env``, ``clusters[].api_key_env``) set and non-empty.
 - ``CheckedPolicy.load_counter()`` loads and warms the tokenizers and chat templates (what boot
   does); a failure is a ``ConfigError`` at the model's ``tokenizer`` line.
@@ -31,8 +32,16 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from gateway.policy_rules import Key, Problem, policy_problems
-from gateway.settings import ENV_PREFIX, ConfigError, Settings, _env_overrides, _merge
+from gateway.settings import (
+    ENV_PREFIX,
+    ConfigError,
+    Key,
+    Problem,
+    Settings,
+    _env_overrides,
+    _merge,
+    policy_problems,
+)
 
 if TYPE_CHECKING:
     from gateway.metrics import Metrics
@@ -262,3 +271,10 @@ def load_policy(
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
     return parse_policy(text, str(path), environ, secrets_from_environ=secrets_from_environ)
+
+
+def load_settings(path: str | Path, environ: Mapping[str, str] | None = None) -> Settings:
+    """Read, merge and validate a YAML config file; raise ConfigError (each problem at its
+    FILE:LINE) on any problem. The environment variables a policy names for secrets are not
+    required here; ``load_policy``, which serve uses, requires them too."""
+    return load_policy(path, environ, secrets_from_environ=False).settings

@@ -17,7 +17,8 @@ import sys
 import yaml
 
 from engine_pool.launch import EngineCommand, LaunchError, policy_warnings, render_command
-from gateway.settings import ConfigError, load_settings
+from gateway.config_check import load_settings
+from gateway.settings import ConfigError
 from gateway.shipped import resolve_policy
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 import yaml
 
+from gateway.config_check import load_settings
 from gateway.extras import pyplot
 from gateway.replay import (
     SimReport,
@@ -27,7 +28,7 @@ from gateway.replay import (
     simulate,
     verdict,
 )
-from gateway.settings import ConfigError, load_settings
+from gateway.settings import ConfigError
 from gateway.shipped import resolve_policy
 from gateway.sweep import Sweep, parse_sweep, plot_sweep, render_sweep, run_sweep
 from gateway.trace import SYNTH_KINDS, TraceRecord, read_trace, synthesize, write_trace

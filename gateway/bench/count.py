@@ -37,8 +37,9 @@ import orjson
 
 from gateway.bench.corpus import KINDS, Corpus
 from gateway.bench.harness import package_version, tree_rss_mb, with_targets
+from gateway.config_check import load_settings
 from gateway.protocol import ChatPrompt, parse_request
-from gateway.settings import ModelSettings, Settings, TokenizerSettings, load_settings
+from gateway.settings import ModelSettings, Settings, TokenizerSettings
 from gateway.shipped import resolve_policy
 from gateway.tokenizers.vocab import Vocabulary
 from gateway.tokens import TokenCounter

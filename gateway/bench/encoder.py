@@ -36,8 +36,9 @@ import numpy as np
 
 from gateway.bench.corpus import Corpus
 from gateway.bench.harness import machine, machine_line, target_lines, tree_rss_mb, write_json
+from gateway.config_check import load_settings
 from gateway.protocol import ChatPrompt
-from gateway.settings import CountingSettings, Settings, TokenizerSettings, load_settings
+from gateway.settings import CountingSettings, Settings, TokenizerSettings
 from gateway.tokenizers.vocab import DEFAULT_MAX_RSS_MB, EncoderLimits, load_vocabulary
 from gateway.tokens import TokenCounter
 

@@ -26,9 +26,10 @@ import time
 from typing import Any
 
 from gateway.bench.harness import machine, machine_line, publish, with_targets
+from gateway.config_check import load_settings
 from gateway.fleet_sim import CountBy
 from gateway.replay import SimReport, cluster_profiles, plot, simulate
-from gateway.settings import Settings, load_settings
+from gateway.settings import Settings
 from gateway.shipped import resolve_policy
 from gateway.trace import synthesize
 

@@ -26,7 +26,8 @@ from engine_pool.launch import (
     render_command,
 )
 from gateway.cli import main
-from gateway.settings import ConfigError, Settings, load_settings
+from gateway.config_check import load_settings
+from gateway.settings import ConfigError, Settings
 from gateway.settings import parse_settings as _parse
 
 ROOT = Path(__file__).resolve().parents[2]

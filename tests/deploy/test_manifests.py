@@ -27,7 +27,8 @@ from dockerfile_parse import DockerfileParser
 
 from engine_pool.launch import render_command
 from gateway.cli import main
-from gateway.settings import Settings, load_settings, parse_settings
+from gateway.config_check import load_settings
+from gateway.settings import Settings, parse_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"

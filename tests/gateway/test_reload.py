@@ -15,8 +15,9 @@ import yaml
 from structlog.testing import capture_logs
 
 from gateway.app import create_app
+from gateway.config_check import load_settings
 from gateway.reload import diff_settings
-from gateway.settings import load_settings, parse_settings
+from gateway.settings import parse_settings
 from gateway.tokens import TokenCounter
 from tests.conftest import ADMIN, JSON, lanes_config
 from tests.support.checkout import ROOT, checkout_env, gateway_cli

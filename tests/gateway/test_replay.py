@@ -10,8 +10,8 @@ import httpx
 import orjson
 
 from gateway.cli import main
+from gateway.config_check import load_settings
 from gateway.replay import SimReport, analyze, cluster_profiles, simulate, verdict
-from gateway.settings import load_settings
 from gateway.trace import TraceRecord, read_trace, synthesize, write_trace
 from tests.conftest import lanes_config
 from tests.support.fake_engine import FakeEngine

@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from gateway.cli import main
-from gateway.settings import ConfigError, load_settings, parse_settings
+from gateway.config_check import load_settings
+from gateway.settings import ConfigError, parse_settings
 from tests.conftest import lanes_config
 
 ROOT = Path(__file__).resolve().parents[2]
