@@ -366,7 +366,8 @@ class TokenCounter:
         bound = bound_of(raw)
         if not vocab.bound_sound:
             bound = 2**62  # no provable bound: every count is exact
-        elif vocab.nfc and bound < exact_above:
+        elif vocab.nfc and bound < exact_above and any(data is not None for data in encoded):
+            # (ASCII is its own NFC form: an all-ASCII prompt's bound needs no second pass.)
             bound = bound_of([_nfc_len(piece, n) for piece, n in zip(pieces, raw, strict=True)])
         return _Plan(vocab, tuple(pieces), tuple(encoded), tuple(sequences), extra, bound, sum(raw))
 
