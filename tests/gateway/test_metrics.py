@@ -262,8 +262,8 @@ async def test_per_endpoint_in_flight_ttft_and_e2e_and_time_per_output_token(
         m = await scrape(client)
     assert m.value("shapegate_endpoint_in_flight", **endpoint) == 0
     assert m.value("shapegate_endpoint_in_flight", cluster="heavy", endpoint=heavy.url) == 0
-    assert m.value("shapegate_endpoint_ttft_seconds_count", **endpoint) == 1
-    assert m.value("shapegate_endpoint_e2e_seconds_count", **endpoint) == 1
+    assert m.value("shapegate_ttft_seconds_count", lane="fast", **endpoint) == 1
+    assert m.value("shapegate_e2e_seconds_count", lane="fast", **endpoint) == 1
     assert m.value("shapegate_tpot_seconds_count", lane="fast") == 1
     ok = {"outcome": "ok", "status_class": "2xx"}
     assert m.value("shapegate_requests_total", lane="fast", **ok) == 1
