@@ -235,7 +235,7 @@ def test_latency_buckets_reach_the_longest_lane_deadline() -> None:
     settings = parse_settings(config, environ={})
     metrics = Metrics(deadlines_of(settings))
     assert latency_buckets(deadlines_of(settings))[-1] == 3600 > LATENCY_BUCKETS[-1]
-    metrics.e2e.labels(lane="heavy", cluster="heavy").observe(3000)
+    metrics.e2e.labels(lane="heavy", cluster="heavy", endpoint="http://y").observe(3000)
     m = parse(metrics.render().decode())
     assert m.value("shapegate_e2e_seconds_bucket", lane="heavy", le="1800.0") == 0
     assert m.value("shapegate_e2e_seconds_bucket", lane="heavy", le="3600.0") == 1
