@@ -5,7 +5,7 @@ module-level registry: each ``create_app`` builds its own ``Metrics`` so tests s
 Latency buckets span a millisecond to the longest deadline of the policy's lanes
 (``Metrics(deadlines)``, every lane's first-byte, idle and total deadline, each a bucket edge,
 so the top bucket is at or above the longest ``total_s``); a heavy lane's TTFT is minutes.
-Per-endpoint families (in-flight, TTFT, e2e) carry the policy's endpoints as labels: bounded.
+TTFT, e2e and in-flight carry the endpoint (the policy's endpoints: a bounded label set).
 """
 
 from __future__ import annotations
@@ -158,10 +158,12 @@ class Metrics:
             buckets=OUTPUT_BUCKETS,
             registry=r,
         )
+        # Per endpoint (one label more, no observation more): a slow engine shows in its own
+        # series; sum by lane or cluster for the lane's view.
         self.ttft = Histogram(
             "shapegate_ttft_seconds",
             "Time to first token, measured at the gateway.",
-            ["lane", "cluster"],
+            ["lane", "cluster", "endpoint"],
             buckets=latency,
             registry=r,
         )
@@ -175,21 +177,7 @@ class Metrics:
         self.e2e = Histogram(
             "shapegate_e2e_seconds",
             "Request duration, admission to last byte.",
-            ["lane", "cluster"],
-            buckets=latency,
-            registry=r,
-        )
-        self.endpoint_ttft = Histogram(
-            "shapegate_endpoint_ttft_seconds",
-            "Time to first token by engine endpoint, measured at the gateway.",
-            ["cluster", "endpoint"],
-            buckets=latency,
-            registry=r,
-        )
-        self.endpoint_e2e = Histogram(
-            "shapegate_endpoint_e2e_seconds",
-            "Request duration by engine endpoint, admission to last byte.",
-            ["cluster", "endpoint"],
+            ["lane", "cluster", "endpoint"],
             buckets=latency,
             registry=r,
         )

@@ -69,7 +69,7 @@ from gateway.proxy import Upstream, response_headers, upstream_headers
 from gateway.record import Record, Recorder, Routed
 from gateway.settings import ClusterSettings, LaneSettings, Settings
 from gateway.tokens import TokenCounter
-from gateway.usage import ExactCount, engine_usage, sse_events
+from gateway.usage import TAIL_MAX, ExactCount, engine_usage, sse_events, trim_tail
 from gateway.watchdog import Watch, deadlines_for
 
 
@@ -363,14 +363,17 @@ class Pipeline:
                         await out.start(
                             200, response_headers(response.headers, ours), streaming=True
                         )
-                    events += sse_events(chunk)
-                    tail = (tail + chunk)[-4096:]
+                    tail += chunk  # usage comes last; data events are counted in bulk
+                    if len(tail) > TAIL_MAX:
+                        tail, passed = trim_tail(tail)
+                        events += passed
                     await out.body(chunk, more=True)
                 if not out.started:
                     await out.start(200, response_headers(response.headers, ours), streaming=True)
                 await out.body(b"", more=False)
                 record.outcome = "ok"
                 usage = engine_usage(tail)
+                events += sse_events(tail)
                 if usage.completion_tokens is None:
                     # No usage chunk: one token per content event (chat opens with a role event).
                     record.output_tokens_estimate = max(0, events - (request.endpoint == "chat"))

@@ -331,11 +331,9 @@ class Recorder:
         m.child(m.requests, lane, cluster, record.outcome, status_class(record.status)).inc()
         if record.grant is not None:
             url = record.grant.url
-            m.child(m.e2e, lane, cluster).observe(duration)
-            m.child(m.endpoint_e2e, cluster, url).observe(duration)
+            m.child(m.e2e, lane, cluster, url).observe(duration)
             if record.ttft_s is not None:
-                m.child(m.ttft, lane, cluster).observe(record.ttft_s)
-                m.child(m.endpoint_ttft, cluster, url).observe(record.ttft_s)
+                m.child(m.ttft, lane, cluster, url).observe(record.ttft_s)
             if record.prompt_tokens is not None:
                 m.child(m.prompt_tokens, lane).observe(record.prompt_tokens)
             output, source = record.output_tokens, "usage"

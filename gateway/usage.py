@@ -12,9 +12,11 @@ Contract:
   exact already costs nothing.
 - ``engine_usage(payload)``: ``usage.prompt_tokens`` and ``usage.completion_tokens`` from a
   JSON body or the last SSE event that carries usage (None for each where absent).
-- ``sse_events(chunk)``: the SSE data events in a relayed chunk, for an output-token estimate
-  when the engine sends no usage: each content event carries one token on vLLM and SGLang
-  (fewer events than tokens with speculative decoding or a stream interval, hence an estimate).
+- ``sse_events(data)`` and ``trim_tail(tail)``: the SSE data events of a relayed stream, for an
+  output-token estimate when the engine sends no usage (each content event carries one token
+  on vLLM and SGLang; fewer events than tokens with speculative decoding or a stream interval,
+  hence an estimate). The relay keeps the stream's last KiB for its usage and counts the events
+  of what it drops in bulk, so the per-chunk cost is one concatenation.
 """
 
 from __future__ import annotations
@@ -52,8 +54,22 @@ def engine_usage(payload: bytes) -> EngineUsage:
     return EngineUsage(None, None)
 
 
-def sse_events(chunk: bytes) -> int:
-    return chunk.count(b"data: {")
+EVENT = b"data: {"
+# The relay keeps between TAIL_KEEP and TAIL_MAX bytes of a stream's end (where usage arrives),
+# counting the data events of what it drops: one count per ~4 KiB, not one per chunk.
+TAIL_KEEP = 4096
+TAIL_MAX = 2 * TAIL_KEEP
+
+
+def sse_events(data: bytes) -> int:
+    return data.count(EVENT)
+
+
+def trim_tail(tail: bytes) -> tuple[bytes, int]:
+    """The last ``TAIL_KEEP`` bytes, and the data events that start before them (an event cut
+    in two by the trim is counted here, once)."""
+    cut = len(tail) - TAIL_KEEP
+    return tail[cut:], tail.count(EVENT, 0, cut + len(EVENT) - 1)
 
 
 class ExactCount:

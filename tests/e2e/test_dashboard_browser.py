@@ -131,6 +131,24 @@ async def traffic(url: str, stop: asyncio.Event, sent: list[str]) -> None:
         await asyncio.gather(*tasks)
 
 
+@contextlib.asynccontextmanager
+async def live_gateway(
+    counter: TokenCounter, gateway_at: Any, sent: list[str]
+) -> AsyncIterator[tuple[str, list[SimServer]]]:
+    """Four simulated engines, a gateway in front, and traffic flowing until the block ends."""
+    async with engines(counter) as sims:
+        fast = [s.url for s in sims[:2]]
+        heavy = [s.url for s in sims[2:]]
+        async with gateway_at(policy(fast, heavy)) as (url, _settings):
+            stop = asyncio.Event()
+            load = asyncio.create_task(traffic(url, stop, sent))
+            try:
+                yield url, sims
+            finally:
+                stop.set()
+                await asyncio.gather(load, return_exceptions=True)
+
+
 async def incident(heavy: SimServer, seen: asyncio.Event) -> None:
     """One heavy engine stalls its streams until the page has listed a watchdog event (then
     again now and then): the idle deadline must end those requests, and the page show it."""
@@ -161,75 +179,69 @@ async def visible_lanes(page: Page) -> list[str]:
 async def test_dashboard_fills_in_while_traffic_flows(
     counter: TokenCounter, gateway_at: Any
 ) -> None:
-    async with engines(counter) as sims:
-        fast = [s.url for s in sims[:2]]
-        heavy = [s.url for s in sims[2:]]
-        async with gateway_at(policy(fast, heavy)) as (url, _settings):
-            stop = asyncio.Event()
-            sent: list[str] = []
-            load = asyncio.create_task(traffic(url, stop, sent))
-            listed = asyncio.Event()
-            trouble = asyncio.create_task(incident(sims[3], listed))
-            try:
-                async with chromium(WIDTH, 1000) as page:
-                    await page.goto(url + "/dashboard")
-                    await page.wait_for("document.body.dataset.ready === 'true'")
-                    # The lanes fill in: both cards, a request rate, TTFT samples in each lane.
-                    await page.wait_for(LANES_FILLED)
-                    # Monsters overlap: the heavy lane's slot gauge shows at least two held.
-                    await page.wait_for(
-                        "parseInt(document.querySelector('[data-lane=heavy] .stat .v')"
-                        ".textContent) >= 2"
+    sent: list[str] = []
+    async with live_gateway(counter, gateway_at, sent) as (url, sims):
+        listed = asyncio.Event()
+        trouble = asyncio.create_task(incident(sims[3], listed))
+        try:
+            async with chromium(WIDTH, 1000) as page:
+                await page.goto(url + "/dashboard")
+                await page.wait_for("document.body.dataset.ready === 'true'")
+                # The lanes fill in: both cards, a request rate, TTFT samples in each lane.
+                await page.wait_for(LANES_FILLED)
+                # Monsters overlap: the heavy lane's slot gauge shows at least two held.
+                await page.wait_for(
+                    "parseInt(document.querySelector('[data-lane=heavy] .stat .v')"
+                    ".textContent) >= 2"
+                )
+                # The decisions table fills in with the requests we sent, by lane.
+                await page.wait_for(
+                    "document.querySelectorAll('#decisions tbody tr[data-id]').length >= 40"
+                )
+                shown = set(
+                    await page.evaluate(
+                        "[...document.querySelectorAll('#decisions tbody tr[data-id]')]"
+                        ".map(tr => tr.dataset.id)"
                     )
-                    # The decisions table fills in with the requests we sent, by lane.
-                    await page.wait_for(
-                        "document.querySelectorAll('#decisions tbody tr[data-id]').length >= 40"
-                    )
-                    shown = set(
-                        await page.evaluate(
-                            "[...document.querySelectorAll('#decisions tbody tr[data-id]')]"
-                            ".map(tr => tr.dataset.id)"
-                        )
-                    )
-                    assert shown <= set(sent)
-                    assert any(i.startswith("e2e-heavy-") for i in shown)
-                    assert any(i.startswith("e2e-fast-") for i in shown)
-                    # Engine load is read from the simulated engines' own /metrics.
-                    await page.wait_for(
-                        "[...document.querySelectorAll('#engines tbody tr td:last-child')]"
-                        ".filter(td => td.textContent !== 'never').length === 4"
-                    )
-                    # The stalled engine's requests hit the idle deadline: listed, not hidden.
-                    await page.wait_for(
-                        "[...document.querySelectorAll('#events li .chip')]"
-                        ".some(c => c.textContent === 'watchdog')"
-                    )
-                    listed.set()
-                    # Filtering by lane shows only that lane's decisions.
-                    await page.click("#f-lane button[data-value=heavy]")
-                    lanes = await visible_lanes(page)
-                    assert lanes and set(lanes) == {"heavy"}
-                    await page.click("#f-lane button[data-value=all]")
-                    assert set(await visible_lanes(page)) >= {"fast", "heavy"}
-                    await page.click("#f-outcome button[data-value=failed]")
-                    outcomes = await page.evaluate(
-                        "[...document.querySelectorAll('#decisions tbody tr[data-id]"
-                        " td:nth-child(10)')].map(td => td.textContent)"
-                    )
-                    assert outcomes and set(outcomes) <= {"timeout", "upstream_error", "error"}
-                    await page.click("#f-outcome button[data-value=all]")
-                    # Let the charts gather a few points, then keep the picture.
-                    await asyncio.sleep(HISTORY_S)
-                    shot = await page.screenshot(artifact_dir() / "dashboard.png", WIDTH)
-                    print(f"dashboard screenshot: {shot}")
-                    if DOCS:
-                        await page.screenshot(ROOT / "docs" / "dashboard.png", WIDTH)
-                    assert shot.stat().st_size > 50_000
-                    assert page.errors == []
-            finally:
-                stop.set()
-                trouble.cancel()
-                await asyncio.gather(load, trouble, return_exceptions=True)
+                )
+                assert shown <= set(sent)
+                assert any(i.startswith("e2e-heavy-") for i in shown)
+                assert any(i.startswith("e2e-fast-") for i in shown)
+                # Engine load is read from the simulated engines' own /metrics.
+                await page.wait_for(
+                    "[...document.querySelectorAll('#engines tbody tr td:last-child')]"
+                    ".filter(td => td.textContent !== 'never').length === 4"
+                )
+                # The stalled engine's requests hit the idle deadline: listed, not hidden.
+                await page.wait_for(
+                    "[...document.querySelectorAll('#events li .chip')]"
+                    ".some(c => c.textContent === 'watchdog')"
+                )
+                listed.set()
+                # Filtering by lane shows only that lane's decisions.
+                await page.click("#f-lane button[data-value=heavy]")
+                lanes = await visible_lanes(page)
+                assert lanes and set(lanes) == {"heavy"}
+                await page.click("#f-lane button[data-value=all]")
+                assert set(await visible_lanes(page)) >= {"fast", "heavy"}
+                await page.click("#f-outcome button[data-value=failed]")
+                outcomes = await page.evaluate(
+                    "[...document.querySelectorAll('#decisions tbody tr[data-id]"
+                    " td:nth-child(10)')].map(td => td.textContent)"
+                )
+                assert outcomes and set(outcomes) <= {"timeout", "upstream_error", "error"}
+                await page.click("#f-outcome button[data-value=all]")
+                # Let the charts gather a few points, then keep the picture.
+                await asyncio.sleep(HISTORY_S)
+                shot = await page.screenshot(artifact_dir() / "dashboard.png", WIDTH)
+                print(f"dashboard screenshot: {shot}")
+                if DOCS:
+                    await page.screenshot(ROOT / "docs" / "dashboard.png", WIDTH)
+                assert shot.stat().st_size > 50_000
+                assert page.errors == []
+        finally:
+            trouble.cancel()
+            await asyncio.gather(trouble, return_exceptions=True)
 
 
 async def test_with_a_token_the_page_asks_for_it_and_reads_it_from_the_fragment(
@@ -291,41 +303,33 @@ OVERFLOW = """(() => {
 async def test_dashboard_is_readable_without_horizontal_overflow(
     counter: TokenCounter, gateway_at: Any, width: int
 ) -> None:
-    async with engines(counter) as sims:
-        fast = [s.url for s in sims[:2]]
-        heavy = [s.url for s in sims[2:]]
-        async with gateway_at(policy(fast, heavy)) as (url, _settings):
-            stop = asyncio.Event()
-            load = asyncio.create_task(traffic(url, stop, []))
-            try:
-                async with chromium(width, 900) as page:
-                    await page.goto(url + "/dashboard")
-                    await page.wait_for("document.body.dataset.ready === 'true'")
-                    await page.wait_for(LANES_FILLED)
-                    # Engines carry their load and a TTFT p95 once requests came back.
-                    await page.wait_for(
-                        "[...document.querySelectorAll('#engines tbody tr td:last-child')]"
-                        ".filter(td => td.textContent !== 'never').length === 4"
-                    )
-                    await page.wait_for(
-                        "[...document.querySelectorAll('#engines tbody tr td.ttft')]"
-                        ".filter(td => td.textContent !== '—').length >= 2"
-                    )
-                    # Big numbers too: a heavy TTFT of minutes in every percentile slot.
-                    await asyncio.sleep(2.0)
-                    problems = await page.evaluate(OVERFLOW)
-                    await page.screenshot(artifact_dir() / f"dashboard-{width}.png", width)
-                    assert problems == []
-                    assert page.errors == []
-                    # The check sees an overflow when there is one (before the next refresh).
-                    seen = await page.evaluate(
-                        "(() => { document.querySelector('[data-lane=fast] .stat .v')"
-                        ".textContent = '9'.repeat(90);"
-                        " document.querySelector('#engines tbody td.mono')"
-                        ".textContent = 'x'.repeat(400); return " + OVERFLOW + "; })()"
-                    )
-                    assert any(p.startswith("lane fast") for p in seen), seen
-                    assert any(p.startswith("engines table") for p in seen), seen
-            finally:
-                stop.set()
-                await asyncio.gather(load, return_exceptions=True)
+    async with (
+        live_gateway(counter, gateway_at, []) as (url, _sims),
+        chromium(width, 900) as page,
+    ):
+        await page.goto(url + "/dashboard")
+        await page.wait_for("document.body.dataset.ready === 'true'")
+        await page.wait_for(LANES_FILLED)
+        # Engines carry their load and a TTFT p95 once requests came back.
+        await page.wait_for(
+            "[...document.querySelectorAll('#engines tbody tr td:last-child')]"
+            ".filter(td => td.textContent !== 'never').length === 4"
+        )
+        await page.wait_for(
+            "[...document.querySelectorAll('#engines tbody tr td.ttft')]"
+            ".filter(td => td.textContent !== '—').length >= 2"
+        )
+        await asyncio.sleep(2.0)  # a few more refreshes with data
+        problems = await page.evaluate(OVERFLOW)
+        await page.screenshot(artifact_dir() / f"dashboard-{width}.png", width)
+        assert problems == []
+        assert page.errors == []
+        # The check sees an overflow when there is one (before the next refresh).
+        seen = await page.evaluate(
+            "(() => { document.querySelector('[data-lane=fast] .stat .v')"
+            ".textContent = '9'.repeat(90);"
+            " document.querySelector('#engines tbody td.mono')"
+            ".textContent = 'x'.repeat(400); return " + OVERFLOW + "; })()"
+        )
+        assert any(p.startswith("lane fast") for p in seen), seen
+        assert any(p.startswith("engines table") for p in seen), seen

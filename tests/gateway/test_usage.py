@@ -15,7 +15,7 @@ from gateway.protocol import parse_request
 from gateway.sim_support import RegistryCounter
 from gateway.tokens import TokenCounter
 from gateway.trace import read_trace
-from gateway.usage import ExactCount, engine_usage, sse_events
+from gateway.usage import TAIL_MAX, ExactCount, engine_usage, sse_events, trim_tail
 from tests.conftest import chat, lanes_config
 from tests.support.prom import parse
 
@@ -127,3 +127,15 @@ async def test_exact_count_finishes_meanwhile_or_at_the_latest_when_settled(
     assert ExactCount(counter, bound).settle() == 15
     exact = await counter.count("qwen3.6", prompt, exact_above=0)
     assert ExactCount(counter, exact).bound is None and ExactCount(counter, exact).settle() == 15
+
+
+def test_events_are_counted_once_across_tail_trims() -> None:
+    stream = b"".join(b'data: {"choices":[{"delta":{"content":"%d"}}]}\n\n' % i for i in range(900))
+    tail, events = b"", 0
+    for at in range(0, len(stream), 37):  # odd chunk sizes cut events anywhere
+        tail += stream[at : at + 37]
+        if len(tail) > TAIL_MAX:
+            tail, passed = trim_tail(tail)
+            events += passed
+    assert len(tail) <= TAIL_MAX and tail == stream[-len(tail) :]
+    assert events + sse_events(tail) == 900
