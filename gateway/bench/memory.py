@@ -318,7 +318,8 @@ def table(result: dict[str, Any]) -> str:
             f"adversarial {a['kind']:>6}: {a['requests']} requests of {a['prompt_bytes_each']} "
             f"bytes of unique text ({a['text_mb']} MB): RSS {a['rss_growth_mb']:+.1f} MB, "
             f"{a['rss_mb_per_text_mb']} MB per MB, peak {a['peak_rss_mb']} MB, second half's "
-            f"peak {a['rss_growth_second_half_mb']:+} MB over the first's ({a['errors']} errors)"
+            f"peak {_signed(a['rss_growth_second_half_mb'])} MB over the first's "
+            f"({a['errors']} errors)"
         )
     lines.append("")
     lines.extend(target_lines(result["targets"]))
@@ -354,3 +355,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _signed(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:+}"
