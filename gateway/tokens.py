@@ -14,9 +14,11 @@ Contract:
      runs, so piece counts add up exactly to the whole (tested against the full render). The LRU
      is keyed by SHA-256 of (tokenizer, piece): an agent's system prompt and earlier turns are
      counted once.
-  3. ``exact``: the missing pieces are encoded. Small ones inline; large ones in a worker thread
-     with gigatoken's GIL-free batch call, so a 300k-token count leaves the event loop running
-     (with the GIL held it would stall the loop for the whole count).
+  3. ``exact``: the missing pieces are encoded. With gigatoken in its child process
+     (``tokenizers/worker.py``, the default) a worker thread waits for the child, so the event
+     loop never does; in-process, small ones inline and large ones in a worker thread with
+     gigatoken's GIL-free batch call, so a 300k-token count leaves the event loop running (with
+     the GIL held it would stall the loop for the whole count).
 - Chat prompts: ``chat_template: chatml`` renders the built-in ChatML (``tokenizers/templates.py``
   lists what it renders and where it differs from Qwen3.6's own template), ``hf`` renders the
   model's Jinja template, ``none`` counts the message texts joined by newlines.
@@ -186,11 +188,12 @@ class TokenCounter:
         counts, misses, keys = self._lookup(plan)
         if misses:
             texts = [plan.pieces[i] for i in misses]
+            encoder = plan.vocab.encoder
             found = None
             if self._executor is None:
-                found = plan.vocab.encoder.count_many(texts)
-            elif sum(len(text) for text in texts) <= INLINE_MAX_CHARS:
-                found = plan.vocab.encoder.try_count_many(texts)  # None while a worker holds it
+                found = encoder.count_many(texts)
+            elif not encoder.out_of_process and sum(len(t) for t in texts) <= INLINE_MAX_CHARS:
+                found = encoder.try_count_many(texts)  # None while a worker holds it
             if found is None:
                 loop = asyncio.get_running_loop()
                 found = await loop.run_in_executor(

@@ -139,6 +139,7 @@ def _stop(child: _Child) -> None:
 
 class ChildEncoder:
     backend: Backend = "gigatoken"
+    out_of_process = True
 
     def __init__(
         self,
