@@ -17,9 +17,11 @@ Contract:
      runs, so piece counts add up exactly to the whole (tested against the full render). The LRU
      is keyed by SHA-256 of (tokenizer, piece): an agent's system prompt and earlier turns are
      counted once.
-  3. ``exact``: the missing pieces are encoded. Small ones inline; large ones in a worker thread
-     with gigatoken's GIL-free batch call, so a 300k-token count leaves the event loop running
-     (with the GIL held it would stall the loop for the whole count).
+  3. ``exact``: the missing pieces are encoded. With gigatoken in its child process
+     (``tokenizers/worker.py``, the default) a worker thread waits for the child, so the event
+     loop never does; in-process, small ones inline and large ones in a worker thread with
+     gigatoken's GIL-free batch call, so a 300k-token count leaves the event loop running (with
+     the GIL held it would stall the loop for the whole count).
 - Chat prompts: ``chat_template: chatml`` renders the built-in ChatML (``tokenizers/templates.py``
   lists what it renders and where it differs from Qwen3.6's own template), ``hf`` renders the
   model's Jinja template, ``none`` counts the message texts joined by newlines.
@@ -290,7 +292,9 @@ class TokenCounter:
         if self._executor is None:
             return encoder.count_many(texts)
         if sum(len(text) for text in texts) <= INLINE_MAX_CHARS:
-            return encoder.try_count_many(texts)  # None while a worker holds it
+            # In process, or one pipe round trip to the bounded child (tokenizers/worker.py):
+            # microseconds for text this small. None while a worker holds the encoder.
+            return encoder.try_count_many(texts)
         return None
 
     def count_sync(self, model: str, prompt: Prompt, *, exact_above: int = 0) -> TokenCount:

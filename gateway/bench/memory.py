@@ -312,7 +312,8 @@ def table(result: dict[str, Any]) -> str:
             f"adversarial {a['kind']:>6}: {a['requests']} requests of {a['prompt_bytes_each']} "
             f"bytes of unique text ({a['text_mb']} MB): RSS {a['rss_growth_mb']:+.1f} MB, "
             f"{a['rss_mb_per_text_mb']} MB per MB, peak {a['peak_rss_mb']} MB, second half's "
-            f"peak {a['rss_growth_second_half_mb']:+} MB over the first's ({a['errors']} errors)"
+            f"peak {_signed(a['rss_growth_second_half_mb'])} MB over the first's "
+            f"({a['errors']} errors)"
         )
     return with_targets(lines, result["targets"])
 
@@ -339,3 +340,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax_attack.set_title("adversarial input: unique text above the exact-count threshold")
     ax_attack.legend(fontsize=8)
     save(fig, path)
+
+
+def _signed(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:+}"

@@ -243,7 +243,7 @@ def _memory(r: dict[str, Any], plots: Path) -> list[str]:
             f"bytes of unique text ({a['text_mb']} MB counted exactly): RSS "
             f"{a['rss_growth_mb']:+.1f} MB ({a['rss_mb_per_text_mb']} MB per MB of text), "
             f"peak {a.get('peak_rss_mb')} MB; the second half's peak "
-            f"{a['rss_growth_second_half_mb']:+} MB over the first half's"
+            f"{_signed(a['rss_growth_second_half_mb'])} MB over the first half's"
         )
     lines += ["", *_targets(r), "", f"![memory]({(plots / 'memory.png').as_posix()})", ""]
     return lines
@@ -283,3 +283,7 @@ def _encoder(r: dict[str, Any], plots: Path) -> list[str]:
         )
     lines += ["", *_targets(r), ""]
     return lines
+
+
+def _signed(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:+}"

@@ -33,6 +33,9 @@ Backend = Literal["gigatoken", "tiktoken", "hf"]
 class Encoder(Protocol):
     backend: Backend
     lock: threading.Lock
+    # Counts run in another process: waiting for one holds no GIL, so the event loop should
+    # never wait inline (worker.py); in-process backends hold the GIL either way.
+    out_of_process: bool
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -47,6 +50,7 @@ class _Locked:
     """``try_count_many`` for every backend: count now if nobody else is, else say so."""
 
     lock: threading.Lock
+    out_of_process = False
 
     def _count_unlocked(self, texts: Sequence[str]) -> list[int]:
         raise NotImplementedError

@@ -5,7 +5,9 @@ cache inside the tokenizer, with no bound and no way to clear it; text made of e
 (random CJK, base64) grows it by 3-6 MB per MB of text. Loading a fresh tokenizer in the
 gateway's own process would hold the GIL for ~1.3 s (the event loop stalls), and the allocator
 keeps part of what the old one freed. A child process gives both back: it loads off the
-gateway's GIL, and its memory returns to the system when it exits.
+gateway's GIL, and its memory returns to the system when it exits. The child is a fresh
+interpreter (``python -m gateway.tokenizers.worker READ_FD WRITE_FD``), not a fork or a
+multiprocessing spawn: nothing of the gateway is copied or re-imported into it.
 
 Contract of ``ChildEncoder`` (an ``Encoder``, backend ``gigatoken``):
 - ``encode``, ``count_many``, ``try_count_many`` answer exactly what the same gigatoken
@@ -30,7 +32,9 @@ load_s), ``tokenizer.child_lost`` (via ``swallowed``).
 
 from __future__ import annotations
 
-import multiprocessing
+import os
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -65,38 +69,39 @@ def _rss_mb() -> float:
         import resource  # not Linux: the peak, which still trips the bound
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    import os
-
     return pages * os.sysconf("SC_PAGE_SIZE") / (1024 * 1024)
 
 
-def _serve(conn: Connection, recipe: Callable[[], Any], nfc: bool) -> None:
-    """The child: build the tokenizer, warm it, then answer calls until the pipe closes."""
+def _serve(inbox: Connection, outbox: Connection) -> None:
+    """The child: read its recipe, build the tokenizer, warm it, then answer calls until the
+    gateway closes its end of the pipe (or dies)."""
     try:
+        recipe, nfc = inbox.recv()
         encoder = GigatokenEncoder(recipe(), nfc=nfc)
         encoder.count_many([_WARM_TEXT, _WARM_TEXT * 64])
     # pyo3's PanicException derives from BaseException; the parent raises what it is told.
     except BaseException as exc:  # noqa: BLE001 - sent to the parent, which raises it
-        conn.send(("failed", f"{type(exc).__name__}: {str(exc)[:500]}", _rss_mb()))
+        outbox.send(("failed", f"{type(exc).__name__}: {str(exc)[:500]}", _rss_mb()))
         return
-    conn.send(("ready", None, _rss_mb()))
+    outbox.send(("ready", None, _rss_mb()))
     while True:
         try:
-            op, arg = conn.recv()
+            op, arg = inbox.recv()
         except (EOFError, OSError):
-            return  # the gateway closed its end, or died
+            return
         try:
             result: Any = encoder.encode(arg) if op == "encode" else encoder.count_many(arg)
         except BaseException as exc:  # noqa: BLE001 - sent to the parent, which raises it
-            conn.send(("failed", f"{type(exc).__name__}: {str(exc)[:500]}", _rss_mb()))
+            outbox.send(("failed", f"{type(exc).__name__}: {str(exc)[:500]}", _rss_mb()))
             continue
-        conn.send(("ok", result, _rss_mb()))
+        outbox.send(("ok", result, _rss_mb()))
 
 
 @dataclass(slots=True)
 class _Child:
-    process: Any  # multiprocessing.Process (spawn context)
-    conn: Connection
+    process: subprocess.Popen[bytes]
+    send: Connection
+    recv: Connection
     rss_mb: float
     started: float
     calls: int = 0
@@ -104,41 +109,57 @@ class _Child:
 
 
 def _start(recipe: Callable[[], Any], nfc: bool) -> _Child:
-    """Spawn a child and wait until its tokenizer is loaded and warm."""
+    """Start a child (a fresh interpreter: nothing of this process is forked or re-imported)
+    and wait until its tokenizer is loaded and warm."""
     started = time.monotonic()
-    context = multiprocessing.get_context("spawn")  # never fork a process with threads
-    ours, theirs = context.Pipe()
-    process = context.Process(
-        target=_serve, args=(theirs, recipe, nfc), name="shapegate-tokenizer", daemon=True
+    child_reads, to_child = os.pipe()  # (read end, write end); ours are not inherited
+    from_child, child_writes = os.pipe()
+    process = subprocess.Popen(  # noqa: S603 - our own interpreter and module
+        [sys.executable, "-m", "gateway.tokenizers.worker", str(child_reads), str(child_writes)],
+        pass_fds=(child_reads, child_writes),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
     )
-    process.start()
-    theirs.close()
+    os.close(child_reads)
+    os.close(child_writes)
+    child = _Child(
+        process,
+        Connection(to_child, readable=False),
+        Connection(from_child, writable=False),
+        0,
+        started,
+    )
     try:
-        if not ours.poll(READY_TIMEOUT_S):
+        child.send.send((recipe, nfc))
+        if not child.recv.poll(READY_TIMEOUT_S):
             raise EncoderFailed(f"tokenizer child not ready within {READY_TIMEOUT_S:g}s")
-        status, detail, rss = ours.recv()
+        status, detail, rss = child.recv.recv()
     except (EOFError, OSError) as exc:
-        _stop(_Child(process, ours, 0.0, started))
+        _stop(child)
         raise EncoderFailed(f"tokenizer child exited while loading: {exc!r}") from exc
     except EncoderFailed:
-        _stop(_Child(process, ours, 0.0, started))
+        _stop(child)
         raise
     if status != "ready":
-        _stop(_Child(process, ours, 0.0, started))
+        _stop(child)
         raise EncoderFailed(f"tokenizer child failed to load: {detail}")
-    return _Child(process, ours, rss, started, ready_rss_mb=rss)
+    child.rss_mb = child.ready_rss_mb = rss
+    return child
 
 
 def _stop(child: _Child) -> None:
-    child.conn.close()  # the child's recv sees EOF and returns
-    child.process.join(timeout=5)
-    if child.process.is_alive():
+    """Close the pipe and kill: the child holds nothing worth a graceful exit, and its memory
+    goes back to the system at once."""
+    child.send.close()
+    child.recv.close()
+    if child.process.poll() is None:
         child.process.kill()
-        child.process.join(timeout=5)
+    child.process.wait(timeout=10)
 
 
 class ChildEncoder:
     backend: Backend = "gigatoken"
+    out_of_process = True
 
     def __init__(
         self,
@@ -167,9 +188,8 @@ class ChildEncoder:
         return self._child.rss_mb
 
     @property
-    def pid(self) -> int | None:
-        pid: int | None = self._child.process.pid
-        return pid
+    def pid(self) -> int:
+        return self._child.process.pid
 
     def encode(self, text: str) -> list[int]:
         with self.lock:
@@ -226,8 +246,8 @@ class ChildEncoder:
         return result
 
     def _exchange(self, op: str, arg: Any) -> tuple[str, Any, float]:
-        self._child.conn.send((op, arg))
-        reply: tuple[str, Any, float] = self._child.conn.recv()
+        self._child.send.send((op, arg))
+        reply: tuple[str, Any, float] = self._child.recv.recv()
         return reply
 
     @property
@@ -301,3 +321,9 @@ def gigatoken_from_tiktoken(path: str, pretokenizer: str, specials: dict[str, in
 def _stop_all(children: list[_Child]) -> None:
     for child in children:
         _stop(child)
+
+
+if __name__ == "__main__":
+    _serve(
+        Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False)
+    )

@@ -341,3 +341,42 @@ async def test_an_unreachable_slot_store_shows_unknown_slots_and_is_reported_onc
     gateway.store.down = False
     back = await build_state(gateway, watch)
     assert back["slots_known"] and lane(back, "fast")["slots_in_use"] == 0
+
+
+def test_admin_access_is_a_pure_decision_over_the_request() -> None:
+    from gateway.dashboard.guard import AdminRequest, admin_access
+
+    local = {"client_host": "127.0.0.1", "host": "127.0.0.1:8000"}
+    assert admin_access(AdminRequest("/admin/state", **local), None).allow
+    assert admin_access(
+        AdminRequest("/admin/state", host="localhost:8000", client_host="::1"), None
+    ).allow
+    # Writes need the non-simple header (or the token); reads do not.
+    write = AdminRequest("/admin/reload", method="POST", **local)
+    assert admin_access(write, None).status == 403
+    assert admin_access(
+        AdminRequest("/admin/reload", "POST", admin_header=True, **local), None
+    ).allow
+    # Cross-site signals, a rebound Host, an opaque origin: refused in loopback mode...
+    for req in (
+        AdminRequest("/admin/state", sec_fetch_site="cross-site", **local),
+        AdminRequest("/admin/state", sec_fetch_site="same-site", **local),
+        AdminRequest("/admin/state", origin="http://evil.example", **local),
+        AdminRequest("/admin/state", origin="null", **local),
+        AdminRequest("/admin/state", client_host="127.0.0.1", host="evil.example:8000"),
+        AdminRequest("/admin/state", client_host="127.0.0.1", host=None),
+    ):
+        assert admin_access(req, None).status == 403, req
+    # ... and cross-site stays refused with the token; the token opens any Host.
+    bearer = f"Bearer {TOKEN}"
+    remote = {"client_host": "192.0.2.7", "host": "gw.internal", "authorization": bearer}
+    assert admin_access(AdminRequest("/admin/reload", "POST", **remote), TOKEN).allow
+    crossed = AdminRequest("/admin/state", origin="http://evil.example", **remote)
+    assert admin_access(crossed, TOKEN).status == 403
+    same = AdminRequest("/admin/state", origin="http://gw.internal", **remote)
+    assert admin_access(same, TOKEN).allow
+    # Same origin spelled with the default port omitted on both sides, and IPv6.
+    v6 = {"client_host": "::1", "host": "[::1]:8000", "origin": "http://[::1]:8000"}
+    assert admin_access(AdminRequest("/admin/state", **v6), None).allow
+    # Not admin: untouched whatever the headers.
+    assert admin_access(AdminRequest("/v1/models", sec_fetch_site="cross-site"), None).allow

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.dashboard.events import EventRing
-from gateway.dashboard.guard import admin_access
+from gateway.dashboard.guard import AdminRequest, admin_access
 from gateway.dashboard.stats import RollingWindow, bin_of, bin_value, quantiles
 
 
@@ -120,18 +120,22 @@ def test_event_ring_is_bounded_but_totals_count_everything() -> None:
 
 
 def test_admin_access_decisions() -> None:
+    def ask(path: str, client: str | None, auth: str | None, token: str | None) -> Any:
+        req = AdminRequest(path, client_host=client, host="localhost:8000", authorization=auth)
+        return admin_access(req, token)
+
     open_paths = ("/v1/chat/completions", "/metrics", "/healthz", "/administrator", "/dashboards")
     for path in open_paths:
-        assert admin_access(path, "203.0.113.9", None, None).allow
-        assert admin_access(path, "203.0.113.9", None, "t" * 20).allow
-    assert admin_access("/admin/state", "127.0.0.1", None, None).allow
-    assert admin_access("/admin/state", "127.9.9.9", None, None).allow
-    assert not admin_access("/admin/state", None, None, None).allow
-    assert not admin_access("/admin/state", "testclient", None, None).allow
-    assert admin_access("/dashboard", "10.0.0.1", None, None).status == 403
+        assert ask(path, "203.0.113.9", None, None).allow
+        assert ask(path, "203.0.113.9", None, "t" * 20).allow
+    assert ask("/admin/state", "127.0.0.1", None, None).allow
+    assert ask("/admin/state", "127.9.9.9", None, None).allow
+    assert not ask("/admin/state", None, None, None).allow
+    assert not ask("/admin/state", "testclient", None, None).allow
+    assert ask("/dashboard", "10.0.0.1", None, None).status == 403
     token = "t" * 20
-    assert admin_access("/admin", "127.0.0.1", None, token).status == 401
-    assert admin_access("/admin/x", "10.0.0.1", f"bearer {token}", token).allow
-    assert admin_access("/admin/x", "10.0.0.1", f"Bearer  {token} ", token).allow
-    assert admin_access("/admin/x", "10.0.0.1", "Bearer ", token).status == 401
-    assert admin_access("/dashboard/static/app.js", "10.0.0.1", None, token).allow
+    assert ask("/admin", "127.0.0.1", None, token).status == 401
+    assert ask("/admin/x", "10.0.0.1", f"bearer {token}", token).allow
+    assert ask("/admin/x", "10.0.0.1", f"Bearer  {token} ", token).allow
+    assert ask("/admin/x", "10.0.0.1", "Bearer ", token).status == 401
+    assert ask("/dashboard/static/app.js", "10.0.0.1", None, token).allow

@@ -125,3 +125,29 @@ def test_the_setting_chooses_where_gigatoken_runs(bound: float | None) -> None:
         counter.close()
     if bound is not None:
         assert pid is not None and _gone(pid)
+
+
+async def test_with_the_child_the_event_loop_never_waits_for_a_count() -> None:
+    import threading
+
+    from gateway.protocol import ChatPrompt
+
+    config = lanes_config(["http://127.0.0.1:9"], ["http://127.0.0.1:9"])
+    counter = TokenCounter.from_settings(parse_settings(config, environ={}))
+    encoder = counter._model("qwen3.6").vocab.encoder
+    assert isinstance(encoder, ChildEncoder) and encoder.out_of_process
+    threads: list[str] = []
+    real = encoder.count_many
+
+    def spy(texts: list[str]) -> list[int]:
+        threads.append(threading.current_thread().name)
+        return real(texts)
+
+    encoder.count_many = spy  # type: ignore[method-assign]
+    try:
+        prompt = ChatPrompt(messages=({"role": "user", "content": "a small miss " * 20},))
+        count = await counter.count("qwen3.6", prompt, exact_above=0)
+        assert count.method == "exact" and count.tokens > 0
+        assert threads and threading.main_thread().name not in threads
+    finally:
+        counter.close()
