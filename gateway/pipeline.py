@@ -148,9 +148,18 @@ class Policy:
     auth: ClientAuth
     version: int = 1
     exact_above: int = field(init=False)
+    # (lane, cluster) -> the slot limit of one of the cluster's endpoints for that lane.
+    endpoint_limits: dict[tuple[str, str], int] = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "exact_above", exact_count_above(self.settings.lanes))
+        lanes = self.settings.lanes
+        object.__setattr__(self, "exact_above", exact_count_above(lanes))
+        limits = {
+            (lane.name, c.name): endpoint_limit(lanes, lane, c.name)
+            for lane in lanes
+            for c in self.settings.clusters
+        }
+        object.__setattr__(self, "endpoint_limits", limits)
 
     def serves(self, cluster: str, model: str) -> bool:
         models = self.settings.cluster(cluster).models
@@ -158,11 +167,8 @@ class Policy:
 
     def limit_of(self, lane: LaneSettings) -> Callable[[EngineView], int]:
         """The slot limit of an endpoint for this lane's requests (gateway/lanes.py)."""
-        limits = {
-            c.name: endpoint_limit(self.settings.lanes, lane, c.name)
-            for c in self.settings.clusters
-        }
-        return lambda view: limits[view.cluster]
+        limits, name = self.endpoint_limits, lane.name
+        return lambda view: limits[(name, view.cluster)]
 
 
 class Pipeline:
