@@ -298,8 +298,10 @@ class Pipeline:
             return [v for c in serving for v in order_endpoints(self.pool.views(c), affinity)]
 
         limit_of = policy.limit_of(lane)
-        attempts = Attempts(lane, self.pool.views, lambda c: policy.serves(c, model.name), limit_of)
         watch = Watch(deadlines_for(lane.timeouts, count.tokens))  # spans every attempt
+        attempts = Attempts(
+            lane, self.pool.views, lambda c: policy.serves(c, model.name), limit_of, watch.left_s
+        )
         # The slot token is ours, never the client's request id: two requests sharing an id
         # must not share (and free) one slot.
         async with self.admission.slot(lane, candidates, uuid.uuid4().hex, limit_of) as held:
