@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import anyio
+
 from engine_pool.cluster import EngineView
 from engine_pool.picker import order_endpoints
 from engine_pool.registry import EnginePool, StateChange
@@ -65,6 +67,8 @@ class Attempts:
     views: Callable[[str], Sequence[EngineView]]
     serves: Callable[[str], bool]
     limit_of: Callable[[EngineView], int]
+    # Seconds left of the request's total deadline: a move never waits past it.
+    left_s: Callable[[], float]
     tried: set[tuple[str, str]] = field(default_factory=set)
     fresh: bool = False
 
@@ -107,7 +111,12 @@ class Failover:
         elif held.moves < lane.retry.max_retries:
             attempts.tried.add((held.cluster, held.url))
             attempts.fresh = False
-            if not await self._admission.move(held, lane, attempts.candidates, attempts.limit_of):
+            moved = False
+            with anyio.move_on_after(attempts.left_s()):
+                moved = await self._admission.move(
+                    held, lane, attempts.candidates, attempts.limit_of
+                )
+            if not moved:
                 return False
         else:
             return False

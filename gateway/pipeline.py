@@ -116,9 +116,18 @@ class Policy:
     auth: ClientAuth
     version: int = 1
     exact_above: int = field(init=False)
+    # (lane, cluster) -> the slot limit of one of the cluster's endpoints for that lane.
+    endpoint_limits: dict[tuple[str, str], int] = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "exact_above", exact_count_above(self.settings.lanes))
+        lanes = self.settings.lanes
+        object.__setattr__(self, "exact_above", exact_count_above(lanes))
+        limits = {
+            (lane.name, c.name): endpoint_limit(lanes, lane, c.name)
+            for lane in lanes
+            for c in self.settings.clusters
+        }
+        object.__setattr__(self, "endpoint_limits", limits)
 
     def serves(self, cluster: str, model: str) -> bool:
         models = self.settings.cluster(cluster).models
@@ -126,11 +135,8 @@ class Policy:
 
     def limit_of(self, lane: LaneSettings) -> Callable[[EngineView], int]:
         """The slot limit of an endpoint for this lane's requests (gateway/lanes.py)."""
-        limits = {
-            c.name: endpoint_limit(self.settings.lanes, lane, c.name)
-            for c in self.settings.clusters
-        }
-        return lambda view: limits[view.cluster]
+        limits, name = self.endpoint_limits, lane.name
+        return lambda view: limits[(name, view.cluster)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,11 +274,13 @@ class Pipeline:
             return [v for c in serving for v in order_endpoints(self.pool.views(c), affinity)]
 
         limit_of = policy.limit_of(lane)
-        attempts = Attempts(lane, self.pool.views, lambda c: policy.serves(c, model.name), limit_of)
         exact = ExactCount(policy.counter, count)
         # One watch spans every attempt. A bound errs long: deadlines grown from it are never
         # shorter than the exact count's.
         watch = Watch(deadlines_for(lane.timeouts, exact.decided_by))
+        attempts = Attempts(
+            lane, self.pool.views, lambda c: policy.serves(c, model.name), limit_of, watch.left_s
+        )
         # The slot token is ours, never the client's request id: two requests sharing an id
         # must not share (and free) one slot.
         async with self.admission.slot(lane, candidates, uuid.uuid4().hex, limit_of) as held:

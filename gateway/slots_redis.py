@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -193,7 +193,7 @@ class RedisSlotStore:
             yield
             return
         owner = asyncio.current_task()
-        task = self._spawn(self._renew_loop(token, tuple(keys), owner))
+        task = self._spawn(lambda: self._renew_loop(token, tuple(keys), owner))
         try:
             yield
         finally:
@@ -213,7 +213,8 @@ class RedisSlotStore:
         task = None
         if joined is not None:
             self._queued.add(token)
-            task = self._spawn(self._refresh_loop(token, lane_key, asyncio.current_task()))
+            owner = asyncio.current_task()
+            task = self._spawn(lambda: self._refresh_loop(token, lane_key, owner))
         try:
             yield
         finally:
@@ -308,15 +309,17 @@ class RedisSlotStore:
             await asyncio.sleep(self._ttl_s / 3)
             await self.join(token, lane_key, mode="refresh")
 
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    def _spawn(self, work: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
+        # A factory, not a coroutine: a task cancelled before it ever ran (a grant moved at
+        # once, gateway/admission.py) must leave no coroutine behind that was never awaited.
         task = asyncio.create_task(self._guard(work))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _guard(self, work: Awaitable[None]) -> None:
+    async def _guard(self, work: Callable[[], Awaitable[None]]) -> None:
         try:
-            await work
+            await work()
         except Exception as exc:  # noqa: BLE001 - a background loop must not end the request
             swallowed(
                 self._log, self._redis.metrics, "slots_redis.background", exc, decision="stopped"

@@ -66,6 +66,10 @@ class Watch:
             "total": self.deadlines.total_s,
         }[kind]
 
+    def left_s(self) -> float:
+        """What is left of the total deadline."""
+        return max(0.0, self.deadlines.total_s - (time.monotonic() - self._started))
+
     @contextmanager
     def within(self, kind: Phase) -> Iterator[None]:
         phase_s = self._limit(kind)

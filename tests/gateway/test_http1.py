@@ -86,6 +86,40 @@ async def test_a_response_read_to_its_end_leaves_its_connection_for_the_next_req
     assert len(accepted) == 1
 
 
+@pytest.mark.parametrize(
+    ("answer", "reused"),
+    [
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", True),
+        (b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 2\r\n\r\nno", False),
+        (b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n", False),
+    ],
+)
+async def test_only_a_framed_answer_below_500_leaves_its_connection_for_reuse(
+    answer: bytes, reused: bool
+) -> None:
+    """An engine that failed (5xx) may close the socket a moment later without saying so: its
+    connection is closed, never pooled; the next request goes out on a new one."""
+
+    async def answer_each(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await read_request(reader) is not None:
+            writer.write(answer)
+            await writer.drain()
+
+    async with server(answer_each) as (url, accepted):
+        pool = Pool()
+        origin, target = Origin.of(url)
+        for i in range(3):
+            head = request_head("POST", target, origin.authority, {}, 2)
+            conn = await pool.request(origin, head, b"{}", 2.0)
+            await conn.headers()
+            while await conn.next_bytes():
+                pass
+            assert conn.reused is (reused and i > 0)
+            pool.release(conn)
+        pool.close()
+    assert len(accepted) == (1 if reused else 3)
+
+
 async def test_an_unread_response_closes_its_connection_so_the_engine_sees_the_client_leave() -> (
     None
 ):

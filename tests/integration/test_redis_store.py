@@ -363,3 +363,49 @@ async def test_a_waiter_whose_place_lapsed_joins_again_at_the_back(
         raw.close()
         for store in (mine, other):
             await store.aclose()
+
+
+async def test_a_failover_moves_the_endpoint_lease_and_keeps_the_lane_lease(
+    redis_url: str, prefix: str
+) -> None:
+    """``move``: the old endpoint lease goes, the first candidate with room is taken, the lane
+    lease stays; never two endpoint leases at once; no room: the lane lease alone."""
+    store = store_for(redis_url, prefix, lease_ttl_s=30)
+    try:
+        a, b, c = Limit("ep:a", 1), Limit("ep:b", 1), Limit("ep:c", 1)
+        assert await store.try_acquire("mover", LANE, [a]) == 0
+        assert await store.try_acquire("other", LANE, [b]) == 0  # b is full
+        assert await store.move("mover", LANE, a.key, [b, c]) == 1
+        used = await store.in_use([LANE.key, a.key, b.key, c.key])
+        assert used == {LANE.key: 2, a.key: 0, b.key: 1, c.key: 1}
+        assert await store.move("mover", LANE, c.key, [b]) is None  # nowhere with room
+        assert await store.in_use([LANE.key, c.key]) == {LANE.key: 2, c.key: 0}
+        assert await store.renew("mover", [LANE.key]) is True  # the lane lease lives on
+        await store.release("mover", [LANE.key, c.key])
+        await store.release("other", [LANE.key, b.key])
+        assert await store.in_use([LANE.key]) == {LANE.key: 0}
+    finally:
+        await store.aclose()
+
+
+async def test_admission_moves_a_held_slot_and_keeps_renewing_it(
+    redis_url: str, prefix: str
+) -> None:
+    store = store_for(redis_url, prefix, lease_ttl_s=0.3)
+    admission = Admission(store, Metrics(), get_logger("test"), poll_interval_s=0.01)
+    views = [EngineView("c", url, EngineState.UP, 0) for url in ("http://a", "http://b")]
+    lane = fast_lane(2)
+    try:
+        async with admission.slot(lane, lambda: views[:1], "t") as held:
+            assert held.url == "http://a"
+            assert await admission.move(held, lane, lambda: views[1:])
+            assert (held.url, held.moves) == ("http://b", 1)
+            await asyncio.sleep(1.0)  # three TTLs: only renewal keeps the moved lease alive
+            used = await store.in_use(["lane:fast", "ep:c:http://a", "ep:c:http://b"])
+            assert used == {"lane:fast": 1, "ep:c:http://a": 0, "ep:c:http://b": 1}
+        assert await store.in_use(["lane:fast", "ep:c:http://b"]) == {
+            "lane:fast": 0,
+            "ep:c:http://b": 0,
+        }
+    finally:
+        await store.aclose()
