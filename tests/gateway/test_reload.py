@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +17,7 @@ from gateway.reload import diff_settings
 from gateway.settings import parse_settings
 from tests.conftest import lanes_config
 from tests.support.fake_engine import FakeEngine
-from tests.support.servers import free_port, serve_asgi
+from tests.support.servers import free_port, serve_asgi, start_gateway, until_ok
 
 
 def body(delay: float = 0.0, content: str = "hi") -> bytes:
@@ -141,25 +138,11 @@ async def test_sighup_and_file_watch_reload_a_served_gateway(tmp_path: Path) -> 
         path = tmp_path / "policy.yaml"
         path.write_text(yaml.safe_dump(config))
         port = free_port()
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gateway.cli",
-                "serve",
-                "--config",
-                str(path),
-                "--port",
-                str(port),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env={**os.environ},
-        )
+        proc = start_gateway(path, port)
         url = f"http://127.0.0.1:{port}"
         try:
             async with httpx.AsyncClient() as client:
-                await _until_up(client, url)
+                await until_ok(client, url + "/healthz")
                 config["lanes"][0]["slots"] = {"lane": 5, "per_endpoint": 5}
                 path.write_text(yaml.safe_dump(config))
                 await _until_version(client, url, 2)
@@ -192,17 +175,6 @@ async def test_sighup_and_file_watch_reload_a_served_gateway(tmp_path: Path) -> 
         assert b'"trigger": "sighup"' in b"".join(failed).replace(b'":"', b'": "')
         for line in failed:
             assert b"lanes.1.min_prompt_tokens: gap" in line and f"{path}:".encode() in line
-
-
-async def _until_up(client: httpx.AsyncClient, url: str) -> None:
-    for _ in range(300):
-        try:
-            if (await client.get(url + "/healthz")).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        await asyncio.sleep(0.05)
-    raise AssertionError("gateway did not start")
 
 
 async def _until_version(client: httpx.AsyncClient, url: str, version: int) -> None:
