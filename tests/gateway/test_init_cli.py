@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import pytest
 from engine_pool.sim.server import run_sim
 from gateway.cli import main
 from tests.conftest import chat
-from tests.support.servers import free_port
+from tests.support.servers import free_port, start_gateway, until_ok
 
 
 def test_init_refuses_to_overwrite_and_checks_what_it_writes(
@@ -66,31 +65,11 @@ async def test_init_then_serve_against_a_sim_engine(tmp_path: Path) -> None:
         )
         assert checked.returncode == 0, checked.stderr
         port = free_port()
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gateway.cli",
-                "serve",
-                "--config",
-                str(out),
-                "--port",
-                str(port),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env={**os.environ},
-        )
+        proc = start_gateway(out, port)
         url = f"http://127.0.0.1:{port}"
         try:
             async with httpx.AsyncClient(timeout=30) as client:
-                for _ in range(600):
-                    try:
-                        if (await client.get(url + "/readyz")).status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        pass
-                    await asyncio.sleep(0.05)
+                await until_ok(client, url + "/readyz")
                 r = await client.post(url + "/v1/chat/completions", json=chat("hello there"))
             assert r.status_code == 200, r.text
             assert r.headers["x-shapegate-lane"] == "main"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -20,9 +19,8 @@ from gateway.reload import diff_settings
 from gateway.settings import parse_settings
 from gateway.tokens import TokenCounter
 from tests.conftest import ADMIN, JSON, lanes_config
-from tests.support.checkout import ROOT, checkout_env, gateway_cli
 from tests.support.fake_engine import FakeEngine
-from tests.support.servers import free_port, serve_asgi
+from tests.support.servers import free_port, serve_asgi, start_gateway, until_ok
 from tests.support.waiting import wait_for
 
 
@@ -146,17 +144,11 @@ async def test_sighup_reloads_a_served_gateway(tmp_path: Path) -> None:
         path = tmp_path / "policy.yaml"
         path.write_text(yaml.safe_dump(config))
         port = free_port()
-        proc = subprocess.Popen(
-            gateway_cli("serve", "--config", str(path), "--port", str(port)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-            env=checkout_env(),
-        )
+        proc = start_gateway(path, port)
         url = f"http://127.0.0.1:{port}"
         try:
             async with httpx.AsyncClient() as client:
-                await wait_for(lambda: _healthy(client, url), 30, what="gateway up")
+                await until_ok(client, url + "/healthz")
                 config["lanes"][0]["slots"] = {"lane": 6, "per_endpoint": 6}
                 path.write_text(yaml.safe_dump(config))
                 proc.send_signal(signal.SIGHUP)
@@ -204,13 +196,6 @@ async def test_the_file_watcher_reloads_a_changed_policy(
             await _until_version(client, url, 2)  # no signal was sent: the watcher saw it
             state = (await client.get(url + "/admin/state")).json()
             assert state["lanes"][0]["slot_limit"] == 5
-
-
-async def _healthy(client: httpx.AsyncClient, url: str) -> bool:
-    try:
-        return (await client.get(url + "/healthz")).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 async def _until_version(client: httpx.AsyncClient, url: str, version: int) -> None:

@@ -37,7 +37,8 @@ def gateway_config(
 ) -> dict[str, Any]:
     config = lanes_config([engine_url], [engine_url], models=[MODEL])
     config["lanes"][0].update(
-        slots={"lane": lane_slots, "per_endpoint": 64},
+        # One endpoint: the lane limit is the binding one (per_endpoint may not exceed it).
+        slots={"lane": lane_slots, "per_endpoint": lane_slots},
         queue={"depth": 512, "max_wait_s": 20},
         timeouts={"connect_s": 2, "first_byte_s": 30, "idle_s": 30, "total_s": 60},
     )

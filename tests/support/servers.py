@@ -1,13 +1,16 @@
-"""Run ASGI apps on real loopback sockets inside the test's event loop."""
+"""Run ASGI apps on real loopback sockets inside the test's event loop, or a gateway process."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
+import httpx
 import uvicorn
 
 
@@ -45,3 +48,28 @@ async def serve_asgi(app: Any, port: int | None = None, **config: Any) -> AsyncI
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, 15)
+
+
+def start_gateway(config: Path, port: int) -> subprocess.Popen[bytes]:
+    """``shapegate serve --config CONFIG --port PORT`` as a child process, output piped."""
+    from tests.support.checkout import ROOT, checkout_env, gateway_cli
+
+    return subprocess.Popen(
+        gateway_cli("serve", "--config", str(config), "--port", str(port)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env=checkout_env(),
+    )
+
+
+async def until_ok(client: httpx.AsyncClient, url: str, tries: int = 600) -> None:
+    """Poll ``url`` (every 50 ms) until it answers 200."""
+    for _ in range(tries):
+        try:
+            if (await client.get(url)).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{url} never answered 200")
