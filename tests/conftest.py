@@ -13,6 +13,7 @@ from gateway.app import create_app
 from gateway.settings import Settings, parse_settings
 from gateway.sim_support import RegistryCounter
 from gateway.tokens import TokenCounter
+from tests.support.checkout import checkout_env
 from tests.support.servers import serve_asgi
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,16 +38,24 @@ POISON_SHAPEGATE = (
 
 @pytest.fixture(scope="session", autouse=True)
 def installed_shapegate_fails(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """For the whole run: the poisoned `shapegate` first on PATH, and the checkout first on
+    PYTHONPATH, so every ``python -m gateway...`` a test or the code under test starts (demo
+    engines, benchmark children) imports this tree, whatever the venv has installed."""
     poison = tmp_path_factory.mktemp("poisoned-path")
     script = poison / "shapegate"
     script.write_text(POISON_SHAPEGATE)
     script.chmod(0o755)
-    saved = os.environ["PATH"]
-    os.environ["PATH"] = os.pathsep.join([str(poison), saved])
+    saved = {name: os.environ.get(name) for name in ("PATH", "PYTHONPATH")}
+    os.environ.update(checkout_env())
+    os.environ["PATH"] = os.pathsep.join([str(poison), saved["PATH"] or ""])
     try:
         yield script
     finally:
-        os.environ["PATH"] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def lanes_config(

@@ -3,6 +3,7 @@ entry point cannot stand in for it (the conftest puts one that only exits 1 firs
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -15,6 +16,9 @@ def test_the_installed_entry_point_is_poisoned_for_the_whole_run(
 ) -> None:
     assert shutil.which("shapegate") == str(installed_shapegate_fails)
     assert subprocess.run(["shapegate", "--help"], check=False).returncode == 1
+    # And what the code under test starts itself (demo engines, benchmark children) with this
+    # process's environment imports the checkout first.
+    assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT)
 
 
 def test_a_subprocess_imports_the_checkout_even_with_another_copy_on_its_path(

@@ -187,11 +187,13 @@ async def test_a_few_hundred_mixed_requests_leave_no_slot_behind(setup: Any) -> 
         await asyncio.gather(*(one(i, kind, client) for i, kind in enumerate(plan)))
         # Every queued leaver left the heavy queue at once, though the holder never let go.
         await wait_for(
-            lambda: _idle(client, url, engine), 2, what="every slot and queue place back"
+            lambda: _idle(client, url, engine, every_lane=False),
+            2,
+            what="every slot and queue place back",
         )
         assert (await admin_state(client, url))["lanes"][1]["slots_in_use"] == 1
         holder.cancel()  # a slot holder whose client leaves gives its slot back
-        await wait_for(lambda: _idle(client, url, heavy, heavy=True), 2, what="holder released")
+        await wait_for(lambda: _idle(client, url, heavy), 2, what="holder released")
     assert statuses == {kind: {status} for kind, status in EXPECTED.items()}
     assert not heavy.seen.keys() - {"holder"}, "a queued leaver reached the engine"
     assert heavy.seen["holder"].closed is not None
@@ -207,10 +209,12 @@ async def test_a_few_hundred_mixed_requests_leave_no_slot_behind(setup: Any) -> 
 
 
 async def _idle(
-    client: httpx.AsyncClient, url: str, engine: FakeEngine, *, heavy: bool = False
+    client: httpx.AsyncClient, url: str, engine: FakeEngine, *, every_lane: bool = True
 ) -> bool:
+    """No slot or queue place held (in the fast lane only, unless ``every_lane``) and nothing
+    open at ``engine``."""
     state = await admin_state(client, url)
-    if not heavy:  # the heavy lane's slot is still held on purpose
+    if not every_lane:
         state["lanes"] = [state["lanes"][0]]
         state["clusters"] = [state["clusters"][0]]
     return slots_in_use(state) == 0 and not engine.open_requests()
@@ -244,19 +248,18 @@ async def _queued_leaver(engine: FakeEngine, url: str) -> None:
         async def queue_depth() -> int:
             return int((await admin_state(client, url))["lanes"][0]["queue_depth"])
 
+        async def queue_empty() -> bool:
+            return await queue_depth() == 0
+
         _, leaver = await open_request(url, "queued-1", body("queued-1", stream=False))
         await wait_for(queue_depth, 2, what="the leaver queued")
         leaver.transport.abort()
         # It leaves the queue at once, while the holders still hold every slot.
-        await wait_for(lambda: _not(queue_depth), 1, what="the leaver gone from the queue")
+        await wait_for(queue_empty, 1, what="the leaver gone from the queue")
         assert not any(h.done() for h in holders)
         assert all(r.status_code == 200 for r in await asyncio.gather(*holders))
-        await wait_for(lambda: _idle(client, url, engine, heavy=True), 2, what="every slot back")
+        await wait_for(lambda: _idle(client, url, engine), 2, what="every slot back")
         assert "queued-1" not in engine.seen
-
-
-async def _not(condition: Any) -> bool:
-    return not await condition()
 
 
 async def test_a_full_lane_with_reject_policy_answers_429(gateway_at: Any) -> None:

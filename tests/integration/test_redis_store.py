@@ -162,10 +162,13 @@ class LeaseModel(RuleBasedStateMachine):
             holds = [k for k in ALL_KEYS if token in live[k]]
             assert holds == ([LANE.key, self.held[token]] if token in self.held else [])
         now = redis_now_ms(self.raw)
-        for token, endpoint in self.held.items():  # each lease runs to its last now + TTL
-            for key in (LANE.key, endpoint):
-                score = self.raw.zscore(self.key(key), token)
-                assert score is not None and self.deadline[token] <= score <= now + TTL_MS
+        leases = [(token, key) for token, ep in self.held.items() for key in (LANE.key, ep)]
+        pipe = self.raw.pipeline(transaction=False)
+        for token, key in leases:
+            pipe.zscore(self.key(key), token)
+        for (token, _), score in zip(leases, pipe.execute(), strict=True):
+            # Each lease runs to the now + TTL of its last acquire or renewal.
+            assert score is not None and self.deadline[token] <= score <= now + TTL_MS
 
     def teardown(self) -> None:
         for store in self.stores:
