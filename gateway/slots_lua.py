@@ -259,30 +259,37 @@ return {decide(), epoch}
 """
 )
 
-# KEYS: lane, the endpoint to give up, candidate endpoints...
-# ARGV: token, ttl_ms, candidate limits... (ARGV[i] is the limit of KEYS[i], i >= 3)
-# Returns the 0-based index of the candidate now held, -1 when none has room (the token keeps
-# its lane slot only), -2 when the token's lane lease is gone (nothing taken).
+# KEYS: epoch, recovery marker, lane, the endpoint to give up, candidate endpoints...
+# ARGV: token, ttl_ms, the epoch the lease was granted in ('' if unknown), a new epoch should none
+#       exist, the recovery grace in ms, candidate limits... (ARGV[i + 1] limits KEYS[i], i >= 5)
+# Returns {index, epoch}: the 0-based index of the candidate now held, -1 when none has room (the
+# token keeps its lane slot only), -2 when the token's lane lease was reaped (nothing taken). A
+# lane lease gone with Redis's data (the epoch changed) is re-established, as RENEW does.
 MOVE = Script(
     _PRELUDE
     + """
-local token, ttl, lane = ARGV[1], tonumber(ARGV[2]), KEYS[1]
-redis.call('ZREM', KEYS[2], token)
+local token, ttl, granted, lane = ARGV[1], tonumber(ARGV[2]), ARGV[3], KEYS[3]
+local epoch = epoch_of(KEYS[1], KEYS[2], granted, ARGV[4], tonumber(ARGV[5]))
+redis.call('ZREM', KEYS[4], token)
+if granted ~= '' and epoch ~= granted then
+  redis.call('ZADD', lane, now + ttl, token)
+  extend(lane, 3 * ttl)
+end
 local score = redis.call('ZSCORE', lane, token)
-if not score or tonumber(score) <= now then return -2 end
-for i = 3, #KEYS do
+if not score or tonumber(score) <= now then return {-2, epoch} end
+for i = 5, #KEYS do
   redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
-  if redis.call('ZSCORE', KEYS[i], token) then return i - 3 end
-  if redis.call('ZCARD', KEYS[i]) < tonumber(ARGV[i]) then
+  if redis.call('ZSCORE', KEYS[i], token) then return {i - 5, epoch} end
+  if redis.call('ZCARD', KEYS[i]) < tonumber(ARGV[i + 1]) then
     local deadline = now + ttl
     redis.call('ZADD', KEYS[i], deadline, token)
     redis.call('ZADD', lane, 'XX', deadline, token)
     extend(KEYS[i], 3 * ttl)
     extend(lane, 3 * ttl)
-    return i - 3
+    return {i - 5, epoch}
   end
 end
-return -1
+return {-1, epoch}
 """
 )
 

@@ -161,18 +161,25 @@ class RedisSlotStore:
     ) -> int | None:
         if token in self._local_tokens:
             return await self._local.move(token, lane, release, candidates)
-        keys = self._keys([lane.key, release, *(c.key for c in candidates)])
-        args: list[str | int] = [token, self._ttl_ms, *(c.limit for c in candidates)]
-        index = await self._redis.call("move", slots_lua.MOVE, keys, args)
-        if index is slots_lua.DOWN or int(index) == -1:
+        keys = [*self._epoch_keys(), *self._keys([lane.key, release, *(c.key for c in candidates)])]
+        args: list[str | int] = [token, self._ttl_ms]
+        args += self._epoch_args(self._lease_epoch.get(token, ""))
+        args += [c.limit for c in candidates]
+        reply = await self._redis.call("move", slots_lua.MOVE, keys, args)
+        if reply is slots_lua.DOWN:
             return None
-        if int(index) == -2:
+        index, epoch = int(reply[0]), reply[1].decode()
+        if token in self._lease_epoch:
+            self._lease_epoch[token] = epoch
+        if index == -1:
+            return None
+        if index == -2:
             self._log.warning("slot.lease_lost", token=token, keys=[lane.key], op="move")
             raise StateUnavailable(
                 "the request's slot lease was lost before it could fail over",
                 retry_after_s=RETRY_AFTER_S,
             )
-        return int(index)
+        return index
 
     async def release(self, token: str, keys: Sequence[str]) -> None:
         if token in self._local_tokens:

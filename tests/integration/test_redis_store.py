@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 import redis
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -13,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 
 from engine_pool.cluster import EngineState, EngineView
 from gateway.admission import Admission
+from gateway.errors import StateUnavailable
 from gateway.log import get_logger
 from gateway.metrics import Metrics
 from gateway.settings import LaneSettings, StateSettings
@@ -410,5 +412,29 @@ async def test_admission_moves_a_held_slot_and_keeps_renewing_it(
             "lane:fast": 0,
             "ep:c:http://b": 0,
         }
+    finally:
+        await store.aclose()
+
+
+async def test_a_failover_after_redis_lost_its_data_re_establishes_the_lane_lease(
+    redis_url: str, prefix: str
+) -> None:
+    """Redis lost every key (the epoch included) between the grant and the move: the move puts
+    the lane lease back and takes the new endpoint, as a renewal would, instead of failing."""
+    store = store_for(redis_url, prefix, lease_ttl_s=30)
+    try:
+        a, b = Limit("ep:a", 1), Limit("ep:b", 1)
+        assert await store.try_acquire("mover", LANE, [a]) == 0
+        delete_prefix(redis_url, prefix)  # what a restart without persistence leaves
+        assert await store.move("mover", LANE, a.key, [b]) == 0
+        assert await store.in_use([LANE.key, a.key, b.key]) == {LANE.key: 1, a.key: 0, b.key: 1}
+        # A lease reaped while its holder was frozen is not revived by a move.
+        raw = redis.Redis.from_url(redis_url)
+        for key in (LANE.key, b.key):
+            raw.zadd("{" + prefix + "}:" + key, {"mover": 1}, xx=True)
+        raw.close()
+        with pytest.raises(StateUnavailable):
+            await store.move("mover", LANE, b.key, [a])
+        assert await store.in_use([LANE.key, a.key, b.key]) == {LANE.key: 0, a.key: 0, b.key: 0}
     finally:
         await store.aclose()
