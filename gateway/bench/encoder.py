@@ -52,7 +52,12 @@ def register(suites: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     parser = suites.add_parser("encoder", help="tokenizer memory under floods; cost of the bound")
     parser.add_argument("--out", default="bench-results", help="folder for encoder.json")
     parser.add_argument("--flood-mb", type=float, default=200.0, help="MB of each kind, bounded")
-    parser.add_argument("--max-rss-mb", type=float, default=DEFAULT_MAX_RSS_MB)
+    parser.add_argument(
+        "--max-rss-mb",
+        type=float,
+        default=DEFAULT_MAX_RSS_MB,
+        help="the child encoder's memory bound under test, MB",
+    )
     parser.add_argument("--smoke", action="store_true", help="2 MB floods, few timings")
     parser.set_defaults(func=run)
 

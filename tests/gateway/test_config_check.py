@@ -16,6 +16,7 @@ from gateway.cli import main
 from gateway.config_check import load_policy, parse_policy
 from gateway.settings import ConfigError
 from gateway.tokens import TokenCounter
+from tests.conftest import ADMIN
 from tests.support.servers import serve_asgi
 
 GOOD = """\
@@ -164,18 +165,18 @@ async def test_reload_refuses_each_and_keeps_serving(
             text = edit(GOOD)
             line = line_of(text, needle)
             # POST /admin/reload with the policy in the body ...
-            r = await client.post(url + "/admin/reload", content=text)
+            r = await client.post(url + "/admin/reload", content=text, headers=ADMIN)
             assert r.status_code == 400, case
             assert f"request body:{line}: {message}" in r.json()["error"]["message"], case
             # ... and the file re-read (what SIGHUP and the file watch do, too).
             path.write_text(text)
-            r = await client.post(url + "/admin/reload")
+            r = await client.post(url + "/admin/reload", headers=ADMIN)
             assert r.status_code == 400, case
             assert f"{path}:{line}: {message}" in r.json()["error"]["message"], case
         state = (await client.get(url + "/admin/state")).json()
         assert state["policy_version"] == 1
         path.write_text(GOOD.replace("lane: 8, per_endpoint: 8", "lane: 6, per_endpoint: 6"))
-        assert (await client.post(url + "/admin/reload")).status_code == 200
+        assert (await client.post(url + "/admin/reload", headers=ADMIN)).status_code == 200
         assert (await client.get(url + "/admin/state")).json()["policy_version"] == 2
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -13,7 +12,10 @@ import pytest
 
 from engine_pool.sim.server import run_sim
 from gateway.cli import main
+from gateway.sim_support import RegistryCounter
+from gateway.tokens import TokenCounter
 from tests.conftest import chat
+from tests.support.checkout import ROOT, checkout_env, gateway_cli
 from tests.support.servers import free_port, start_gateway, until_ok
 
 
@@ -46,19 +48,29 @@ def test_a_two_lane_policy_passes_check_config(
     assert "# " in out.read_text()  # annotated
 
 
-async def test_init_then_serve_against_a_sim_engine(tmp_path: Path) -> None:
+async def test_init_then_serve_against_a_sim_engine(tmp_path: Path, counter: TokenCounter) -> None:
     out = tmp_path / "policy.yaml"
-    async with run_sim("h100-fast", time_scale=0.01, seed=1) as engine:
-        init = [sys.executable, "-m", "gateway.cli", "init", "--engine", engine.url]
+    shared = RegistryCounter(counter, "qwen3.6")
+    async with run_sim("h100-fast", time_scale=0.01, seed=1, counter=shared) as engine:
+        init = gateway_cli("init", "--engine", engine.url)
         init += ["--model", "qwen3.6", "--max-model-len", "32768", "--out", str(out)]
         made = await asyncio.to_thread(
-            subprocess.run, init, capture_output=True, text=True, timeout=120, check=False
+            subprocess.run,
+            init,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            cwd=ROOT,
+            env=checkout_env(),
         )
         assert made.returncode == 0, made.stderr
         checked = await asyncio.to_thread(
             subprocess.run,
-            [sys.executable, "-m", "gateway.cli", "check-config", str(out)],
+            gateway_cli("check-config", str(out)),
             capture_output=True,
+            cwd=ROOT,
+            env=checkout_env(),
             text=True,
             timeout=120,
             check=False,

@@ -73,7 +73,9 @@ async def test_a_lane_served_by_its_emergency_cluster_is_ready_but_degraded(
             assert heavy["state"] == "degraded" and heavy["serving"] == ["fast"]
             assert heavy["clusters"]["heavy"]["endpoints"][dead].startswith("down: probe failed")
             assert body["lanes"]["fast"]["state"] == "ready"
-            probe = (await client.post(url + "/admin/probe")).json()
+            probe = (
+                await client.post(url + "/admin/probe", headers={"x-shapegate-admin": "1"})
+            ).json()
             assert probe["lanes"]["heavy"]["passed"] is True
             assert probe["lanes"]["heavy"]["detail"].startswith(
                 "degraded: served by emergency cluster fast"

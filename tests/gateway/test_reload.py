@@ -191,7 +191,7 @@ async def test_the_file_watcher_reloads_a_changed_policy(
         path.write_text(yaml.safe_dump(config))
         app = create_app(load_settings(path), counter, config_path=path)
         async with serve_asgi(app) as url, httpx.AsyncClient() as client:
-            config["lanes"][0]["slots"]["lane"] = 5
+            config["lanes"][0]["slots"] = {"lane": 5, "per_endpoint": 5}
             path.write_text(yaml.safe_dump(config))
             await _until_version(client, url, 2)  # no signal was sent: the watcher saw it
             state = (await client.get(url + "/admin/state")).json()
