@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import lanes_config
+from tests.conftest import JSON, lanes_config
 from tests.reliability.reliability_support import chat_body, held, settled, timed_logs
 from tests.support.sim_process import sim_processes
 
@@ -49,8 +49,9 @@ async def client_loop(
         started = time.time()
         body = chat_body(f"{rid} tell me a story", stream=stream, max_tokens=24)
         try:
+            headers = {"x-request-id": rid, **JSON}
             async with client.stream(
-                "POST", url + "/v1/chat/completions", content=body, headers={"x-request-id": rid}
+                "POST", url + "/v1/chat/completions", content=body, headers=headers
             ) as r:
                 payload = await r.aread()
             status = r.status_code
