@@ -82,6 +82,22 @@ class Routed:
             cluster_health={c: healthy.get(c, True) for c in candidates},
         )
 
+    # The names log_fields() gives, for a record refused before its lane was decided.
+    FIELDS = (
+        "model",
+        "stream",
+        "body_bytes",
+        "prompt_bytes",
+        "prompt_tokens",
+        "count_method",
+        "count_ms",
+        "tokenizer",
+        "max_tokens",
+        "lane",
+        "reason",
+        "cluster_health",
+    )
+
     def log_fields(self) -> dict[str, Any]:
         count = self.count
         return {
@@ -152,8 +168,9 @@ class Record:
         return self.grant.cluster if self.grant is not None else "none"
 
     def as_json(self) -> dict[str, Any]:
-        """Everything the decision log says about the request, plus how it ended so far."""
-        routed = self.routed.log_fields() if self.routed is not None else {}
+        """Everything the decision log says about the request, plus how it ended so far; the
+        same keys for every record (None where a refused request never got that far)."""
+        routed = self.routed.log_fields() if self.routed else dict.fromkeys(Routed.FIELDS)
         grant = self.grant
         return {
             "request_id": self.request_id,

@@ -8,6 +8,7 @@ import orjson
 from structlog.testing import capture_logs
 
 from gateway.admission import Grant
+from gateway.dashboard.state import decision_row
 from gateway.errors import BadRequest, NoHealthyCluster, UpstreamError
 from gateway.lanes import Decision
 from gateway.log import get_logger
@@ -146,3 +147,15 @@ def test_a_record_never_holds_prompt_text(counter: TokenCounter) -> None:
     kept = Routed.of(request, bound, decision, {})
     assert kept.count.plan is None and kept.count.tokens == bound.tokens
     assert "canary" not in repr(kept)
+
+
+def test_every_record_has_the_same_json_shape_for_the_dashboard() -> None:
+    rec = recorder()
+    unparsed, routed_ = Record("r1", "chat"), Record("r2", "chat")
+    rec.decided(routed_, routed())
+    rec.refused(unparsed, BadRequest("bad json"))
+    assert tuple(routed().log_fields()) == Routed.FIELDS
+    assert unparsed.as_json().keys() == routed_.as_json().keys()
+    rows = [decision_row(r, wall_now=1e9, mono_now=r.started + 1) for r in (unparsed, routed_)]
+    assert rows[0]["model"] is None and rows[0]["error"] == "bad json"
+    assert rows[0]["outcome"] == "in_flight" and rows[1]["lane"] == "fast"  # neither finished
