@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -76,7 +76,8 @@ class Routed:
             stream=request.stream,
             body_bytes=request.body_bytes,
             max_tokens=request.max_tokens,
-            count=count,
+            # Without the plan a bound keeps for the exact count: a record never holds text.
+            count=replace(count, plan=None) if count.plan is not None else count,
             lane=decision.lane_name,
             reason=decision.reason,
             cluster_health={c: healthy.get(c, True) for c in candidates},

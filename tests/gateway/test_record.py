@@ -15,7 +15,7 @@ from gateway.log import get_logger
 from gateway.metrics import Metrics
 from gateway.protocol import parse_request
 from gateway.record import Record, Recorder, Routed
-from gateway.tokens import TokenCount
+from gateway.tokens import TokenCount, TokenCounter
 from gateway.watchdog import DeadlineHit
 
 COUNT = TokenCount(tokens=1234, method="exact", tokenizer="qwen", prompt_bytes=5000, seconds=0.002)
@@ -136,6 +136,17 @@ def test_after_admission_a_5xx_is_an_upstream_error_and_a_deadline_a_timeout() -
         "endpoint": "http://e:1",
         "request_id": "r2",
     }
+
+
+def test_a_record_never_holds_prompt_text(counter: TokenCounter) -> None:
+    body = orjson.dumps({"model": "qwen3.6", "messages": [{"role": "user", "content": "canary"}]})
+    request = parse_request("chat", body)
+    bound = counter.count_sync("qwen3.6", request.prompt, exact_above=2000)
+    assert bound.plan is not None  # what the exact count is finished from, later
+    decision = Decision(lane=None, clusters=(), reason="no_lane")
+    kept = Routed.of(request, bound, decision, {})
+    assert kept.count.plan is None and kept.count.tokens == bound.tokens
+    assert "canary" not in repr(kept)
 
 
 def test_every_record_has_the_same_json_shape_for_the_dashboard() -> None:
