@@ -219,8 +219,8 @@ def _memory(r: dict[str, Any], plots: Path) -> list[str]:
     lines = [
         "### Memory (`shapegate bench memory`)",
         "",
-        f"Machine: {_machine(r)}. Gateway RSS (every thread, and its tokenizer child) in front "
-        "of the fixed upstream; "
+        f"Machine: {_machine(r)}. Gateway RSS (every thread, plus its child processes if any) "
+        "in front of the fixed upstream; "
         f"tokenizer packages {r['tokenizer_package']}.",
         *_smoke(r),
         "",

@@ -32,6 +32,7 @@ load_s), ``tokenizer.child_lost`` (via ``swallowed``).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -114,6 +115,8 @@ def _start(recipe: Callable[[], Any], nfc: bool) -> _Child:
     started = time.monotonic()
     child_reads, to_child = os.pipe()  # (read end, write end); ours are not inherited
     from_child, child_writes = os.pipe()
+    _widen(to_child)
+    _widen(from_child)
     process = subprocess.Popen(  # noqa: S603 - our own interpreter and module
         [sys.executable, "-m", "gateway.tokenizers.worker", str(child_reads), str(child_writes)],
         pass_fds=(child_reads, child_writes),
@@ -145,6 +148,24 @@ def _start(recipe: Callable[[], Any], nfc: bool) -> _Child:
         raise EncoderFailed(f"tokenizer child failed to load: {detail}")
     child.rss_mb = child.ready_rss_mb = rss
     return child
+
+
+# A pipe holds 64 kB by default: a 130 kB prompt would take several wake-ups of each side to
+# cross, and on a busy host every wake-up waits for a CPU. Linux lets a pipe grow to
+# /proc/sys/fs/pipe-max-size (1 MiB by default) without privileges.
+PIPE_BYTES = 1 << 20
+
+
+def _widen(fd: int) -> None:
+    set_size = getattr(fcntl, "F_SETPIPE_SZ", None)  # Linux only
+    if set_size is None:
+        return
+    try:
+        with open("/proc/sys/fs/pipe-max-size", "rb") as limit:
+            size = min(PIPE_BYTES, int(limit.read()))
+        fcntl.fcntl(fd, set_size, size)
+    except OSError as exc:  # a smaller limit, or none: the default 64 kB pipe still works
+        get_logger("tokens").info("tokenizer.pipe_default", error=str(exc))
 
 
 def _stop(child: _Child) -> None:

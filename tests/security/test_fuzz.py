@@ -9,7 +9,8 @@ shapegate's own HTTP protocol). For every request: no 5xx from the gateway itsel
 never fails here), an error is the OpenAI error shape. After the run: no traceback and no
 request answered 500 in the logs, and no slot held anywhere.
 
-``SHAPEGATE_FUZZ_EXAMPLES`` sets the number of requests (default 3,000; CI runs the default).
+``SHAPEGATE_FUZZ_EXAMPLES`` sets the number of requests (default 2,400, in batches of six per
+generated example; CI runs the default).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from tests.conftest import lanes_config
 from tests.support.fake_engine import FakeEngine
 from tests.support.servers import serve_asgi
 
-EXAMPLES = int(os.environ.get("SHAPEGATE_FUZZ_EXAMPLES", "3000"))
+EXAMPLES = int(os.environ.get("SHAPEGATE_FUZZ_EXAMPLES", "2400"))
 
 # ---- strategies: the OpenAI request schema, and its near misses ----------------------------
 
