@@ -8,7 +8,10 @@
 - ``start_upstream(port, cpus)``: the fixed fast upstream of ``httpload``.
 - ``start_gateway(config, folder, cpus)``: ``shapegate serve`` on a policy written to
   ``folder/gateway.yaml``; returns once ``/readyz`` answers 200 (the boot probe passed).
-- ``write_json(out, name, result)``: ``out/name.json``, indented.
+- ``gateway_rig(pin)``: both of them in a temporary folder, on their own CPUs when pinned (this
+  process on the upstream's); everything stopped and unpinned when the block ends.
+- ``write_json(out, name, result)``: ``out/name.json``, indented; ``publish`` adds the plot and
+  prints the table.
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -192,6 +197,37 @@ def start_gateway(policy: dict[str, Any], folder: Path, cpus: set[int] | None) -
     port = policy["server"]["port"]
     _wait_http(f"http://127.0.0.1:{port}/readyz", child, 60.0)
     return child
+
+
+@dataclass(frozen=True, slots=True)
+class Rig:
+    folder: Path
+    upstream_port: int
+    gateway: Child
+    gateway_port: int
+    gateway_cpus: set[int] | None
+    load_cpus: set[int] | None
+
+
+@contextmanager
+def gateway_rig(pin: bool) -> Iterator[Rig]:
+    gateway_cpus, load_cpus = two_core_plan(pin)
+    restore = pin_self(load_cpus)
+    try:
+        with tempfile.TemporaryDirectory(prefix="shapegate-bench-") as tmp:
+            folder = Path(tmp)
+            upstream, upstream_port = start_upstream(folder, load_cpus)
+            gateway: Child | None = None
+            try:
+                port = free_port()
+                gateway = start_gateway(gateway_policy(upstream_port, port), folder, gateway_cpus)
+                yield Rig(folder, upstream_port, gateway, port, gateway_cpus, load_cpus)
+            finally:
+                if gateway is not None:
+                    gateway.stop()
+                upstream.stop()
+    finally:
+        pin_self(restore)
 
 
 def _wait_http(url: str, child: Child, timeout_s: float) -> None:

@@ -28,7 +28,6 @@ import asyncio
 import base64
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,16 +39,11 @@ if TYPE_CHECKING:
 
 from gateway.bench.harness import (
     Child,
-    free_port,
-    gateway_policy,
+    gateway_rig,
     machine,
     machine_line,
     package_version,
-    pin_self,
     publish,
-    start_gateway,
-    start_upstream,
-    two_core_plan,
     with_targets,
 )
 from gateway.bench.httpload import new_event_loop, open_loop
@@ -129,25 +123,11 @@ def measure(
     *, requests: int, block: int, rate: int, adversarial: int, smoke: bool, pin: bool
 ) -> dict[str, Any]:
     info = machine()
-    gateway_cpus, load_cpus = two_core_plan(pin)
     imports = _imports_rss_mb()
-    restore = pin_self(load_cpus)
-    try:
-        with tempfile.TemporaryDirectory(prefix="shapegate-bench-") as tmp:
-            folder = Path(tmp)
-            upstream, upstream_port = start_upstream(folder, load_cpus)
-            gateway: Child | None = None
-            try:
-                port = free_port()
-                gateway = start_gateway(gateway_policy(upstream_port, port), folder, gateway_cpus)
-                with asyncio.Runner(loop_factory=new_event_loop()) as runner:
-                    result = runner.run(_measure(gateway, port, requests, block, rate, adversarial))
-            finally:
-                if gateway is not None:
-                    gateway.stop()
-                upstream.stop()
-    finally:
-        pin_self(restore)
+    with gateway_rig(pin) as rig, asyncio.Runner(loop_factory=new_event_loop()) as runner:
+        result = runner.run(
+            _measure(rig.gateway, rig.gateway_port, requests, block, rate, adversarial)
+        )
     result.update(
         suite="memory",
         smoke=smoke,

@@ -27,21 +27,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from gateway.bench.harness import (
     Child,
-    free_port,
-    gateway_policy,
+    gateway_rig,
     machine,
     machine_line,
-    pin_self,
     publish,
-    start_gateway,
-    start_upstream,
-    two_core_plan,
     with_targets,
 )
 from gateway.bench.httpload import LoadResult, new_event_loop, open_loop, percentile
@@ -110,29 +104,13 @@ def _clean(summary: dict[str, Any], p99_ms: float) -> bool:
 
 def measure(*, smoke: bool, seconds: float, rates: tuple[int, ...], pin: bool) -> dict[str, Any]:
     info = machine()
-    gateway_cpus, load_cpus = two_core_plan(pin)
-    restore = pin_self(load_cpus)
-    try:
-        with tempfile.TemporaryDirectory(prefix="shapegate-bench-") as tmp:
-            folder = Path(tmp)
-            upstream, upstream_port = start_upstream(folder, load_cpus)
-            gateway: Child | None = None
-            try:
-                gateway_port = free_port()
-                gateway = start_gateway(
-                    gateway_policy(upstream_port, gateway_port), folder, gateway_cpus
-                )
-                with asyncio.Runner(loop_factory=new_event_loop()) as runner:
-                    result = runner.run(
-                        _measure(upstream_port, gateway_port, gateway, smoke, seconds, rates)
-                    )
-                log_lines = (folder / "gateway.log").read_bytes().count(b"\n")
-            finally:
-                if gateway is not None:
-                    gateway.stop()
-                upstream.stop()
-    finally:
-        pin_self(restore)
+    with gateway_rig(pin) as rig:
+        with asyncio.Runner(loop_factory=new_event_loop()) as runner:
+            result = runner.run(
+                _measure(rig.upstream_port, rig.gateway_port, rig.gateway, smoke, seconds, rates)
+            )
+        log_lines = (rig.folder / "gateway.log").read_bytes().count(b"\n")
+        gateway_cpus, load_cpus = rig.gateway_cpus, rig.load_cpus
     result["gateway_log_lines"] = log_lines
     result.update(
         suite="overhead",
