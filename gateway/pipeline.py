@@ -317,6 +317,15 @@ class Pipeline:
                         self.recorder.moved(record, held.grant)
             finally:
                 record.prompt_tokens = exact.settle()
+                if exact.error is not None:
+                    swallowed(
+                        self.log,
+                        self.metrics,
+                        "usage.exact_count",
+                        exact.error,
+                        decision="prompt_tokens_unknown",
+                        request_id=record.request_id,
+                    )
             self.recorder.engine_counted(record, model.name, model.tokenizer.chat_template)
             if engine_down.cancelled_caught and not out.finished:
                 raise UpstreamError(f"engine was marked down mid-request: {engine.evidence}")

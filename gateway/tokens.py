@@ -291,10 +291,10 @@ class TokenCounter:
         encoder = plan.vocab.encoder
         if self._executor is None:
             return encoder.count_many(texts)
-        if sum(len(text) for text in texts) <= INLINE_MAX_CHARS:
-            # In process, or one pipe round trip to the bounded child (tokenizers/worker.py):
-            # microseconds for text this small. None while a worker holds the encoder.
-            return encoder.try_count_many(texts)
+        # Never a pipe round trip to the bounded child (tokenizers/worker.py) on the event loop:
+        # that count goes to the worker thread, which waits on the pipe without the GIL.
+        if not encoder.out_of_process and sum(len(text) for text in texts) <= INLINE_MAX_CHARS:
+            return encoder.try_count_many(texts)  # None while a worker holds it
         return None
 
     def count_sync(self, model: str, prompt: Prompt, *, exact_above: int = 0) -> TokenCount:

@@ -3,13 +3,12 @@
 Contract:
 - ``ExactCount(counter, count)``: when the lane was decided by the free UTF-8 bound, the exact
   count is finished from the plan the bound kept, by ``meanwhile()``, which the proxy calls once
-  the request is written to the engine and before it waits for the answer: it runs while the
-  engine works, off the request's critical path, inline (a small prompt costs microseconds when
-  its pieces are cached, well under a millisecond when not; no task, which would cost more than
-  the count). ``await tokens()`` before the response headers go out; only a count that needs
-  the worker (large uncached pieces, or the encoder busy) waits there. ``settle()`` at the end
-  gives the figure (a request whose engine was never reached gets it there). A count that was
-  exact already costs nothing.
+  the request is written to the engine and before it waits for the answer, so it overlaps the
+  engine's work: inline when that is cheap (an in-process encoder and small missing pieces:
+  microseconds when cached), else started in the counting worker (always so with the bounded
+  child-process encoder, whose pipe round trip never runs on the event loop). ``await
+  tokens()`` before the response headers go out. ``settle()`` at the end gives the figure (None
+  only when the worker had not finished, or failed: ``error``).
 - ``engine_usage(payload)``: ``usage.prompt_tokens`` and ``usage.completion_tokens`` from a
   JSON body or the last SSE event that carries usage (None for each where absent).
 - ``sse_events(data)`` and ``trim_tail(tail)``: the SSE data events of a relayed stream, for an
@@ -21,6 +20,7 @@ Contract:
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import orjson
@@ -75,7 +75,7 @@ def trim_tail(tail: bytes) -> tuple[bytes, int]:
 class ExactCount:
     """Our exact prompt count; when the bound decided the lane, finished while the engine works."""
 
-    __slots__ = ("_count", "_counter", "bound", "decided_by")
+    __slots__ = ("_count", "_counter", "_pending", "bound", "decided_by", "error")
 
     def __init__(self, counter: TokenCounter, count: TokenCount) -> None:
         self._counter = counter
@@ -84,21 +84,45 @@ class ExactCount:
         # never to be reported as tokens).
         self.decided_by = count.tokens
         self.bound = count.tokens if count.exact is None else None
+        # The count running in the counting worker while the engine works, when it could not be
+        # had inline (an out-of-process encoder, large missing pieces, the encoder busy).
+        self._pending: asyncio.Task[TokenCount] | None = None
+        # Why the exact count is missing at the end, if counting itself failed.
+        self.error: BaseException | None = None
 
     def meanwhile(self) -> None:
-        """The request is on its way to the engine: count now, inline, when that is possible."""
-        if self._count.exact is None:
-            self._count = self._counter.exact_now(self._count) or self._count
+        """The request is on its way to the engine: count now, inline when that is cheap, else
+        start the count in the worker so that it overlaps the engine's work."""
+        if self._count.exact is not None or self._pending is not None:
+            return
+        found = self._counter.exact_now(self._count)
+        if found is not None:
+            self._count = found
+        else:
+            self._pending = asyncio.get_running_loop().create_task(self._counter.exact(self._count))
 
     async def tokens(self) -> int:
-        """The exact count, finished in the counting worker if ``meanwhile`` could not."""
+        """The exact count (awaited before the response headers go out)."""
         if self._count.exact is None:
-            self._count = await self._counter.exact(self._count)
+            self.meanwhile()
+        if self._pending is not None:
+            self._count = await self._pending
+            self._pending = None
         assert self._count.exact is not None
         return self._count.exact
 
     def settle(self) -> int | None:
-        """The exact count at the request's end (None only if it needed the worker and the
-        request ended before it could wait for it)."""
-        self.meanwhile()
+        """The exact count at the request's end: None when it needed the worker and the request
+        ended before the worker finished (the count is then abandoned), or when counting failed
+        (``error`` says why)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            if not pending.done():
+                pending.cancel()
+            elif not pending.cancelled():
+                self.error = pending.exception()
+                if self.error is None:
+                    self._count = pending.result()
+        elif self._count.exact is None:
+            self._count = self._counter.exact_now(self._count) or self._count
         return self._count.exact
