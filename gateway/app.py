@@ -33,10 +33,10 @@ from gateway.exchange import Receive, Scope, Send
 from gateway.log import Logger, get_logger, swallowed
 from gateway.metrics import Metrics
 from gateway.pipeline import Pipeline, Policy
-from gateway.protocol import Endpoint
 from gateway.proxy import Upstream
 from gateway.readiness import BootProbe
 from gateway.reload import ReloadResult, apply_reload
+from gateway.routes import ENGINE_ROUTES
 from gateway.settings import ConfigError, Settings, load_settings
 from gateway.slots import MemorySlotStore, SlotStore
 from gateway.tokens import TokenCounter
@@ -239,17 +239,11 @@ def create_app(
     return ShapegateApp(app, gateway)
 
 
-PROXY_PATHS: dict[str, Endpoint] = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-}
-
-
 class ShapegateApp:
-    """The ASGI app: the two proxy routes go straight to the pipeline, everything else (and the
-    lifespan) to FastAPI. The hot path skips the middleware stack, which the overhead
-    benchmark's profile showed at 6-8% of a request's CPU; the routes stay registered in
-    FastAPI too, so nothing depends on this shortcut for correctness."""
+    """The ASGI app: the engine routes (gateway/routes.py) go straight to the pipeline,
+    everything else (and the lifespan) to FastAPI. The hot path skips the middleware stack,
+    which the overhead benchmark's profile showed at 6-8% of a request's CPU; the routes stay
+    registered in FastAPI too, so nothing depends on this shortcut for correctness."""
 
     def __init__(self, api: FastAPI, gateway: Gateway) -> None:
         self.api = api
@@ -257,8 +251,8 @@ class ShapegateApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
-            endpoint = PROXY_PATHS.get(scope["path"])
-            if endpoint is not None:
-                await self.gateway.pipeline.handle(endpoint, scope, receive, send)
+            route = ENGINE_ROUTES.get(scope["path"])
+            if route is not None:
+                await self.gateway.pipeline.handle(route, scope, receive, send)
                 return
         await self.api(scope, receive, send)

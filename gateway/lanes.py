@@ -1,6 +1,7 @@
 """The lane decision: a pure function of the token count, the policy and a health snapshot.
 
     choose_lane(prompt_tokens, lanes, healthy) -> Decision
+    choose_named_lane(name, lanes, healthy) -> Decision   (routes with no text to count)
 
 - The lane is the one whose ``[min_prompt_tokens, max_prompt_tokens)`` range holds the count.
   Lanes never overlap (settings validate it), so order only matters for reading.
@@ -55,6 +56,20 @@ def choose_lane(
     lane = lane_for(prompt_tokens, lanes)
     if lane is None:
         return Decision(lane=None, clusters=(), reason="no_lane")
+    return _serving(lane, healthy)
+
+
+def choose_named_lane(
+    name: str, lanes: Sequence[LaneSettings], healthy: Mapping[str, bool]
+) -> Decision:
+    """The lane a policy names for requests with no text to count (multipart audio routes)."""
+    for lane in lanes:
+        if lane.name == name:
+            return _serving(lane, healthy)
+    return Decision(lane=None, clusters=(), reason="no_lane")
+
+
+def _serving(lane: LaneSettings, healthy: Mapping[str, bool]) -> Decision:
     primaries = tuple(c for c in lane.clusters if healthy.get(c, True))
     if primaries:
         return Decision(lane=lane, clusters=primaries, reason="in_range")

@@ -54,17 +54,17 @@ from gateway.exchange import (
     read_body,
     watch_disconnect,
 )
-from gateway.lanes import Decision, choose_lane, exact_count_above
+from gateway.lanes import Decision, choose_lane, choose_named_lane, exact_count_above
 from gateway.log import Logger, swallowed
 from gateway.metrics import Metrics
-from gateway.protocol import Endpoint, RoutedRequest, parse_request, prefix_key
+from gateway.protocol import RoutedRequest, prefix_key
+from gateway.protocols.multipart import parse_multipart
 from gateway.proxy import Upstream, response_headers, upstream_headers
+from gateway.routes import EngineRoute
 from gateway.settings import ClusterSettings, LaneSettings, Settings
 from gateway.tokens import TokenCount, TokenCounter
 from gateway.trace import TraceWriter
 from gateway.watchdog import DeadlineHit, Watch, deadlines_for
-
-UPSTREAM_PATH = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
 @dataclass(slots=True)
@@ -117,7 +117,8 @@ def request_id_from(scope: Scope) -> str:
 
 
 def _usage_tokens(payload: bytes) -> int | None:
-    """completion_tokens from a JSON body or the last SSE event that carries usage."""
+    """Output tokens from a JSON body or the last SSE event that carries usage: OpenAI's
+    ``completion_tokens``, or ``output_tokens`` (Responses, Anthropic)."""
     at = payload.rfind(b'"usage"')
     if at < 0:
         return None
@@ -129,7 +130,7 @@ def _usage_tokens(payload: bytes) -> int | None:
             usage = orjson.loads(blob.removeprefix(b"data: ")).get("usage") or {}
         except (orjson.JSONDecodeError, AttributeError):
             continue
-        tokens = usage.get("completion_tokens")
+        tokens = usage.get("completion_tokens", usage.get("output_tokens"))
         if isinstance(tokens, int):
             return tokens
     return None
@@ -146,9 +147,12 @@ class Policy:
     auth: ClientAuth
     version: int = 1
     exact_above: int = field(init=False)
+    forward_headers: frozenset[str] = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "exact_above", exact_count_above(self.settings.lanes))
+        extra = frozenset(name.lower() for name in self.settings.routes.forward_headers)
+        object.__setattr__(self, "forward_headers", extra)
 
     def serves(self, cluster: str, model: str) -> bool:
         models = self.settings.cluster(cluster).models
@@ -177,10 +181,10 @@ class Pipeline:
         self.accepting = True
         self.in_flight = 0
 
-    async def handle(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
+    async def handle(self, route: EngineRoute, scope: Scope, receive: Receive, send: Send) -> None:
         policy = self.policy
-        record = Record(request_id=request_id_from(scope), endpoint=endpoint)
-        out = Outbound(send)
+        record = Record(request_id=request_id_from(scope), endpoint=route.endpoint)
+        out = Outbound(send, route.errors)
         ids = [(b"x-request-id", record.request_id.encode())]
         self.in_flight += 1
         try:
@@ -202,7 +206,7 @@ class Pipeline:
                 )
                 watcher.add_done_callback(_reaper(self.log, self.metrics, record.request_id))
                 try:
-                    await self._route(policy, endpoint, scope, body, out, record)
+                    await self._route(policy, route, scope, body, out, record)
                 finally:
                     watcher.cancel()
             # After the last byte, uvicorn reports the finished exchange as a disconnect too.
@@ -235,13 +239,16 @@ class Pipeline:
     async def _route(
         self,
         policy: Policy,
-        endpoint: Endpoint,
+        route: EngineRoute,
         scope: Scope,
         body: bytes,
         out: Outbound,
         record: Record,
     ) -> None:
-        request = parse_request(endpoint, body)
+        if route.parse is None:
+            request = parse_multipart(route.endpoint, header(scope, b"content-type"), body)
+        else:
+            request = route.parse(body)
         settings = policy.settings
         model = settings.model(request.model)
         if model is None:
@@ -252,11 +259,15 @@ class Pipeline:
                 f"model's context of {model.max_model_len} tokens",
                 param="max_tokens",
             )
-        count = await policy.counter.count(
-            model.name, request.prompt, exact_above=policy.exact_above
-        )
         healthy = self.pool.healthy_clusters()
-        decision = choose_lane(count.tokens, settings.lanes, healthy)
+        if route.multipart:  # no text to count: the lane the policy names
+            count = TokenCount(0, "none", "none", 0, 0.0)
+            decision = choose_named_lane(settings.multipart_lane, settings.lanes, healthy)
+        else:
+            count = await policy.counter.count(
+                model.name, request.prompt, exact_above=policy.exact_above
+            )
+            decision = choose_lane(count.tokens, settings.lanes, healthy)
         record.fields.update(self._decision_fields(request, count, decision, healthy))
         self._remember(record)
         if decision.lane is None:
@@ -273,7 +284,9 @@ class Pipeline:
         serving = tuple(c for c in decision.clusters if policy.serves(c, model.name))
 
         affinity = (
-            prefix_key(request.prompt, lane.affinity_prefix_bytes) if lane.prefix_affinity else None
+            prefix_key(request.prompt, lane.affinity_prefix_bytes)
+            if lane.prefix_affinity and not route.multipart
+            else None
         )
 
         def candidates() -> Sequence[EngineView]:
@@ -290,6 +303,7 @@ class Pipeline:
                 cluster = settings.cluster(grant.cluster)
                 await self._forward(
                     request,
+                    route,
                     scope,
                     body,
                     grant,
@@ -306,6 +320,7 @@ class Pipeline:
     async def _forward(
         self,
         request: RoutedRequest,
+        route: EngineRoute,
         scope: Scope,
         body: bytes,
         grant: Grant,
@@ -322,6 +337,7 @@ class Pipeline:
             record.request_id,
             forward_auth=cluster.forward_client_auth,
             engine_key=engine_key,
+            extra=self.policy.forward_headers,
         )
         ours = {
             "x-request-id": record.request_id,
@@ -329,7 +345,7 @@ class Pipeline:
             "x-shapegate-cluster": grant.cluster,
             "x-shapegate-prompt-tokens": str(count.tokens),
         }
-        url = grant.url.rstrip("/") + UPSTREAM_PATH[request.endpoint]
+        url = grant.url.rstrip("/") + route.path
         async with self.upstream.open(url, body, headers, watch) as response:
             record.status = response.status
             if not (request.stream and response.status == 200):

@@ -13,16 +13,33 @@ from typing import Any, Literal
 import orjson
 
 from gateway.errors import BadRequest
+from gateway.protocols.template_options import DEFAULT, TemplateOptions, template_options
+from gateway.protocols.tools import chat_tool
 
-Endpoint = Literal["chat", "completions"]
+# Every engine route the gateway counts and lanes (gateway/routes.py maps paths to these).
+Endpoint = Literal[
+    "chat",
+    "completions",
+    "responses",
+    "messages",
+    "embeddings",
+    "pooling",
+    "score",
+    "rerank",
+    "tokenize",
+    "detokenize",
+    "transcriptions",
+    "translations",
+]
 
 
 @dataclass(frozen=True, slots=True)
 class ChatPrompt:
-    """Chat messages as the client sent them (plain JSON data), plus tool schemas if any."""
+    """Chat messages (plain JSON data), tool schemas as vLLM renders them, template options."""
 
     messages: tuple[dict[str, Any], ...]
     tools: tuple[dict[str, Any], ...] = ()
+    options: TemplateOptions = DEFAULT
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +125,11 @@ def _chat_prompt(data: dict[str, Any]) -> ChatPrompt:
     tools = data.get("tools") or []
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise BadRequest("'tools' must be an array of objects", param="tools")
-    return ChatPrompt(messages=tuple(messages), tools=tuple(tools))
+    return ChatPrompt(
+        messages=tuple(messages),
+        tools=tuple(chat_tool(t) for t in tools),
+        options=template_options(data),
+    )
 
 
 def _is_ids(value: Any) -> bool:

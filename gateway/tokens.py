@@ -60,7 +60,8 @@ from gateway.tokenizers.templates import (
 )
 from gateway.tokenizers.vocab import Vocabulary, load_vocabulary
 
-Method = Literal["bound", "cache", "exact"]
+# "none": nothing to count (a multipart audio request); its lane is named by the policy.
+Method = Literal["bound", "cache", "exact", "none"]
 # Misses up to this many characters are counted on the event loop (under ~2 ms with the GIL
 # held either way); longer ones go to the worker thread, where gigatoken releases the GIL.
 INLINE_MAX_CHARS = GIL_FREE_ABOVE_CHARS

@@ -37,13 +37,14 @@ from engine_pool.sim.profile import EngineProfile
 from engine_pool.sim.serving import (
     EngineStreamingResponse,
     FinishReason,
+    GenerateEndpoint,
     Generation,
     full_body,
     race_disconnect,
     stream_body,
 )
 from gateway.errors import BadRequest
-from gateway.protocol import ChatPrompt, CompletionPrompt, Endpoint, parse_request
+from gateway.protocol import ChatPrompt, CompletionPrompt, parse_request
 
 ApplyFaults = Callable[[FaultSpec], Awaitable[None]]
 DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
@@ -88,7 +89,7 @@ class HangMiddleware:
 
 
 def _output(
-    parts: SimParts, endpoint: Endpoint, max_tokens: int | None, prompt_tokens: int
+    parts: SimParts, endpoint: GenerateEndpoint, max_tokens: int | None, prompt_tokens: int
 ) -> tuple[int, FinishReason]:
     """Output tokens and finish reason: max_tokens exactly (ignore_eos-like), else a default."""
     out = parts.profile.output
@@ -100,7 +101,7 @@ def _output(
 
 
 async def _prepare(
-    parts: SimParts, request: Request, endpoint: Endpoint
+    parts: SimParts, request: Request, endpoint: GenerateEndpoint
 ) -> Response | tuple[Generation, bool]:
     """Validate as vLLM does (and roll the fault dice): an error response, or what to generate."""
     profile, faults = parts.profile, parts.faults
@@ -146,7 +147,7 @@ async def _prepare(
     return gen, routed.stream
 
 
-async def _generate(parts: SimParts, request: Request, endpoint: Endpoint) -> Response:
+async def _generate(parts: SimParts, request: Request, endpoint: GenerateEndpoint) -> Response:
     prepared = await _prepare(parts, request, endpoint)
     if isinstance(prepared, Response):
         return prepared

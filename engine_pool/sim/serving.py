@@ -30,6 +30,7 @@ from engine_pool.sim.faults import FaultState
 
 T = TypeVar("T")
 FinishReason = Literal["length", "stop"]
+GenerateEndpoint = Literal["chat", "completions"]
 
 
 class DroppedConnection(ConnectionResetError):
@@ -38,7 +39,7 @@ class DroppedConnection(ConnectionResetError):
 
 @dataclass(frozen=True, slots=True)
 class Generation:
-    endpoint: Literal["chat", "completions"]
+    endpoint: GenerateEndpoint
     request_id: str
     response_id: str
     created: int
