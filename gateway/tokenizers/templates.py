@@ -10,7 +10,8 @@ Contract:
   ``raise_exception``, reasoning aliases, ``continue_final_message`` cut at a marker) with the
   prompt's ``TemplateOptions`` (``add_generation_prompt``, ``continue_final_message``,
   ``documents``, ``chat_template_kwargs`` such as ``enable_thinking``), after vLLM's message
-  preprocessing (tool-call ``arguments`` JSON strings become objects). A template that rejects
+  preprocessing (tool-call ``arguments`` JSON strings become objects; array contents become their
+  text parts joined by newlines, vLLM's "string" content format). A template that rejects
   the messages raises ``TemplateRejected``; so does a template error on odd input.
 - The built-in ChatML honours ``add_generation_prompt`` and ``continue_final_message`` (the last
   message left open); it has no variables, so ``chat_template_kwargs`` change nothing there.
@@ -190,6 +191,10 @@ class ChatTemplate:
         if reasoning is not None:
             # transformers fills every name a template may read reasoning under.
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        if isinstance(message.get("content"), list):
+            # vLLM's "string" content format (what it detects for templates that do not loop
+            # over message['content'] themselves, Qwen's included): text parts joined by "\n".
+            message = {**message, "content": _text(message["content"])}
         calls = message.get("tool_calls")
         if not isinstance(calls, list):
             return message
