@@ -1,15 +1,20 @@
 """The simulated engine's HTTP face: vLLM's OpenAI-compatible routes plus ``/sim/*`` admin routes.
 
-Routes (vLLM's shapes, see ``wire.py``):
+Routes (vLLM's shapes, see ``wire.py`` and ``wire_apis.py``):
     POST /v1/chat/completions, /v1/completions   streaming and not; ``X-Request-Id`` is the id
+    POST /v1/responses, /v1/messages              streaming (typed SSE events) and not
+    POST /v1/embeddings, /pooling, /v1/score, /score, /v1/rerank, /rerank, /v2/rerank
+                           a prefill of the largest sequence (one engine step), then the answer
+    GET  /version
     GET  /v1/models        GET /health (200, or 503 when dead)
     POST /tokenize         GET /metrics (vLLM names, simulated seconds)
     GET  /sim/requests[?request_id=]   what the engine saw of each request (records.py)
     GET  /sim/state        scheduler snapshot and simulated clock
     GET  /sim/faults       POST /sim/faults  (a FaultSpec as JSON; ``{}`` clears)
 
-Errors are vLLM's: 400 ``BadRequestError`` (with ``param``; ``input_tokens`` when prompt plus
-max_tokens exceed ``max_model_len``), 404 ``NotFoundError`` for an unknown model. ``hang`` is a
+Errors are vLLM's (Anthropic-shaped on /v1/messages): 400 ``BadRequestError`` (with ``param``;
+``input_tokens`` when prompt plus max_tokens exceed ``max_model_len``), 404 ``NotFoundError``
+for an unknown model. ``hang`` is a
 pure ASGI middleware (it must not answer at all); the other faults live in ``serving.py``.
 FastAPI is allowed here because this is the simulator, not the gateway.
 """
@@ -29,9 +34,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine_pool.sim import wire
+from engine_pool.sim import wire, wire_apis
 from engine_pool.sim.counting import PromptCounter
-from engine_pool.sim.engine import SimEngine
+from engine_pool.sim.engine import RequestStream, SimEngine
 from engine_pool.sim.faults import FaultError, FaultSpec, FaultState
 from engine_pool.sim.profile import EngineProfile
 from engine_pool.sim.serving import (
@@ -43,8 +48,17 @@ from engine_pool.sim.serving import (
     race_disconnect,
     stream_body,
 )
-from gateway.errors import BadRequest
-from gateway.protocol import ChatPrompt, CompletionPrompt, parse_request
+from gateway.errors import BadRequest, anthropic_error_body
+from gateway.protocol import ChatPrompt, CompletionPrompt, RoutedRequest
+from gateway.routes import ENGINE_ROUTES, EngineRoute
+
+SIM_VERSION = "0.33.0+sim"
+ID_PREFIX = {
+    "chat": "chatcmpl-",
+    "completions": "cmpl-",
+    "responses": "resp_",
+    "messages": "chatcmpl-",
+}
 
 ApplyFaults = Callable[[FaultSpec], Awaitable[None]]
 DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
@@ -64,7 +78,11 @@ def _error(
     type_: str,
     param: str | None = None,
     headers: dict[str, str] | None = None,
+    *,
+    route: EngineRoute | None = None,
 ) -> JSONResponse:
+    if route is not None and route.errors == "anthropic":
+        return JSONResponse(anthropic_error_body(message, status), status, headers=headers)
     return JSONResponse(wire.error_body(message, type_, status, param), status, headers=headers)
 
 
@@ -100,19 +118,19 @@ def _output(
     return min(out.default_tokens, parts.profile.max_model_len - prompt_tokens), "stop"
 
 
-async def _prepare(
-    parts: SimParts, request: Request, endpoint: GenerateEndpoint
-) -> Response | tuple[Generation, bool]:
-    """Validate as vLLM does (and roll the fault dice): an error response, or what to generate."""
+async def _validate(parts: SimParts, route: EngineRoute, body: bytes) -> Response | RoutedRequest:
+    """Parse as vLLM does and roll the fault dice: an error response, or the request."""
     profile, faults = parts.profile, parts.faults
+    assert route.parse is not None
     try:
-        routed = parse_request(endpoint, await request.body())
+        routed = route.parse(body)
     except BadRequest as exc:
-        return _error(400, exc.message, "BadRequestError", exc.param)
+        return _error(400, exc.message, "BadRequestError", exc.param, route=route)
     if routed.model not in profile.served_names:
-        return _error(404, f"The model `{routed.model}` does not exist.", "NotFoundError", "model")
+        message = f"The model `{routed.model}` does not exist."
+        return _error(404, message, "NotFoundError", "model", route=route)
     if faults.spec.dead or parts.engine.failed:
-        return _error(500, DEAD_MESSAGE, "InternalServerError")
+        return _error(500, DEAD_MESSAGE, "InternalServerError", route=route)
     injected = faults.draw_error()
     if injected == 500:
         return _error(500, "injected fault: internal server error", "InternalServerError")
@@ -120,6 +138,19 @@ async def _prepare(
         return _error(
             429, "injected fault: too many requests", "RateLimitError", headers={"retry-after": "1"}
         )
+    return routed
+
+
+async def _prepare(
+    parts: SimParts, request: Request, endpoint: GenerateEndpoint
+) -> Response | tuple[Generation, bool]:
+    """Validate as vLLM does (and roll the fault dice): an error response, or what to generate."""
+    profile = parts.profile
+    route = ENGINE_ROUTES[request.url.path]
+    body = await request.body()
+    routed = await _validate(parts, route, body)
+    if isinstance(routed, Response):
+        return routed
     prompt = routed.prompt
     if isinstance(prompt, CompletionPrompt) and len(prompt.texts) + len(prompt.token_ids) > 1:
         return _error(
@@ -130,19 +161,20 @@ async def _prepare(
     requested = routed.max_tokens or 0
     if prompt_tokens + requested > profile.max_model_len or prompt_tokens >= profile.max_model_len:
         message = wire.context_too_long_message(profile.max_model_len, requested, prompt_tokens)
-        return _error(400, message, "BadRequestError", "input_tokens")
+        return _error(400, message, "BadRequestError", "input_tokens", route=route)
     output_tokens, finish = _output(parts, endpoint, routed.max_tokens, prompt_tokens)
     request_id = request.headers.get("x-request-id") or wire.random_id()
     gen = Generation(
         endpoint=endpoint,
         request_id=request_id,
-        response_id=("chatcmpl-" if endpoint == "chat" else "cmpl-") + request_id,
+        response_id=ID_PREFIX[endpoint] + request_id,
         created=int(time.time()),
         model=profile.model,
         prompt_tokens=prompt_tokens,
         output_tokens=output_tokens,
         finish_reason=finish,
         include_usage=routed.include_usage,
+        request=orjson.loads(body) if endpoint == "responses" else {},
     )
     return gen, routed.stream
 
@@ -192,6 +224,29 @@ def create_app(parts: SimParts, apply_faults: ApplyFaults) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await _generate(parts, request, "completions")
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await _generate(parts, request, "responses")
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await _generate(parts, request, "messages")
+
+    for path in (
+        "/v1/embeddings",
+        "/pooling",
+        "/v1/score",
+        "/score",
+        "/v1/rerank",
+        "/rerank",
+        "/v2/rerank",
+    ):
+        app.add_api_route(path, _pool_handler(parts), methods=["POST"])
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": SIM_VERSION})
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -269,3 +324,70 @@ def _tokenize(counter: PromptCounter, data: Any) -> list[int] | None:
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         return [int(t) for t in prompt]
     return None
+
+
+def _pool_handler(parts: SimParts) -> Callable[[Request], Awaitable[Response]]:
+    async def handle(request: Request) -> Response:
+        return await _pool(parts, request)
+
+    return handle
+
+
+def _sequences(counter: PromptCounter, routed: RoutedRequest) -> list[str]:
+    """The texts the engine pools: each input (a pair joined for score/rerank), or the chat."""
+    prompt = routed.prompt
+    if isinstance(prompt, ChatPrompt):
+        return [counter.render_chat(prompt)]
+    return list(prompt.texts) or [",".join(map(str, ids)) for ids in prompt.token_ids]
+
+
+async def _pool(parts: SimParts, request: Request) -> Response:
+    """Embeddings, pooling, score, rerank: a prefill of the largest sequence (one engine step
+    of one output token stands for it), then vectors or scores derived from the texts."""
+    route = ENGINE_ROUTES[request.url.path]
+    body = await request.body()
+    routed = await _validate(parts, route, body)
+    if isinstance(routed, Response):
+        return routed
+    profile, engine = parts.profile, parts.engine
+    prompt_tokens = await asyncio.to_thread(parts.counter.count, routed.prompt)
+    if prompt_tokens >= profile.max_model_len:
+        message = wire.context_too_long_message(profile.max_model_len, 0, prompt_tokens)
+        return _error(400, message, "BadRequestError", "input_tokens")
+    request_id = request.headers.get("x-request-id") or wire.random_id()
+    stream = engine.submit(
+        request_id, endpoint=route.endpoint, prompt_tokens=max(prompt_tokens, 1), output_tokens=1
+    )
+    try:
+        stayed, _ = await race_disconnect(request.receive, _drain(stream))
+    finally:
+        engine.abort(stream.key)
+    if not stayed:
+        return Response(status_code=499)
+    data = orjson.loads(body)
+    texts = _sequences(parts.counter, routed)
+    created, model = int(time.time()), profile.model
+    if route.endpoint == "embeddings":
+        encoding = str(data.get("encoding_format") or "float")
+        payload = wire_apis.embeddings_body(
+            f"embd-{request_id}", created, model, texts, prompt_tokens, encoding
+        )
+    elif route.endpoint == "pooling":
+        payload = wire_apis.pooling_body(f"pool-{request_id}", created, model, texts, prompt_tokens)
+    elif route.endpoint == "score":
+        payload = wire_apis.score_body(f"score-{request_id}", created, model, texts, prompt_tokens)
+    else:
+        documents = [
+            d.get("text", "") if isinstance(d, dict) else str(d) for d in data["documents"]
+        ]
+        top_n = data.get("top_n") if isinstance(data.get("top_n"), int) else None
+        payload = wire_apis.rerank_body(
+            f"rerank-{request_id}", model, documents, texts, prompt_tokens, top_n
+        )
+    return JSONResponse(payload)
+
+
+async def _drain(stream: RequestStream) -> None:
+    last = False
+    while not last:
+        _, _, last = await stream.next_tokens()
