@@ -36,6 +36,7 @@ from gateway.pipeline import Pipeline, Policy
 from gateway.proxy import Upstream
 from gateway.readiness import BootProbe
 from gateway.reload import ReloadResult, apply_reload
+from gateway.response_affinity import build_affinity
 from gateway.routes import ENGINE_ROUTES
 from gateway.settings import ConfigError, Settings, load_settings
 from gateway.slots import MemorySlotStore, SlotStore
@@ -101,6 +102,7 @@ class Gateway:
             upstream,
             metrics,
             log,
+            build_affinity(settings, log, metrics),
         )
         monitor = EngineMonitor(pool, probe_plans(settings), EngineEvents(settings, metrics, log))
         probe = BootProbe(settings, pool, upstream, log, keys)
@@ -197,6 +199,7 @@ class Gateway:
     async def aclose(self) -> None:
         await self.upstream.aclose()
         await self.store.aclose()
+        await self.pipeline.affinity.aclose()
 
 
 def create_app(

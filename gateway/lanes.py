@@ -2,6 +2,7 @@
 
     choose_lane(prompt_tokens, lanes, healthy) -> Decision
     choose_named_lane(name, lanes, healthy) -> Decision   (routes with no text to count)
+    pin_to_cluster(decision, cluster, lanes) -> Decision  (stateful Responses follow-ups)
 
 - The lane is the one whose ``[min_prompt_tokens, max_prompt_tokens)`` range holds the count.
   Lanes never overlap (settings validate it), so order only matters for reading.
@@ -23,7 +24,9 @@ from typing import Literal
 
 from gateway.settings import LaneSettings
 
-Reason = Literal["in_range", "primary_unhealthy", "no_lane", "no_healthy_cluster"]
+Reason = Literal[
+    "in_range", "primary_unhealthy", "no_lane", "no_healthy_cluster", "response_affinity"
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +70,19 @@ def choose_named_lane(
         if lane.name == name:
             return _serving(lane, healthy)
     return Decision(lane=None, clusters=(), reason="no_lane")
+
+
+def pin_to_cluster(decision: Decision, cluster: str, lanes: Sequence[LaneSettings]) -> Decision:
+    """A stateful Responses follow-up: the lane holding the engine that stored the previous
+    response (the counted lane if it holds it), that cluster only. Unchanged when no lane holds
+    the cluster any more (a reload removed it) or the count fits no lane at all."""
+    if decision.lane is None:
+        return decision
+    holding = [decision.lane, *lanes]
+    for lane in holding:
+        if cluster in lane.clusters or cluster in lane.emergency_clusters:
+            return Decision(lane=lane, clusters=(cluster,), reason="response_affinity")
+    return decision
 
 
 def _serving(lane: LaneSettings, healthy: Mapping[str, bool]) -> Decision:

@@ -54,12 +54,19 @@ from gateway.exchange import (
     read_body,
     watch_disconnect,
 )
-from gateway.lanes import Decision, choose_lane, choose_named_lane, exact_count_above
+from gateway.lanes import (
+    Decision,
+    choose_lane,
+    choose_named_lane,
+    exact_count_above,
+    pin_to_cluster,
+)
 from gateway.log import Logger, swallowed
 from gateway.metrics import Metrics
 from gateway.protocol import RoutedRequest, prefix_key
 from gateway.protocols.multipart import parse_multipart
 from gateway.proxy import Upstream, response_headers, upstream_headers
+from gateway.response_affinity import MemoryAffinity, ResponseAffinity, response_id_of
 from gateway.routes import EngineRoute
 from gateway.settings import ClusterSettings, LaneSettings, Settings
 from gateway.tokens import TokenCount, TokenCounter
@@ -168,8 +175,13 @@ class Pipeline:
         upstream: Upstream,
         metrics: Metrics,
         log: Logger,
+        affinity: ResponseAffinity | None = None,
     ) -> None:
         self.policy = policy
+        settings = policy.settings.routes
+        self.affinity = affinity or MemoryAffinity(
+            settings.response_affinity_entries, settings.response_affinity_ttl_s
+        )
         self.pool = pool
         self.admission = admission
         self.upstream = upstream
@@ -268,6 +280,7 @@ class Pipeline:
                 model.name, request.prompt, exact_above=policy.exact_above
             )
             decision = choose_lane(count.tokens, settings.lanes, healthy)
+        decision, pinned = await self._pin(request, decision, settings.lanes)
         record.fields.update(self._decision_fields(request, count, decision, healthy))
         self._remember(record)
         if decision.lane is None:
@@ -290,7 +303,15 @@ class Pipeline:
         )
 
         def candidates() -> Sequence[EngineView]:
-            return [v for c in serving for v in order_endpoints(self.pool.views(c), affinity)]
+            views = [v for c in serving for v in order_endpoints(self.pool.views(c), affinity)]
+            return views if pinned is None else [v for v in views if v.url == pinned]
+
+        if pinned is not None and not any(v.state.routable for v in candidates()):
+            raise NoHealthyCluster(
+                f"the engine holding response '{request.previous_response_id}' ({pinned}) is "
+                "down; its stored conversation lives only there",
+                retry_after_s=5,
+            )
 
         # The slot token is ours, never the client's request id: two requests sharing an id
         # must not share (and free) one slot.
@@ -316,6 +337,27 @@ class Pipeline:
                 )
             if engine_down.cancelled_caught and not out.finished:
                 raise UpstreamError(f"engine was marked down mid-request: {engine.evidence}")
+
+    async def _pin(
+        self, request: RoutedRequest, decision: Decision, lanes: Sequence[LaneSettings]
+    ) -> tuple[Decision, str | None]:
+        """A Responses follow-up goes to the endpoint that stored its previous response, when
+        the gateway knows it; otherwise the count alone decides (the engine answers 404 for a
+        response it does not hold)."""
+        if request.previous_response_id is None:
+            return decision, None
+        found = await self.affinity.lookup(request.previous_response_id)
+        if found is None:
+            return decision, None
+        pinned = pin_to_cluster(decision, found[0], lanes)
+        return pinned, found[1] if pinned.reason == "response_affinity" else None
+
+    async def _learn(self, request: RoutedRequest, grant: Grant, payload: bytes) -> None:
+        """Remember which endpoint produced a Responses answer (its id is in the first bytes)."""
+        if request.endpoint == "responses":
+            response_id = response_id_of(payload)
+            if response_id is not None:
+                await self.affinity.remember(response_id, grant.cluster, grant.url)
 
     async def _forward(
         self,
@@ -355,6 +397,8 @@ class Pipeline:
                 await out.start(
                     response.status, response_headers(response.headers, ours), streaming=False
                 )
+                if response.status == 200:  # stored before the client can see the id
+                    await self._learn(request, grant, payload)
                 await out.body(payload, more=False)
                 record.outcome = "upstream_error" if record.status >= 500 else "ok"
             else:
@@ -373,6 +417,8 @@ class Pipeline:
                     last = now
                     record.chunks += 1
                     tail = (tail + chunk)[-4096:]
+                    if record.chunks == 1:
+                        await self._learn(request, grant, chunk)
                     await out.body(chunk, more=True)
                 if not out.started:
                     await out.start(200, response_headers(response.headers, ours), streaming=True)

@@ -62,6 +62,8 @@ class RoutedRequest:
     include_usage: bool
     max_tokens: int | None
     body_bytes: int
+    # Responses only: the stored response this one continues (gateway/response_affinity.py).
+    previous_response_id: str | None = None
 
 
 def _text(content: Any) -> str:

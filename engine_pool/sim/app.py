@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -53,6 +54,7 @@ from gateway.protocol import ChatPrompt, CompletionPrompt, RoutedRequest
 from gateway.routes import ENGINE_ROUTES, EngineRoute
 
 SIM_VERSION = "0.33.0+sim"
+STORED_RESPONSES = 10_000
 ID_PREFIX = {
     "chat": "chatcmpl-",
     "completions": "cmpl-",
@@ -70,6 +72,9 @@ class SimParts:
     engine: SimEngine
     faults: FaultState
     counter: PromptCounter
+    # Responses this engine stored (vLLM keeps them in its own memory): a follow-up naming one
+    # it does not hold is answered 404, as vLLM does. The most recent STORED_RESPONSES are kept.
+    stored: OrderedDict[str, None] = field(default_factory=OrderedDict)
 
 
 def _error(
@@ -162,6 +167,10 @@ async def _prepare(
     if prompt_tokens + requested > profile.max_model_len or prompt_tokens >= profile.max_model_len:
         message = wire.context_too_long_message(profile.max_model_len, requested, prompt_tokens)
         return _error(400, message, "BadRequestError", "input_tokens", route=route)
+    previous = routed.previous_response_id
+    if previous is not None and previous not in parts.stored:
+        message = f"Response with id '{previous}' not found."
+        return _error(404, message, "invalid_request_error", "previous_response_id")
     output_tokens, finish = _output(parts, endpoint, routed.max_tokens, prompt_tokens)
     request_id = request.headers.get("x-request-id") or wire.random_id()
     gen = Generation(
@@ -176,6 +185,10 @@ async def _prepare(
         include_usage=routed.include_usage,
         request=orjson.loads(body) if endpoint == "responses" else {},
     )
+    if endpoint == "responses" and gen.request.get("store", True) is not False:
+        parts.stored[gen.response_id] = None
+        while len(parts.stored) > STORED_RESPONSES:
+            parts.stored.popitem(last=False)
     return gen, routed.stream
 
 

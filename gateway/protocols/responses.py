@@ -23,8 +23,8 @@ Follows vLLM's ``construct_input_messages`` and ``construct_tool_dicts``
 - ``chat_template_kwargs`` pass to the template; ``max_output_tokens`` is the output budget.
 
 ``previous_response_id``: the engine that stored that response prepends its conversation; the
-gateway cannot see it, so the count covers this request's own input only (a lower bound) and the
-request is sent to that engine (``gateway/affinity.py``).
+gateway cannot see it, so the count covers this request's own input only (a lower bound), and
+the request is sent to that engine (``gateway/response_affinity.py``).
 """
 
 from __future__ import annotations
@@ -134,6 +134,9 @@ def parse_responses(body: bytes) -> RoutedRequest:
             "continue_final_message": partial,
         }
     )
+    previous = data.get("previous_response_id")
+    if previous is not None and not (isinstance(previous, str) and previous):
+        raise BadRequest("'previous_response_id' must be a string", param="previous_response_id")
     return RoutedRequest(
         endpoint="responses",
         model=model,
@@ -142,6 +145,7 @@ def parse_responses(body: bytes) -> RoutedRequest:
         include_usage=True,
         max_tokens=positive_int(data, "max_output_tokens"),
         body_bytes=len(body),
+        previous_response_id=previous,
     )
 
 
