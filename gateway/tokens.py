@@ -212,6 +212,10 @@ class TokenCounter:
         """Token ids of plain text: no template, nothing added; special-token strings match."""
         return self._model(model).vocab.encoder.encode(text)
 
+    def decode(self, model: str, ids: Sequence[int]) -> str:
+        """Text of token ids (special tokens included); ValueError for an unknown id."""
+        return self._model(model).vocab.encoder.decode(ids)
+
     def render_chat(self, model: str, prompt: ChatPrompt) -> str:
         """The prompt text the engine sees (template applied, generation prompt added)."""
         return "".join(self._chat_pieces(self._model(model), prompt))

@@ -5,6 +5,10 @@ Routes (vLLM's shapes, see ``wire.py`` and ``wire_apis.py``):
     POST /v1/responses, /v1/messages              streaming (typed SSE events) and not
     POST /v1/embeddings, /pooling, /v1/score, /score, /v1/rerank, /rerank, /v2/rerank
                            a prefill of the largest sequence (one engine step), then the answer
+    POST /detokenize       ``{"prompt": text}`` of the token ids (special tokens included)
+    POST /v1/audio/transcriptions, /v1/audio/translations   multipart; a fixed audio prefill of
+                           AUDIO_PROMPT_TOKENS (Whisper's 30 s window is 1500 encoder frames)
+                           and AUDIO_OUTPUT_TOKENS of text: ``{"text": ...}``
     GET  /version
     GET  /v1/models        GET /health (200, or 503 when dead)
     POST /tokenize         GET /metrics (vLLM names, simulated seconds)
@@ -51,9 +55,12 @@ from engine_pool.sim.serving import (
 )
 from gateway.errors import BadRequest, anthropic_error_body
 from gateway.protocol import ChatPrompt, CompletionPrompt, RoutedRequest
+from gateway.protocols.multipart import parse_multipart
 from gateway.routes import ENGINE_ROUTES, EngineRoute
 
 SIM_VERSION = "0.33.0+sim"
+AUDIO_PROMPT_TOKENS = 1500
+AUDIO_OUTPUT_TOKENS = 16
 STORED_RESPONSES = 10_000
 ID_PREFIX = {
     "chat": "chatcmpl-",
@@ -257,6 +264,22 @@ def create_app(parts: SimParts, apply_faults: ApplyFaults) -> FastAPI:
     ):
         app.add_api_route(path, _pool_handler(parts), methods=["POST"])
 
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        route = ENGINE_ROUTES["/detokenize"]
+        routed = await _validate(parts, route, await request.body())
+        if isinstance(routed, Response):
+            return routed
+        assert isinstance(routed.prompt, CompletionPrompt)
+        try:
+            text = parts.counter.decode(list(routed.prompt.token_ids[0]))
+        except ValueError as exc:
+            return _error(400, str(exc), "BadRequestError", "tokens")
+        return JSONResponse({"prompt": text})
+
+    for path in ("/v1/audio/transcriptions", "/v1/audio/translations"):
+        app.add_api_route(path, _audio_handler(parts), methods=["POST"])
+
     @app.get("/version")
     async def version() -> JSONResponse:
         return JSONResponse({"version": SIM_VERSION})
@@ -404,3 +427,35 @@ async def _drain(stream: RequestStream) -> None:
     last = False
     while not last:
         _, _, last = await stream.next_tokens()
+
+
+def _audio_handler(parts: SimParts) -> Callable[[Request], Awaitable[Response]]:
+    async def handle(request: Request) -> Response:
+        route = ENGINE_ROUTES[request.url.path]
+        try:
+            routed = parse_multipart(
+                route.endpoint,
+                request.headers.get("content-type", "").encode(),
+                await request.body(),
+            )
+        except BadRequest as exc:
+            return _error(400, exc.message, "BadRequestError", exc.param)
+        if routed.model not in parts.profile.served_names:
+            message = f"The model `{routed.model}` does not exist."
+            return _error(404, message, "NotFoundError", "model")
+        request_id = request.headers.get("x-request-id") or wire.random_id()
+        stream = parts.engine.submit(
+            request_id,
+            endpoint=route.endpoint,
+            prompt_tokens=AUDIO_PROMPT_TOKENS,
+            output_tokens=AUDIO_OUTPUT_TOKENS,
+        )
+        try:
+            stayed, _ = await race_disconnect(request.receive, _drain(stream))
+        finally:
+            parts.engine.abort(stream.key)
+        if not stayed:
+            return Response(status_code=499)
+        return JSONResponse({"text": wire.output_text(0, AUDIO_OUTPUT_TOKENS).strip()})
+
+    return handle

@@ -29,6 +29,8 @@ class PromptCounter(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def decode(self, ids: list[int]) -> str: ...
+
     def render_chat(self, prompt: ChatPrompt) -> str: ...
 
 
@@ -78,6 +80,9 @@ class RegistryCounter:
 
     def encode(self, text: str) -> list[int]:
         return self._counter.encode(self._model, text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._counter.decode(self._model, ids)
 
     def render_chat(self, prompt: ChatPrompt) -> str:
         return self._counter.render_chat(self._model, prompt)
