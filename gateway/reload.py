@@ -30,7 +30,16 @@ from gateway.tokens import TokenCounter
 if TYPE_CHECKING:
     from gateway.app import Gateway
 
-RESTART_ONLY = ("server.host", "server.port", "state", "logging", "counting")
+RESTART_ONLY = (
+    "server.host",
+    "server.port",
+    "state",
+    "logging",
+    "counting",
+    # The response id -> endpoint map is built once; a reload must not forget the live entries.
+    "routes.response_affinity_entries",
+    "routes.response_affinity_ttl_s",
+)
 
 
 @dataclass(frozen=True, slots=True)

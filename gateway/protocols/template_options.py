@@ -48,7 +48,8 @@ def template_options(data: Mapping[str, Any]) -> TemplateOptions:
             "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
             param="continue_final_message",
         )
-    kwargs = data.get("chat_template_kwargs") or {}
+    kwargs = data.get("chat_template_kwargs")
+    kwargs = {} if kwargs is None else kwargs
     if not isinstance(kwargs, dict):
         raise BadRequest("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
     documents = data.get("documents")

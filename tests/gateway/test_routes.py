@@ -264,3 +264,42 @@ async def test_disconnect_mid_stream_frees_the_slot_and_closes_the_engine_reques
     assert all(lane["slots_in_use"] == 0 for lane in state["lanes"])
     finished = [e for e in logs if e["event"] == "route.finished"]
     assert finished[0]["outcome"] == "client_disconnect"
+
+
+@pytest.mark.parametrize(
+    ("path", "tail"),
+    [
+        ("/v1/messages", b'event: error\ndata: {"type":"error","error":{"type":"api_error"'),
+        ("/v1/responses", b'event: error\ndata: {"type":"error","code":"timeout"'),
+        ("/v1/chat/completions", b'data: {"error":{"message"'),
+    ],
+)
+async def test_a_stream_cut_by_a_watchdog_ends_in_the_routes_error_shape(
+    engines: Any, gateway_at: Any, path: str, tail: bytes
+) -> None:
+    config = lanes_config([engines["fast"][1]], [engines["heavy"][1]])
+    config["lanes"][0]["timeouts"] = {
+        "connect_s": 1,
+        "first_byte_s": 2,
+        "idle_s": 0.3,
+        "total_s": 5,
+    }
+    bodies = {
+        "/v1/messages": {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+        "/v1/responses": {"input": "hi"},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]},
+    }
+    body = {
+        "model": "qwen3.6",
+        "stream": True,
+        "fake": {"mode": "stall", "chunks": 2},
+        **bodies[path],
+    }
+    async with (
+        gateway_at(config) as (url, _),
+        httpx.AsyncClient(base_url=url, timeout=10) as client,
+    ):
+        r = await client.post(path, json=body)
+    assert r.status_code == 200
+    last = r.content.rsplit(b"\n\n", 2)[-2] if path != "/v1/chat/completions" else r.content
+    assert tail in last, r.content[-300:]
