@@ -304,6 +304,19 @@ def _pool_usage(prompt_tokens: int) -> dict[str, Any]:
     }
 
 
+def _pool_list(
+    id_: str, created: int, model: str, data: list[dict[str, Any]], prompt_tokens: int
+) -> dict[str, Any]:
+    return {
+        "id": id_,
+        "object": "list",
+        "created": created,
+        "model": model,
+        "data": data,
+        "usage": _pool_usage(prompt_tokens),
+    }
+
+
 def embeddings_body(
     id_: str, created: int, model: str, texts: list[str], prompt_tokens: int, encoding: str
 ) -> dict[str, Any]:
@@ -314,28 +327,14 @@ def embeddings_body(
         if encoding == "base64":
             value = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
         data.append({"index": i, "object": "embedding", "embedding": value})
-    return {
-        "id": id_,
-        "object": "list",
-        "created": created,
-        "model": model,
-        "data": data,
-        "usage": _pool_usage(prompt_tokens),
-    }
+    return _pool_list(id_, created, model, data, prompt_tokens)
 
 
 def pooling_body(
     id_: str, created: int, model: str, texts: list[str], prompt_tokens: int
 ) -> dict[str, Any]:
     data = [{"index": i, "object": "pooling", "data": embedding(t)} for i, t in enumerate(texts)]
-    return {
-        "id": id_,
-        "object": "list",
-        "created": created,
-        "model": model,
-        "data": data,
-        "usage": _pool_usage(prompt_tokens),
-    }
+    return _pool_list(id_, created, model, data, prompt_tokens)
 
 
 def score(text: str) -> float:
@@ -346,14 +345,7 @@ def score_body(
     id_: str, created: int, model: str, pairs: list[str], prompt_tokens: int
 ) -> dict[str, Any]:
     data = [{"index": i, "object": "score", "score": score(p)} for i, p in enumerate(pairs)]
-    return {
-        "id": id_,
-        "object": "list",
-        "created": created,
-        "model": model,
-        "data": data,
-        "usage": _pool_usage(prompt_tokens),
-    }
+    return _pool_list(id_, created, model, data, prompt_tokens)
 
 
 def rerank_body(
