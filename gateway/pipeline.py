@@ -436,6 +436,7 @@ class Pipeline:
         lane = decision.lane
         candidates = (*lane.clusters, *lane.emergency_clusters) if lane else ()
         return {
+            "route": request.endpoint,
             "model": request.model,
             "stream": request.stream,
             "body_bytes": request.body_bytes,

@@ -98,6 +98,7 @@ async def test_a_dense_prompt_under_chars_over_4_goes_to_the_heavy_lane(
     decisions = [e for e in logs if e["event"] == "route.decision"]
     assert [d["lane"] for d in decisions] == ["fast", "heavy"]
     assert decisions[1]["count_method"] in ("exact", "cache")  # counted, not bounded
+    assert decisions[1]["route"] == path.rsplit("/", 1)[-1]
 
 
 async def test_every_engine_route_runs_the_pipeline_to_its_own_upstream_path(
