@@ -73,6 +73,9 @@ from gateway.tokens import TokenCount, TokenCounter
 from gateway.trace import TraceWriter
 from gateway.watchdog import DeadlineHit, Watch, deadlines_for
 
+# A stream's first event (a Responses stream's carries the response id) is looked for this far.
+LEARN_HEAD_BYTES = 65536
+
 
 @dataclass(slots=True)
 class Record:
@@ -402,7 +405,8 @@ class Pipeline:
                 await out.body(payload, more=False)
                 record.outcome = "upstream_error" if record.status >= 500 else "ok"
             else:
-                last, tail = 0.0, b""
+                last, tail, head = 0.0, b"", b""
+                learning = request.endpoint == "responses"
                 async for chunk in response.chunks(watch):
                     now = time.monotonic()
                     if not out.started:
@@ -417,8 +421,11 @@ class Pipeline:
                     last = now
                     record.chunks += 1
                     tail = (tail + chunk)[-4096:]
-                    if record.chunks == 1:
-                        await self._learn(request, grant, chunk)
+                    if learning:  # the id is in the first event, which may span chunks
+                        head += chunk
+                        if b"\n\n" in head or len(head) > LEARN_HEAD_BYTES:
+                            learning = False
+                            await self._learn(request, grant, head)
                     await out.body(chunk, more=True)
                 if not out.started:
                     await out.start(200, response_headers(response.headers, ours), streaming=True)

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from engine_pool.sim.counting import RegistryCounter
@@ -84,13 +85,16 @@ async def test_follow_ups_reach_the_engine_holding_the_previous_response(
         httpx.AsyncClient(base_url=url, timeout=30) as client,
     ):
         previous = await _first_response_on_second_engine(client, two_engines)
-        for _ in range(5):
-            follow = await client.post(
-                "/v1/responses",
-                json={"model": "qwen3.6", "input": "and then?", "previous_response_id": previous},
-            )
+        for i in range(5):
+            streamed = i % 2 == 1  # learned from the stream's first event, too
+            body = {"model": "qwen3.6", "input": "and then?", "previous_response_id": previous}
+            follow = await client.post("/v1/responses", json={**body, "stream": streamed})
             assert follow.status_code == 200, follow.text
-            previous = follow.json()["id"]
+            if streamed:
+                first_data = follow.content.split(b"\n", 2)[1].removeprefix(b"data: ")
+                previous = orjson.loads(first_data)["response"]["id"]
+            else:
+                previous = follow.json()["id"]
     assert [r.endpoint for r in two_engines[1].requests()] == ["responses"] * 6
     assert not [r for r in two_engines[0].requests() if r.endpoint == "responses"]
 
