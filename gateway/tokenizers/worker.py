@@ -8,9 +8,10 @@ keeps part of what the old one freed. A child process gives both back: it loads 
 gateway's GIL, and its memory returns to the system when it exits.
 
 Contract of ``ChildEncoder`` (an ``Encoder``, backend ``gigatoken``):
-- ``encode``, ``count_many``, ``try_count_many`` answer exactly what the same gigatoken
-  tokenizer answers in-process (the child runs ``GigatokenEncoder``); calls are serialised by
-  ``lock``, the calling thread waits on a pipe without holding the GIL.
+- ``encode``, ``decode``, ``count_many``, ``try_count_many`` answer exactly what the same
+  gigatoken tokenizer answers in-process (the child runs ``GigatokenEncoder``; ``decode``'s
+  ``ValueError`` for an id outside the vocabulary is raised here as the same); calls are
+  serialised by ``lock``, the calling thread waits on a pipe without holding the GIL.
 - Each answer carries the child's resident memory. Past ``max_rss_mb`` (at least
   ``READY_HEADROOM`` x what the child held once loaded, or it would be replaced on every call)
   a replacement is started
@@ -70,6 +71,14 @@ def _rss_mb() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / (1024 * 1024)
 
 
+def _answer(encoder: GigatokenEncoder, op: str, arg: Any) -> Any:
+    if op == "encode":
+        return encoder.encode(arg)
+    if op == "decode":
+        return encoder.decode(arg)
+    return encoder.count_many(arg)
+
+
 def _serve(conn: Connection, recipe: Callable[[], Any], nfc: bool) -> None:
     """The child: build the tokenizer, warm it, then answer calls until the pipe closes."""
     try:
@@ -86,9 +95,13 @@ def _serve(conn: Connection, recipe: Callable[[], Any], nfc: bool) -> None:
         except (EOFError, OSError):
             return  # the gateway closed its end, or died
         try:
-            result: Any = encoder.encode(arg) if op == "encode" else encoder.count_many(arg)
+            result = _answer(encoder, op, arg)
         except BaseException as exc:  # noqa: BLE001 - sent to the parent, which raises it
-            conn.send(("failed", f"{type(exc).__name__}: {str(exc)[:500]}", _rss_mb()))
+            if op == "decode" and isinstance(exc, ValueError):
+                # An id outside the vocabulary: the caller's input, raised there as ValueError.
+                conn.send(("invalid", str(exc)[:500], _rss_mb()))
+            else:
+                conn.send(("failed", f"{type(exc).__name__}: {str(exc)[:500]}", _rss_mb()))
             continue
         conn.send(("ok", result, _rss_mb()))
 
@@ -176,6 +189,11 @@ class ChildEncoder:
             ids: list[int] = self._call("encode", text)
         return ids
 
+    def decode(self, ids: Sequence[int]) -> str:
+        with self.lock:
+            text: str = self._call("decode", list(ids))
+        return text
+
     def count_many(self, texts: Sequence[str]) -> list[int]:
         with self.lock:
             return self._count(texts)
@@ -220,6 +238,8 @@ class ChildEncoder:
             status, result, rss = self._exchange(op, arg)
         self._child.rss_mb = rss
         self._child.calls += 1
+        if status == "invalid":
+            raise ValueError(result)
         if status != "ok":
             raise EncoderFailed(f"tokenizer failed: {result}")
         self._watch_memory()
