@@ -13,6 +13,7 @@ import pytest
 
 from engine_pool.sim.server import SimServer, run_sim
 from engine_pool.sim.wire import output_text
+from gateway.routes import ENGINE_ROUTES
 from gateway.sim_support import RegistryCounter
 from gateway.tokens import TokenCounter
 
@@ -157,3 +158,15 @@ async def test_audio_transcription_and_version(client: httpx.AsyncClient, sim: S
     assert r.status_code == 200 and r.json() == {"text": output_text(0, 16).strip()}
     assert sim.requests()[0].prompt_tokens == 1500
     assert (await client.get("/version")).json()["version"].endswith("+sim")
+
+
+async def test_the_sim_serves_every_path_the_gateway_forwards(client: httpx.AsyncClient) -> None:
+    """The sim keeps its own route table (engine_pool never imports gateway); a path the gateway
+    forwards and the sim lacks would answer 404 here instead of vLLM's 400 for a bad body."""
+    for path, route in ENGINE_ROUTES.items():
+        r = await client.post(path, json={})
+        assert r.status_code == 400, (path, r.status_code, r.text)
+        if route.errors == "anthropic":
+            assert r.json()["type"] == "error", path
+        else:
+            assert r.json()["error"]["code"] == 400, path

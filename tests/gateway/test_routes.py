@@ -18,7 +18,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from gateway.routes import ENGINE_ROUTES
-from tests.conftest import lanes_config
+from tests.conftest import JSON, lanes_config
 from tests.gateway.test_pipeline import dense_json
 from tests.support.fake_engine import FakeEngine
 from tests.support.servers import serve_asgi
@@ -184,8 +184,8 @@ async def test_messages_route_answers_errors_in_anthropic_shape(gateway: str) ->
             "/v1/messages",
             json={"model": "nope", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]},
         )
-        bad = await client.post("/v1/messages", content=b"{not json")
-        openai_bad = await client.post("/v1/responses", content=b"{not json")
+        bad = await client.post("/v1/messages", content=b"{not json", headers=JSON)
+        openai_bad = await client.post("/v1/responses", content=b"{not json", headers=JSON)
     assert unknown.status_code == 404
     assert unknown.json() == {
         "type": "error",
