@@ -10,8 +10,9 @@ Contract:
   ``raise_exception``, reasoning aliases, ``continue_final_message`` cut at a marker) with the
   prompt's ``TemplateOptions`` (``add_generation_prompt``, ``continue_final_message``,
   ``documents``, ``chat_template_kwargs`` such as ``enable_thinking``), after vLLM's message
-  preprocessing (tool-call ``arguments`` JSON strings become objects; array contents become their
-  text parts joined by newlines, vLLM's "string" content format). A template that rejects
+  preprocessing (tool-call ``arguments`` JSON strings become objects; array contents of text parts
+  only become those texts joined by newlines, vLLM's "string" content format; content with
+  media parts stays a list, for the template's own placeholders). A template that rejects
   the messages raises ``TemplateRejected``; so does a template error on odd input.
 - The built-in ChatML honours ``add_generation_prompt`` and ``continue_final_message`` (the last
   message left open); it has no variables, so ``chat_template_kwargs`` change nothing there.
@@ -64,6 +65,10 @@ def _text(content: Any) -> str:
             if isinstance(part, dict) and isinstance(part.get("text"), str)
         )
     return ""
+
+
+def _is_text_part(part: Any) -> bool:
+    return isinstance(part, dict) and isinstance(part.get("text"), str)
 
 
 def _dumps(value: Any) -> str:
@@ -191,10 +196,13 @@ class ChatTemplate:
         if reasoning is not None:
             # transformers fills every name a template may read reasoning under.
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
-        if isinstance(message.get("content"), list):
+        content = message.get("content")
+        if isinstance(content, list) and all(_is_text_part(part) for part in content):
             # vLLM's "string" content format (what it detects for templates that do not loop
             # over message['content'] themselves, Qwen's included): text parts joined by "\n".
-            message = {**message, "content": _text(message["content"])}
+            # Content with media parts stays a list: the template renders its own placeholders
+            # for them (Qwen's vision tokens), as transformers renders it.
+            message = {**message, "content": _text(content)}
         calls = message.get("tool_calls")
         if not isinstance(calls, list):
             return message
