@@ -1,8 +1,11 @@
-"""Thin routes. The two proxy routes are raw ASGI endpoints handing the exchange to the pipeline;
-the rest answer from config or from snapshots of the gateway's state.
+"""Thin routes. The engine routes (gateway/routes.py) are raw ASGI endpoints handing the
+exchange to the pipeline; the rest answer from config or from snapshots of the gateway's state.
 
-    POST /v1/chat/completions, /v1/completions   -> Pipeline.handle
+    POST /v1/chat/completions, /v1/responses,    -> Pipeline.handle (every path in
+         /v1/messages, /v1/embeddings, ...          gateway/routes.py ENGINE_ROUTES)
     GET  /v1/models                              the configured models (names and aliases)
+    GET  /v1/models/{id}                         one of them, or an OpenAI-shaped 404
+    GET  /version                                the gateway's version
     GET  /healthz                                the process answers
     GET  /readyz                                 503 until every lane passed the boot probe, while
                                                  draining, and while a lane has no routable
@@ -12,24 +15,29 @@ the rest answer from config or from snapshots of the gateway's state.
     GET  /admin/state                            lanes, clusters, slots, queues, recent decisions
     GET  /metrics                                Prometheus
     GET  /dashboard, /admin/dashboard.json       the ops page and its state (gateway/dashboard)
+
+Any other path answers an OpenAI-shaped 404 and a wrong method an OpenAI-shaped 405
+(Anthropic-shaped on /v1/messages), never FastAPI's ``{"detail": ...}``.
 """
 
 from __future__ import annotations
 
 import time
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 from starlette.routing import Route
 
 from gateway.config_check import parse_policy
 from gateway.dashboard.routes import add_dashboard_routes
-from gateway.errors import GatewayError, Unauthorized, error_body
+from gateway.errors import GatewayError, Unauthorized, anthropic_error_body, error_body
 from gateway.exchange import Receive, Scope, Send, read_body, require_media_type
-from gateway.protocol import ENDPOINT_PATHS, Endpoint
 from gateway.readiness import endpoint_health, lane_states
 from gateway.reload import reload_policy
+from gateway.routes import ENGINE_ROUTES, EngineRoute
 from gateway.services import Gateway
 from gateway.settings import ConfigError
 from gateway.slots import endpoint_key, lane_key
@@ -44,12 +52,57 @@ POLICY_MEDIA_TYPES = frozenset(
 class _ProxyRoute:
     """A raw ASGI endpoint, so the pipeline sees ``receive`` and ``send`` itself."""
 
-    def __init__(self, gateway: Gateway, endpoint: Endpoint) -> None:
+    def __init__(self, gateway: Gateway, route: EngineRoute) -> None:
         self._gateway = gateway
-        self._endpoint = endpoint
+        self._route = route
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self._gateway.pipeline.handle(self._endpoint, scope, receive, send)
+        await self._gateway.pipeline.handle(self._route, scope, receive, send)
+
+
+def _gateway_version() -> str:
+    try:
+        return version("shapegate")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _model_cards(gateway: Gateway) -> list[dict[str, Any]]:
+    return [
+        {
+            "id": name,
+            "object": "model",
+            "created": int(gateway.started_at),
+            "owned_by": "shapegate",
+            "root": model.name,
+            "parent": None,
+            "max_model_len": model.max_model_len,
+        }
+        for model in gateway.settings.models
+        for name in (model.name, *model.aliases)
+    ]
+
+
+async def http_error(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's 404 and 405 (and any other HTTPException) in the API's own error shape."""
+    assert isinstance(exc, HTTPException)
+    status = exc.status_code
+    path = request.url.path
+    if status == 404:
+        message = f"Not Found: no route {request.method} {path}"
+    elif status == 405:
+        message = f"Method {request.method} is not allowed on {path}"
+    else:
+        message = str(exc.detail)
+    route = ENGINE_ROUTES.get(path)
+    if route is not None and route.errors == "anthropic":
+        body = anthropic_error_body(message, status)
+    else:
+        kind = {404: "NotFoundError", 405: "invalid_request_error"}.get(
+            status, "invalid_request_error"
+        )
+        body = error_body(message, kind, status)
+    return JSONResponse(body, status, headers=exc.headers)
 
 
 async def admin_state(gateway: Gateway) -> dict[str, Any]:
@@ -97,8 +150,9 @@ async def admin_state(gateway: Gateway) -> dict[str, Any]:
 
 def add_routes(app: FastAPI, gateway: Gateway) -> None:
     add_dashboard_routes(app, gateway)  # also guards every /admin/* route below
-    for endpoint, path in ENDPOINT_PATHS.items():
-        app.router.routes.append(Route(path, _ProxyRoute(gateway, endpoint), methods=["POST"]))
+    app.add_exception_handler(HTTPException, http_error)
+    for path, route in ENGINE_ROUTES.items():
+        app.router.routes.append(Route(path, _ProxyRoute(gateway, route), methods=["POST"]))
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
@@ -106,20 +160,23 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
             gateway.pipeline.policy.auth.check(request.headers.get("authorization", "").encode())
         except Unauthorized as exc:
             return JSONResponse(exc.body(), exc.status)
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": int(gateway.started_at),
-                "owned_by": "shapegate",
-                "root": model.name,
-                "parent": None,
-                "max_model_len": model.max_model_len,
-            }
-            for model in gateway.settings.models
-            for name in (model.name, *model.aliases)
-        ]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": _model_cards(gateway)})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> JSONResponse:
+        try:
+            gateway.pipeline.policy.auth.check(request.headers.get("authorization", "").encode())
+        except Unauthorized as exc:
+            return JSONResponse(exc.body(), exc.status)
+        for card in _model_cards(gateway):
+            if card["id"] == model_id:
+                return JSONResponse(card)
+        message = f"The model `{model_id}` does not exist."
+        return JSONResponse(error_body(message, "NotFoundError", 404, "model"), 404)
+
+    @app.get("/version")
+    async def gateway_version() -> dict[str, str]:
+        return {"version": _gateway_version()}
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:

@@ -18,8 +18,8 @@ from fastapi import FastAPI
 from gateway.api import add_routes
 from gateway.engines import watch_latency
 from gateway.exchange import Receive, Scope, Send
-from gateway.protocol import ENDPOINT_PATHS, Endpoint
 from gateway.reload import reload_on_signal, watch_config
+from gateway.routes import ENGINE_ROUTES
 from gateway.services import Gateway
 from gateway.settings import Settings
 from gateway.tokens import TokenCounter
@@ -64,14 +64,11 @@ def create_app(
     return ShapegateApp(app, gateway)
 
 
-PROXY_PATHS: dict[str, Endpoint] = {path: endpoint for endpoint, path in ENDPOINT_PATHS.items()}
-
-
 class ShapegateApp:
-    """The ASGI app: the two proxy routes go straight to the pipeline, everything else (and the
-    lifespan) to FastAPI. The hot path skips the middleware stack, which the overhead
-    benchmark's profile showed at 6-8% of a request's CPU; the routes stay registered in
-    FastAPI too, so nothing depends on this shortcut for correctness."""
+    """The ASGI app: the engine routes (gateway/routes.py) go straight to the pipeline,
+    everything else (and the lifespan) to FastAPI. The hot path skips the middleware stack,
+    which the overhead benchmark's profile showed at 6-8% of a request's CPU; the routes stay
+    registered in FastAPI too, so nothing depends on this shortcut for correctness."""
 
     def __init__(self, api: FastAPI, gateway: Gateway) -> None:
         self.api = api
@@ -79,8 +76,8 @@ class ShapegateApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
-            endpoint = PROXY_PATHS.get(scope["path"])
-            if endpoint is not None:
-                await self.gateway.pipeline.handle(endpoint, scope, receive, send)
+            route = ENGINE_ROUTES.get(scope["path"])
+            if route is not None:
+                await self.gateway.pipeline.handle(route, scope, receive, send)
                 return
         await self.api(scope, receive, send)

@@ -17,12 +17,15 @@
         └── UpstreamTimeout           504     timeout            (a watchdog deadline)
 
 The body shape is vLLM's: ``{"error": {"message", "type", "param", "code"}}`` with ``code``
-the integer status.
+the integer status. On the Anthropic route (``/v1/messages``) errors take Anthropic's shape,
+``{"type": "error", "error": {"type", "message"}}`` with Anthropic's type names, and a stream
+ends with an ``event: error``; a Responses stream ends with a Responses ``error`` event
+(``error_payload`` and ``stream_error`` choose by shape).
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import orjson
 
@@ -129,3 +132,47 @@ def sse_error(message: str, type_: str, status: int) -> bytes:
     """An error event for a stream whose 200 status is already sent, then ``[DONE]``."""
     payload = orjson.dumps(error_body(message, type_, status))
     return b"data: " + payload + b"\n\ndata: [DONE]\n\n"
+
+
+ErrorShape = Literal["openai", "anthropic", "responses"]
+
+# Anthropic's error types by HTTP status (docs.anthropic.com/en/api/errors).
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_error_body(message: str, status: int) -> dict[str, Any]:
+    kind = ANTHROPIC_TYPES.get(status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_payload(exc: GatewayError, shape: ErrorShape) -> bytes:
+    """The JSON error body for a response that has not started."""
+    if shape == "anthropic":
+        return orjson.dumps(anthropic_error_body(exc.message, exc.status))
+    return orjson.dumps(exc.body())
+
+
+def stream_error(exc: GatewayError, shape: ErrorShape) -> bytes:
+    """The last bytes of a stream whose 200 status is already sent."""
+    if shape == "anthropic":
+        data = orjson.dumps(anthropic_error_body(exc.message, exc.status))
+        return b"event: error\ndata: " + data + b"\n\n"
+    if shape == "responses":
+        event = {
+            "type": "error",
+            "code": exc.type,
+            "message": exc.message,
+            "param": exc.param,
+            "sequence_number": 0,
+        }
+        return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"
+    return sse_error(exc.message, exc.type, exc.status)

@@ -13,7 +13,8 @@ in one function, with the client's disconnect visible in every phase:
   scope: a queued request leaves its queue, a forwarded one closes its upstream connection.
   (Starlette's BaseHTTPMiddleware would hide this message; the app uses none.)
 - ``Outbound`` sends the response once: ``error`` chooses a JSON body before the response
-  started, and an SSE error event then ``[DONE]`` once a stream is under way.
+  started, and an SSE error event (then ``[DONE]`` for OpenAI streams) once a stream is under
+  way, in the route's error shape (OpenAI, Anthropic or Responses).
 """
 
 from __future__ import annotations
@@ -22,9 +23,15 @@ import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-import orjson
-
-from gateway.errors import BadRequest, BodyTooLarge, GatewayError, UnsupportedMediaType, sse_error
+from gateway.errors import (
+    BadRequest,
+    BodyTooLarge,
+    ErrorShape,
+    GatewayError,
+    UnsupportedMediaType,
+    error_payload,
+    stream_error,
+)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -100,8 +107,9 @@ async def watch_disconnect(receive: Receive, on_disconnect: Callable[[], None]) 
 
 
 class Outbound:
-    def __init__(self, send: Send) -> None:
+    def __init__(self, send: Send, shape: ErrorShape = "openai") -> None:
         self._send = send
+        self.shape = shape
         self.started = False
         self.streaming = False
         self.status = 0
@@ -123,7 +131,7 @@ class Outbound:
         if self.finished:
             return
         if not self.started:
-            payload = orjson.dumps(exc.body())
+            payload = error_payload(exc, self.shape)
             extra = [(k.encode(), v.encode()) for k, v in exc.headers().items()]
             if isinstance(exc, BodyTooLarge | UnsupportedMediaType):
                 # The rest of the body is never read: close rather than drain it for keep-alive.
@@ -141,6 +149,6 @@ class Outbound:
             self.status = exc.status
             await self.body(payload, more=False)
         elif self.streaming:
-            await self.body(sse_error(exc.message, exc.type, exc.status), more=False)
+            await self.body(stream_error(exc, self.shape), more=False)
         else:
             await self.body(b"", more=False)

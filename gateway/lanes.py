@@ -1,6 +1,8 @@
 """The lane decision: a pure function of the token count, the policy and a health snapshot.
 
     choose_lane(prompt_tokens, lanes, healthy) -> Decision
+    choose_named_lane(name, lanes, healthy) -> Decision   (routes with no text to count)
+    pin_to_cluster(decision, cluster, lanes) -> Decision  (stateful Responses follow-ups)
 
 - The lane is the one whose ``[min_prompt_tokens, max_prompt_tokens)`` range holds the count.
   Lanes never overlap (settings validate it), so order only matters for reading.
@@ -28,7 +30,9 @@ from typing import Literal
 
 from gateway.settings import LaneSettings
 
-Reason = Literal["in_range", "primary_unhealthy", "no_lane", "no_healthy_cluster"]
+Reason = Literal[
+    "in_range", "primary_unhealthy", "no_lane", "no_healthy_cluster", "response_affinity"
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +65,33 @@ def choose_lane(
     lane = lane_for(prompt_tokens, lanes)
     if lane is None:
         return Decision(lane=None, clusters=(), reason="no_lane")
+    return _serving(lane, healthy)
+
+
+def choose_named_lane(
+    name: str, lanes: Sequence[LaneSettings], healthy: Mapping[str, bool]
+) -> Decision:
+    """The lane a policy names for requests with no text to count (multipart audio routes)."""
+    for lane in lanes:
+        if lane.name == name:
+            return _serving(lane, healthy)
+    return Decision(lane=None, clusters=(), reason="no_lane")
+
+
+def pin_to_cluster(decision: Decision, cluster: str, lanes: Sequence[LaneSettings]) -> Decision:
+    """A stateful Responses follow-up: the lane holding the engine that stored the previous
+    response (the counted lane if it holds it), that cluster only. Unchanged when no lane holds
+    the cluster any more (a reload removed it) or the count fits no lane at all."""
+    if decision.lane is None:
+        return decision
+    holding = [decision.lane, *lanes]
+    for lane in holding:
+        if cluster in lane.clusters or cluster in lane.emergency_clusters:
+            return Decision(lane=lane, clusters=(cluster,), reason="response_affinity")
+    return decision
+
+
+def _serving(lane: LaneSettings, healthy: Mapping[str, bool]) -> Decision:
     primaries = tuple(c for c in lane.clusters if healthy.get(c, True))
     if primaries:
         return Decision(lane=lane, clusters=primaries, reason="in_range")

@@ -55,22 +55,30 @@ from gateway.exchange import (
     watch_disconnect,
 )
 from gateway.failover import Attempts, Failover
-from gateway.lanes import choose_lane, endpoint_limit, exact_count_above, no_lane_message
+from gateway.lanes import (
+    Decision,
+    choose_lane,
+    choose_named_lane,
+    endpoint_limit,
+    exact_count_above,
+    no_lane_message,
+    pin_to_cluster,
+)
 from gateway.log import Logger, swallowed
 from gateway.metrics import Metrics
-from gateway.protocol import (
-    ENDPOINT_PATHS,
-    Endpoint,
-    RoutedRequest,
-    parse_request,
-    prefix_key,
-)
+from gateway.protocol import RoutedRequest, prefix_key
+from gateway.protocols.multipart import parse_multipart
 from gateway.proxy import Upstream, response_headers, upstream_headers
 from gateway.record import Record, Recorder, Routed
-from gateway.settings import ClusterSettings, LaneSettings, Settings
-from gateway.tokens import TokenCounter
+from gateway.response_affinity import MemoryAffinity, ResponseAffinity, response_id_of
+from gateway.routes import EngineRoute
+from gateway.settings import ClusterSettings, LaneSettings, ModelSettings, Settings
+from gateway.tokens import TokenCount, TokenCounter
 from gateway.usage import TAIL_MAX, ExactCount, engine_usage, sse_events, trim_tail
 from gateway.watchdog import Watch, deadlines_for
+
+# A stream's first event (a Responses stream's carries the response id) is looked for this far.
+LEARN_HEAD_BYTES = 65536
 
 
 def _first(group: BaseExceptionGroup[Any]) -> BaseException:
@@ -105,6 +113,27 @@ def request_id_from(scope: Scope) -> str:
     return uuid.uuid4().hex
 
 
+def read_request(
+    route: EngineRoute, scope: Scope, body: bytes, settings: Settings
+) -> tuple[RoutedRequest, ModelSettings]:
+    """Parse the body as its route reads it and find the model it names (the policy's, by name
+    or alias); BadRequest (or ModelNotFound) in the route's error shape otherwise."""
+    if route.parse is None:
+        request = parse_multipart(route.endpoint, header(scope, b"content-type"), body)
+    else:
+        request = route.parse(body)
+    model = settings.model(request.model)
+    if model is None:
+        raise ModelNotFound(f"The model `{request.model}` does not exist.", param="model")
+    if model.max_model_len and (request.max_tokens or 0) >= model.max_model_len:
+        raise BadRequest(
+            f"'max_tokens' of {request.max_tokens} leaves no room for a prompt in the "
+            f"model's context of {model.max_model_len} tokens",
+            param="max_tokens",
+        )
+    return request, model
+
+
 @dataclass(frozen=True, slots=True)
 class Policy:
     """What a request is admitted under: settings, tokenizers and engine keys, swapped whole on
@@ -118,6 +147,7 @@ class Policy:
     exact_above: int = field(init=False)
     # (lane, cluster) -> the slot limit of one of the cluster's endpoints for that lane.
     endpoint_limits: dict[tuple[str, str], int] = field(init=False)
+    forward_headers: frozenset[str] = field(init=False)
 
     def __post_init__(self) -> None:
         lanes = self.settings.lanes
@@ -128,6 +158,8 @@ class Policy:
             for c in self.settings.clusters
         }
         object.__setattr__(self, "endpoint_limits", limits)
+        extra = frozenset(name.lower() for name in self.settings.routes.forward_headers)
+        object.__setattr__(self, "forward_headers", extra)
 
     def serves(self, cluster: str, model: str) -> bool:
         models = self.settings.cluster(cluster).models
@@ -145,6 +177,7 @@ class Target:
     the cluster's auth settings and key, and the prompt count (the deadlines grow with the
     figure that decided the lane; the exact count is finished while the engine works)."""
 
+    route: EngineRoute
     grant: Grant
     lane: LaneSettings
     cluster: ClusterSettings
@@ -163,8 +196,13 @@ class Pipeline:
         upstream: Upstream,
         recorder: Recorder,
         failover: Failover,
+        affinity: ResponseAffinity | None = None,
     ) -> None:
         self.policy = policy
+        routes = policy.settings.routes
+        self.affinity = affinity or MemoryAffinity(
+            routes.response_affinity_entries, routes.response_affinity_ttl_s
+        )
         self.pool = pool
         self.admission = admission
         self.upstream = upstream
@@ -175,17 +213,17 @@ class Pipeline:
         self.accepting = True
         self.in_flight = 0
 
-    async def handle(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
+    async def handle(self, route: EngineRoute, scope: Scope, receive: Receive, send: Send) -> None:
         policy = self.policy
-        record = Record(request_id=request_id_from(scope), endpoint=endpoint)
-        out = Outbound(send)
+        record = Record(request_id=request_id_from(scope), endpoint=route.endpoint)
+        out = Outbound(send, route.errors)
         ids = [(b"x-request-id", record.request_id.encode())]
         self.in_flight += 1
         try:
             if not self.accepting:
                 raise ShuttingDown("gateway is shutting down", retry_after_s=1)
             policy.auth.check(header(scope, b"authorization"))
-            require_media_type(scope)
+            require_media_type(scope, route.media_types)
             body = await read_body(
                 scope,
                 receive,
@@ -201,7 +239,7 @@ class Pipeline:
                 )
                 watcher.add_done_callback(_reaper(self.log, self.metrics, record.request_id))
                 try:
-                    await self._route(policy, endpoint, scope, body, out, record)
+                    await self._route(policy, route, scope, body, out, record)
                 finally:
                     watcher.cancel()
             # After the last byte, uvicorn reports the finished exchange as a disconnect too.
@@ -234,28 +272,24 @@ class Pipeline:
     async def _route(
         self,
         policy: Policy,
-        endpoint: Endpoint,
+        route: EngineRoute,
         scope: Scope,
         body: bytes,
         out: Outbound,
         record: Record,
     ) -> None:
-        request = parse_request(endpoint, body)
         settings = policy.settings
-        model = settings.model(request.model)
-        if model is None:
-            raise ModelNotFound(f"The model `{request.model}` does not exist.", param="model")
-        if model.max_model_len and (request.max_tokens or 0) >= model.max_model_len:
-            raise BadRequest(
-                f"'max_tokens' of {request.max_tokens} leaves no room for a prompt in the "
-                f"model's context of {model.max_model_len} tokens",
-                param="max_tokens",
-            )
-        count = await policy.counter.count(
-            model.name, request.prompt, exact_above=policy.exact_above
-        )
+        request, model = read_request(route, scope, body, settings)
         healthy = self.pool.healthy_clusters()
-        decision = choose_lane(count.tokens, settings.lanes, healthy)
+        if route.multipart:  # no text to count: the lane the policy names
+            count = TokenCount(0, "none", "none", 0, 0.0)
+            decision = choose_named_lane(settings.multipart_lane, settings.lanes, healthy)
+        else:
+            count = await policy.counter.count(
+                model.name, request.prompt, exact_above=policy.exact_above
+            )
+            decision = choose_lane(count.tokens, settings.lanes, healthy)
+        decision, pinned = await self._pin(request, decision, settings.lanes)
         self.recorder.decided(record, Routed.of(request, count, decision, healthy))
         if decision.lane is None:
             raise PromptTooLong(no_lane_message(count.tokens, settings.lanes), param="input_tokens")
@@ -267,11 +301,21 @@ class Pipeline:
         serving = tuple(c for c in decision.clusters if policy.serves(c, model.name))
 
         affinity = (
-            prefix_key(request.prompt, lane.affinity_prefix_bytes) if lane.prefix_affinity else None
+            prefix_key(request.prompt, lane.affinity_prefix_bytes)
+            if lane.prefix_affinity and not route.multipart
+            else None
         )
 
         def candidates() -> Sequence[EngineView]:
-            return [v for c in serving for v in order_endpoints(self.pool.views(c), affinity)]
+            views = [v for c in serving for v in order_endpoints(self.pool.views(c), affinity)]
+            return views if pinned is None else [v for v in views if v.url == pinned]
+
+        if pinned is not None and not any(v.state.routable for v in candidates()):
+            raise NoHealthyCluster(
+                f"the engine holding response '{request.previous_response_id}' ({pinned}) is "
+                "down; its stored conversation lives only there",
+                retry_after_s=5,
+            )
 
         limit_of = policy.limit_of(lane)
         exact = ExactCount(policy.counter, count)
@@ -288,6 +332,7 @@ class Pipeline:
             try:
                 while True:
                     target = Target(
+                        route,
                         held.grant,
                         lane,
                         settings.cluster(held.cluster),
@@ -330,6 +375,27 @@ class Pipeline:
             if engine_down.cancelled_caught and not out.finished:
                 raise UpstreamError(f"engine was marked down mid-request: {engine.evidence}")
 
+    async def _pin(
+        self, request: RoutedRequest, decision: Decision, lanes: Sequence[LaneSettings]
+    ) -> tuple[Decision, str | None]:
+        """A Responses follow-up goes to the endpoint that stored its previous response, when
+        the gateway knows it; otherwise the count alone decides (the engine answers 404 for a
+        response it does not hold)."""
+        if request.previous_response_id is None:
+            return decision, None
+        found = await self.affinity.lookup(request.previous_response_id)
+        if found is None:
+            return decision, None
+        pinned = pin_to_cluster(decision, found[0], lanes)
+        return pinned, found[1] if pinned.reason == "response_affinity" else None
+
+    async def _learn(self, request: RoutedRequest, grant: Grant, payload: bytes) -> None:
+        """Remember which endpoint produced a Responses answer (its id is in the first bytes)."""
+        if request.endpoint == "responses":
+            response_id = response_id_of(payload)
+            if response_id is not None:
+                await self.affinity.remember(response_id, grant.cluster, grant.url)
+
     async def _forward(
         self,
         request: RoutedRequest,
@@ -345,6 +411,7 @@ class Pipeline:
             record.request_id,
             forward_auth=target.cluster.forward_client_auth,
             engine_key=target.engine_key,
+            extra=self.policy.forward_headers,
         )
         ours = {
             "x-request-id": record.request_id,
@@ -353,7 +420,7 @@ class Pipeline:
         }
         if exact.bound is not None:
             ours["x-shapegate-prompt-tokens-bound"] = str(exact.bound)
-        url = grant.url.rstrip("/") + ENDPOINT_PATHS[request.endpoint]
+        url = grant.url.rstrip("/") + target.route.path
         async with self.upstream.open(
             url, body, headers, watch, exact.meanwhile, fresh=target.fresh
         ) as response:
@@ -370,10 +437,13 @@ class Pipeline:
                 await out.start(
                     response.status, response_headers(response.headers, whole), streaming=False
                 )
+                if response.status == 200:  # stored before the client can see the id
+                    await self._learn(request, grant, payload)
                 await out.body(payload, more=False)
                 record.outcome = "upstream_error" if record.status >= 500 else "ok"
             else:
-                tail, events = b"", 0
+                tail, events, head = b"", 0, b""
+                learning = request.endpoint == "responses"
                 async for chunk in response.chunks(watch):
                     self.recorder.chunk(record, time.monotonic())
                     if not out.started:
@@ -384,6 +454,11 @@ class Pipeline:
                     if len(tail) > TAIL_MAX:
                         tail, passed = trim_tail(tail)
                         events += passed
+                    if learning:  # the id is in the first event, which may span chunks
+                        head += chunk
+                        if b"\n\n" in head or len(head) > LEARN_HEAD_BYTES:
+                            learning = False
+                            await self._learn(request, grant, head)
                     await out.body(chunk, more=True)
                 if not out.started:
                     await out.start(200, response_headers(response.headers, ours), streaming=True)
@@ -391,7 +466,7 @@ class Pipeline:
                 record.outcome = "ok"
                 usage = engine_usage(tail)
                 events += sse_events(tail)
-                if usage.completion_tokens is None:
+                if usage.completion_tokens is None and request.endpoint in ("chat", "completions"):
                     # No usage chunk: one token per content event (chat opens with a role event).
                     record.output_tokens_estimate = max(0, events - (request.endpoint == "chat"))
             record.output_tokens = usage.completion_tokens

@@ -26,22 +26,33 @@ from typing import Any, Literal
 import orjson
 
 from gateway.errors import BadRequest
+from gateway.protocols.template_options import DEFAULT, TemplateOptions, template_options
+from gateway.protocols.tools import chat_tool
 
-Endpoint = Literal["chat", "completions"]
-# The one map between the OpenAI paths and the endpoints: the gateway serves these paths and
-# forwards each to the same path on the engine.
-ENDPOINT_PATHS: dict[Endpoint, str] = {
-    "chat": "/v1/chat/completions",
-    "completions": "/v1/completions",
-}
+# Every engine route the gateway counts and lanes (gateway/routes.py maps paths to these).
+Endpoint = Literal[
+    "chat",
+    "completions",
+    "responses",
+    "messages",
+    "embeddings",
+    "pooling",
+    "score",
+    "rerank",
+    "tokenize",
+    "detokenize",
+    "transcriptions",
+    "translations",
+]
 
 
 @dataclass(frozen=True, slots=True)
 class ChatPrompt:
-    """Chat messages as the client sent them (plain JSON data), plus tool schemas if any."""
+    """Chat messages (plain JSON data), tool schemas as vLLM renders them, template options."""
 
     messages: tuple[dict[str, Any], ...]
     tools: tuple[dict[str, Any], ...] = ()
+    options: TemplateOptions = DEFAULT
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +75,8 @@ class RoutedRequest:
     include_usage: bool
     max_tokens: int | None
     body_bytes: int
+    # Responses only: the stored response this one continues (gateway/response_affinity.py).
+    previous_response_id: str | None = None
 
 
 def _text(content: Any) -> str:
@@ -188,7 +201,11 @@ def _chat_prompt(data: dict[str, Any]) -> ChatPrompt:
     tools = data.get("tools") or []
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise BadRequest("'tools' must be an array of objects", param="tools")
-    return ChatPrompt(messages=tuple(messages), tools=tuple(tools))
+    return ChatPrompt(
+        messages=tuple(messages),
+        tools=tuple(chat_tool(t) for t in tools),
+        options=template_options(data),
+    )
 
 
 def _is_ids(value: Any) -> bool:

@@ -18,9 +18,10 @@ Contract:
   encoding removed, nothing else decoded, no buffering): everything received since the last
   chunk in one piece, so a burst of SSE events costs one write to the client, not one each. The
   first chunk is bounded by the first-byte deadline, later ones by the idle one.
-- Only an allowlist of client headers reaches the engine; the client's Authorization only if the
-  cluster says so; a per-cluster engine key replaces it when set. Hop-by-hop headers never pass
-  in either direction.
+- Only an allowlist of client headers reaches the engine (built in, plus the policy's
+  ``routes.forward_headers``); the client's Authorization only if the cluster says so; a
+  per-cluster engine key replaces it when set. Hop-by-hop headers never pass in either
+  direction.
 
 The HTTP client is ``gateway.http1`` (httptools over asyncio, a LIFO keep-alive pool), not
 httpx: see that module for the profile that chose it. Its pool cannot be poisoned by cancelled
@@ -68,12 +69,18 @@ def upstream_headers(
     *,
     forward_auth: bool,
     engine_key: str | None,
+    extra: frozenset[str] = frozenset(),
 ) -> dict[str, str]:
-    """The headers the engine gets: an allowlist of the client's, our request id, the key."""
+    """The headers the engine gets: an allowlist of the client's (the built-in one plus the
+    policy's ``routes.forward_headers``), our request id, the key."""
     out: dict[str, str] = {}
     for raw_name, raw_value in client_headers:
         name = raw_name.decode("latin-1").lower()
-        if name in FORWARDED_REQUEST_HEADERS or (forward_auth and name == "authorization"):
+        if (
+            name in FORWARDED_REQUEST_HEADERS
+            or name in extra
+            or (forward_auth and name == "authorization")
+        ):
             out[name] = raw_value.decode("latin-1")
     out["x-request-id"] = request_id
     if engine_key:

@@ -33,8 +33,8 @@ from engine_pool.picker import order_endpoints
 from engine_pool.registry import EnginePool
 from gateway.errors import GatewayError
 from gateway.log import Logger
-from gateway.protocol import ENDPOINT_PATHS
 from gateway.proxy import Upstream
+from gateway.routes import path_of
 from gateway.settings import LaneSettings, Settings
 from gateway.watchdog import Watch, deadlines_for
 
@@ -187,7 +187,7 @@ class BootProbe:
         watch = Watch(deadlines_for(lane.timeouts, 1))
         try:
             async with self._upstream.open(
-                url.rstrip("/") + ENDPOINT_PATHS["chat"], body, headers, watch
+                url.rstrip("/") + path_of("chat"), body, headers, watch
             ) as response:
                 payload = await response.read(watch)
         except GatewayError as exc:

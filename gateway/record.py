@@ -64,6 +64,7 @@ class Routed:
     lane: str  # "none" when no lane takes the prompt
     reason: Reason
     cluster_health: dict[str, bool]
+    route: Endpoint  # the engine route (gateway/routes.py) the request came by
 
     @classmethod
     def of(
@@ -81,6 +82,7 @@ class Routed:
             lane=decision.lane_name,
             reason=decision.reason,
             cluster_health={c: healthy.get(c, True) for c in candidates},
+            route=request.endpoint,
         )
 
     # The names log_fields() gives, for a record refused before its lane was decided.
@@ -102,6 +104,7 @@ class Routed:
     def log_fields(self) -> dict[str, Any]:
         count = self.count
         return {
+            "route": self.route,
             "model": self.model,
             "stream": self.stream,
             "body_bytes": self.body_bytes,

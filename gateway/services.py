@@ -31,6 +31,7 @@ from gateway.pipeline import Pipeline, Policy
 from gateway.proxy import Upstream
 from gateway.readiness import BootProbe
 from gateway.record import Recorder
+from gateway.response_affinity import build_affinity
 from gateway.settings import ConfigError, Settings
 from gateway.slots import MemorySlotStore, SlotStore
 from gateway.tokens import TokenCounter
@@ -124,6 +125,7 @@ class Gateway:
                 latency=pool.latency,
             ),
             Failover(pool, admission, metrics, log, events),
+            build_affinity(settings, log, metrics),
         )
         monitor = EngineMonitor(pool, probe_plans(settings), events)
         probe = BootProbe(settings, pool, upstream, log, keys)
@@ -191,3 +193,4 @@ class Gateway:
     async def aclose(self) -> None:
         await self.upstream.aclose()
         await self.store.aclose()
+        await self.pipeline.affinity.aclose()

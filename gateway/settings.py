@@ -287,6 +287,32 @@ class LaneSettings(_Frozen):
         return self
 
 
+class RouteSettings(_Frozen):
+    """The engine API routes beyond chat and completions (gateway/routes.py)."""
+
+    # The lane for multipart routes (/v1/audio/*), which carry no text to count; default: the
+    # lane that starts at 0 tokens.
+    multipart_lane: str | None = None
+    # Client headers forwarded to engines on top of the built-in allowlist (content-type,
+    # accept, user-agent, traceparent, tracestate, x-request-id), e.g. x-tenant,
+    # openai-organization. Authorization and hop-by-hop headers cannot be added here.
+    forward_headers: tuple[str, ...] = ()
+    # Stateful Responses: response id -> the endpoint that produced it, at most this many.
+    response_affinity_entries: int = Field(100_000, ge=0)
+    response_affinity_ttl_s: float = Field(24 * 3600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _headers(self) -> RouteSettings:
+        refused = {"authorization", "proxy-authorization", "cookie", "host", "content-length"}
+        refused |= {"connection", "keep-alive", "te", "trailer", "transfer-encoding", "upgrade"}
+        for name in self.forward_headers:
+            if not name or any(not (c.isalnum() or c in "-_") for c in name):
+                raise ValueError(f"forward_headers: {name!r} is not a header name")
+            if name.lower() in refused:
+                raise ValueError(f"forward_headers: {name!r} cannot be forwarded")
+        return self
+
+
 class StateSettings(_Frozen):
     backend: Literal["memory", "redis"] = "memory"
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -314,6 +340,7 @@ class Settings(_Frozen):
     lanes: tuple[LaneSettings, ...] = Field(min_length=1)
     state: StateSettings = StateSettings()
     auth: AuthSettings = AuthSettings()
+    routes: RouteSettings = RouteSettings()
 
     @model_validator(mode="after")
     def _cross_references(self, info: ValidationInfo) -> Settings:
@@ -325,6 +352,13 @@ class Settings(_Frozen):
         if problems:
             raise ValueError("; ".join(str(p) for p in problems))
         return self
+
+    @property
+    def multipart_lane(self) -> str:
+        """The lane for requests with no text to count: the policy's choice, else the lowest."""
+        if self.routes.multipart_lane is not None:
+            return self.routes.multipart_lane
+        return min(self.lanes, key=lambda lane: lane.min_prompt_tokens).name
 
     def lane(self, name: str) -> LaneSettings:
         for lane in self.lanes:
@@ -462,6 +496,13 @@ def _names(settings: Settings) -> Iterable[Problem]:
                 yield Problem(
                     ("clusters", index, "models", position), f"unknown model {model_name!r}"
                 )
+    lanes = [lane.name for lane in settings.lanes]
+    multipart = settings.routes.multipart_lane
+    if multipart is not None and multipart not in lanes:
+        yield Problem(
+            ("routes", "multipart_lane"),
+            f"unknown lane {multipart!r} (lanes: {', '.join(sorted(lanes))})",
+        )
 
 
 def _coverage(settings: Settings) -> Iterable[Problem]:

@@ -3,8 +3,8 @@
 ``engine_pool`` never imports ``gateway``, yet a simulated engine must read requests and count
 prompt tokens exactly as the gateway and a real vLLM do (the model's own tokenizer and chat
 template). So the simulator declares what it needs (``engine_pool/sim/counting.py``,
-``PromptCounter``) and this module implements it over ``gateway/protocol.py`` and
-``gateway/tokens.py``.
+``PromptCounter``) and this module implements it over the gateway's per-route parsers
+(``gateway/routes.py``, ``gateway/protocols/``) and ``gateway/tokens.py``.
 
 - ``RegistryCounter(counter, model)`` counts with an already loaded ``TokenCounter`` (tests and
   benchmarks share one between many simulated engines); ``RegistryCounter.for_profile(profile)``
@@ -20,11 +20,43 @@ from typing import TYPE_CHECKING, Any
 
 from engine_pool.sim.counting import Endpoint, RequestRejected, SimRequest
 from gateway.errors import BadRequest
-from gateway.protocol import ChatPrompt, CompletionPrompt, parse_request
+from gateway.protocol import ChatPrompt, CompletionPrompt, Prompt, RoutedRequest
+from gateway.protocols.multipart import parse_multipart
+from gateway.routes import ENGINE_ROUTES
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from engine_pool.sim.profile import EngineProfile
     from gateway.tokens import TokenCounter
+
+# Each JSON route's parser, by endpoint (the routes sharing an endpoint share its parser).
+_PARSERS: dict[Endpoint, Callable[[bytes], RoutedRequest]] = {
+    route.endpoint: route.parse for route in ENGINE_ROUTES.values() if route.parse is not None
+}
+
+
+def _sim_request(routed: RoutedRequest) -> SimRequest:
+    prompt = routed.prompt
+    prompts = (
+        len(prompt.texts) + len(prompt.token_ids) if isinstance(prompt, CompletionPrompt) else 1
+    )
+    return SimRequest(
+        model=routed.model,
+        stream=routed.stream,
+        include_usage=routed.include_usage,
+        max_tokens=routed.max_tokens,
+        prompts=prompts,
+        prompt=prompt,
+        previous_response_id=routed.previous_response_id,
+    )
+
+
+def _prompt(request: SimRequest) -> Prompt:
+    prompt = request.prompt
+    if not isinstance(prompt, ChatPrompt | CompletionPrompt):
+        raise TypeError(f"not a prompt this counter read: {type(prompt).__name__}")
+    return prompt
 
 
 class RegistryCounter:
@@ -48,28 +80,34 @@ class RegistryCounter:
 
     def read(self, endpoint: Endpoint, body: bytes) -> SimRequest:
         try:
-            routed = parse_request(endpoint, body)
+            return _sim_request(_PARSERS[endpoint](body))
         except BadRequest as exc:
             raise RequestRejected(exc.message, exc.param) from exc
-        prompt = routed.prompt
-        prompts = (
-            len(prompt.texts) + len(prompt.token_ids) if isinstance(prompt, CompletionPrompt) else 1
-        )
-        return SimRequest(
-            model=routed.model,
-            stream=routed.stream,
-            include_usage=routed.include_usage,
-            max_tokens=routed.max_tokens,
-            prompts=prompts,
-            prompt=prompt,
-        )
+
+    def read_form(self, endpoint: Endpoint, content_type: bytes | None, body: bytes) -> SimRequest:
+        try:
+            return _sim_request(parse_multipart(endpoint, content_type, body))
+        except BadRequest as exc:
+            raise RequestRejected(exc.message, exc.param) from exc
 
     def count(self, request: SimRequest) -> int:
-        prompt = request.prompt
-        if not isinstance(prompt, ChatPrompt | CompletionPrompt):
-            raise TypeError(f"not a prompt this counter read: {type(prompt).__name__}")
         # exact_above=0: the engine always counts exactly, never settles for a bound.
-        return self._counter.count_sync(self._model, prompt, exact_above=0).tokens
+        return self._counter.count_sync(self._model, _prompt(request), exact_above=0).tokens
+
+    def pooled(self, request: SimRequest) -> list[str]:
+        prompt = _prompt(request)
+        if isinstance(prompt, ChatPrompt):
+            return [self._counter.render_chat(self._model, prompt)]
+        return list(prompt.texts) or [",".join(map(str, ids)) for ids in prompt.token_ids]
+
+    def detokenize(self, request: SimRequest) -> str:
+        prompt = _prompt(request)
+        if not isinstance(prompt, CompletionPrompt) or not prompt.token_ids:
+            raise RequestRejected("'tokens' must be an array of token ids", "tokens")
+        try:
+            return self._counter.decode(self._model, prompt.token_ids[0])
+        except ValueError as exc:
+            raise RequestRejected(str(exc), "tokens") from exc
 
     def tokenize(self, data: Any) -> list[int] | None:
         if not isinstance(data, dict):

@@ -86,18 +86,7 @@ class RedisSlotStore:
     def from_settings(
         cls, state: StateSettings, metrics: Metrics | None = None, log: Logger | None = None
     ) -> RedisSlotStore:
-        client = Redis.from_url(
-            state.redis_url,
-            socket_timeout=state.redis_timeout_s,
-            socket_connect_timeout=state.redis_timeout_s,
-            # One immediate retry on a fresh connection heals a pool left stale by a Redis
-            # restart; redis-py's default (10 retries, exponential backoff) would outlast 2 s.
-            retry=Retry(NoBackoff(), 1),
-            # A new connection's first call must fit the timeout too: RESP2 and no driver info
-            # skip the HELLO, CLIENT MAINT_NOTIFICATIONS and SETINFO round trips redis-py 8 makes.
-            protocol=2,
-            driver_info=DriverInfo(name=None, lib_version=None),
-        )
+        client = redis_client(state)
         return cls(client, state, metrics, log)
 
     def _member(self, token: str) -> str:
@@ -336,4 +325,20 @@ class RedisSlotStore:
 def _unavailable() -> StateUnavailable:
     return StateUnavailable(
         "the shared slot store (Redis) is unreachable", retry_after_s=RETRY_AFTER_S
+    )
+
+
+def redis_client(state: StateSettings) -> Redis:
+    """A client whose every call fits ``state.redis_timeout_s`` (slots, response affinity)."""
+    return Redis.from_url(
+        state.redis_url,
+        socket_timeout=state.redis_timeout_s,
+        socket_connect_timeout=state.redis_timeout_s,
+        # One immediate retry on a fresh connection heals a pool left stale by a Redis
+        # restart; redis-py's default (10 retries, exponential backoff) would outlast 2 s.
+        retry=Retry(NoBackoff(), 1),
+        # A new connection's first call must fit the timeout too: RESP2 and no driver info
+        # skip the HELLO, CLIENT MAINT_NOTIFICATIONS and SETINFO round trips redis-py 8 makes.
+        protocol=2,
+        driver_info=DriverInfo(name=None, lib_version=None),
     )

@@ -65,7 +65,8 @@ from gateway.tokenizers.templates import (
 )
 from gateway.tokenizers.vocab import EncoderLimits, Vocabulary, load_vocabulary
 
-Method = Literal["bound", "cache", "exact"]
+# "none": nothing to count (a multipart audio request); its lane is named by the policy.
+Method = Literal["bound", "cache", "exact", "none"]
 # Misses up to this many characters are counted on the event loop (under ~2 ms with the GIL
 # held either way); longer ones go to the worker thread, where gigatoken releases the GIL.
 INLINE_MAX_CHARS = GIL_FREE_ABOVE_CHARS
@@ -307,6 +308,10 @@ class TokenCounter:
     def encode(self, model: str, text: str) -> list[int]:
         """Token ids of plain text: no template, nothing added; special-token strings match."""
         return self._model(model).vocab.encoder.encode(text)
+
+    def decode(self, model: str, ids: Sequence[int]) -> str:
+        """Text of token ids (special tokens included); ValueError for an unknown id."""
+        return self._model(model).vocab.encoder.decode(ids)
 
     def render_chat(self, model: str, prompt: ChatPrompt) -> str:
         """The prompt text the engine sees (template applied, generation prompt added)."""

@@ -1,18 +1,28 @@
-"""What the simulated engine needs from whoever starts it: a reader of OpenAI requests that
+"""What the simulated engine needs from whoever starts it: a reader of vLLM's requests that
 knows the model's tokenizer.
 
 A stand-in engine must see the prompt tokens a real vLLM would, so it counts with the model's
 real tokenizer and chat template rather than an estimate, and reads requests as the gateway
-does. That code is the gateway's (``gateway/protocol.py``, ``gateway/tokens.py``), and
-``engine_pool`` never imports ``gateway``: the sim is handed a ``PromptCounter`` instead. The
-gateway's is ``gateway.sim_support.RegistryCounter``, which ``shapegate sim``, the demo, the
-benchmarks and the tests pass in.
+does. That code is the gateway's (``gateway/protocol.py``, ``gateway/protocols/``,
+``gateway/tokens.py``), and ``engine_pool`` never imports ``gateway``: the sim is handed a
+``PromptCounter`` instead. The gateway's is ``gateway.sim_support.RegistryCounter``, which
+``shapegate sim``, the demo, the benchmarks and the tests pass in. The sim keeps its own routes
+(which path is which ``Endpoint``) and its own wire format (``wire.py``, ``wire_apis.py``).
 
-Contract of a ``PromptCounter`` (calls are blocking: the app runs ``count`` and ``tokenize`` in
-a worker thread, so a 300k-token prompt does not stall the event loop):
-- ``read(endpoint, body)`` parses a request body into a ``SimRequest``, or raises
-  ``RequestRejected(message, param)`` for what vLLM answers with 400.
-- ``count(request)``: the exact prompt tokens of a request ``read`` returned.
+Contract of a ``PromptCounter`` (calls are blocking: the app runs ``count``, ``pooled``,
+``detokenize`` and ``tokenize`` in a worker thread, so a 300k-token prompt does not stall the
+event loop); every reader raises ``RequestRejected(message, param)`` for what vLLM answers with
+400:
+- ``read(endpoint, body)`` parses a JSON request body of any route but ``/tokenize`` into a
+  ``SimRequest``.
+- ``read_form(endpoint, content_type, body)`` reads a multipart/form-data body (the audio
+  routes): only its ``model`` matters; its prompt is empty.
+- ``count(request)``: the exact prompt tokens of a request a reader returned (a pooling
+  request's largest sequence, as the gateway counts it).
+- ``pooled(request)``: the texts a pooling request pools, one per input (a pair joined for score
+  and rerank; a chat rendered by its template; token ids written out).
+- ``detokenize(request)``: the text of a ``/detokenize`` request's token ids (special tokens
+  included); ``RequestRejected`` for an id the vocabulary lacks.
 - ``tokenize(data)``: token ids for ``/tokenize``'s JSON body (``prompt``, text or token ids, or
   chat ``messages`` rendered by the template); None when it has neither.
 """
@@ -22,8 +32,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-# The OpenAI routes the sim serves (the same two a real engine serves the gateway).
-Endpoint = Literal["chat", "completions"]
+# Every route the sim serves a request of, as vLLM does (engine_pool/sim/app.py has the paths).
+Endpoint = Literal[
+    "chat",
+    "completions",
+    "responses",
+    "messages",
+    "embeddings",
+    "pooling",
+    "score",
+    "rerank",
+    "tokenize",
+    "detokenize",
+    "transcriptions",
+    "translations",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +59,8 @@ class SimRequest:
     prompts: int
     # The reader's own parsed prompt, handed back to its ``count``; the sim never looks inside.
     prompt: object
+    # Responses only: the stored response this one continues (404 when the engine lacks it).
+    previous_response_id: str | None = None
 
 
 class RequestRejected(Exception):
@@ -50,6 +75,14 @@ class RequestRejected(Exception):
 class PromptCounter(Protocol):
     def read(self, endpoint: Endpoint, body: bytes) -> SimRequest: ...
 
+    def read_form(
+        self, endpoint: Endpoint, content_type: bytes | None, body: bytes
+    ) -> SimRequest: ...
+
     def count(self, request: SimRequest) -> int: ...
+
+    def pooled(self, request: SimRequest) -> list[str]: ...
+
+    def detokenize(self, request: SimRequest) -> str: ...
 
     def tokenize(self, data: Any) -> list[int] | None: ...

@@ -2,10 +2,12 @@
 
 Contract:
 - ``Generation`` is everything the handler decided (ids, token counts, finish reason).
-- ``stream_body(gen, engine, stream, faults)`` yields SSE chunks as the engine produces tokens: one
-  chunk per token (chat starts with the role chunk), the usage chunk when asked, then
-  ``[DONE]``. Whatever ends it (done, client gone, crash), its ``finally`` aborts the request in
-  the engine, which frees its seat and KV at once.
+- ``stream_body(gen, engine, stream, faults)`` yields SSE events as the engine produces tokens,
+  framed by the route (``framer``): chat and completions one chunk per token (chat starts with
+  the role chunk), the usage chunk when asked, then ``[DONE]``; Responses and Anthropic
+  Messages their typed events (``wire_apis.py``), one delta per token. Whatever ends it (done,
+  client gone, crash), its ``finally`` aborts the request in the engine, which frees its seat
+  and KV at once.
 - ``full_body(gen, stream)`` waits for the last token and returns the JSON body.
 - ``race_disconnect(receive, coro)`` runs ``coro`` until it finishes or the client disconnects
   (vLLM's ``with_cancellation``): a non-streaming handler is otherwise never cancelled.
@@ -18,18 +20,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, TypeVar
 
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
-from engine_pool.sim import wire
+from engine_pool.sim import wire, wire_apis
 from engine_pool.sim.engine import EngineCrashed, RequestStream, SimEngine
 from engine_pool.sim.faults import FaultState
 
 T = TypeVar("T")
 FinishReason = Literal["length", "stop"]
+GenerateEndpoint = Literal["chat", "completions", "responses", "messages"]
 
 
 class DroppedConnection(ConnectionResetError):
@@ -38,7 +41,7 @@ class DroppedConnection(ConnectionResetError):
 
 @dataclass(frozen=True, slots=True)
 class Generation:
-    endpoint: Literal["chat", "completions"]
+    endpoint: GenerateEndpoint
     request_id: str
     response_id: str
     created: int
@@ -47,19 +50,73 @@ class Generation:
     output_tokens: int
     finish_reason: FinishReason
     include_usage: bool
+    # The request body's fields a Responses answer echoes (instructions, tools, ...).
+    request: dict[str, Any] = field(default_factory=dict)
 
 
-def _content_chunk(gen: Generation, index: int, last: bool) -> bytes:
-    text = wire.output_text(index, 1)
-    finish = gen.finish_reason if last else None
-    if gen.endpoint == "chat":
-        return wire.chat_content_chunk(gen.response_id, gen.created, gen.model, text, finish)
-    return wire.completion_chunk(gen.response_id, gen.created, gen.model, text, finish)
+class Framer(Protocol):
+    """How one route frames a generation as SSE events."""
+
+    def opening(self) -> list[bytes]: ...
+    def token(self, index: int, last: bool) -> bytes: ...
+    def closing(self) -> list[bytes]: ...
 
 
-def _usage_chunk(gen: Generation) -> bytes:
-    build = wire.chat_usage_chunk if gen.endpoint == "chat" else wire.completion_usage_chunk
-    return build(gen.response_id, gen.created, gen.model, gen.prompt_tokens, gen.output_tokens)
+class _OpenAIFramer:
+    def __init__(self, gen: Generation) -> None:
+        self.gen = gen
+
+    def opening(self) -> list[bytes]:
+        gen = self.gen
+        if gen.endpoint == "chat":
+            return [wire.chat_role_chunk(gen.response_id, gen.created, gen.model)]
+        return []
+
+    def token(self, index: int, last: bool) -> bytes:
+        gen = self.gen
+        text = wire.output_text(index, 1)
+        finish = gen.finish_reason if last else None
+        if gen.endpoint == "chat":
+            return wire.chat_content_chunk(gen.response_id, gen.created, gen.model, text, finish)
+        return wire.completion_chunk(gen.response_id, gen.created, gen.model, text, finish)
+
+    def closing(self) -> list[bytes]:
+        gen = self.gen
+        if not gen.include_usage:
+            return [wire.DONE]
+        build = wire.chat_usage_chunk if gen.endpoint == "chat" else wire.completion_usage_chunk
+        usage = build(gen.response_id, gen.created, gen.model, gen.prompt_tokens, gen.output_tokens)
+        return [usage, wire.DONE]
+
+
+class _TypedFramer:
+    """Responses and Anthropic Messages: typed events, no ``[DONE]``."""
+
+    def __init__(self, gen: Generation) -> None:
+        self.gen = gen
+        self.events: wire_apis.ResponsesEvents | wire_apis.MessagesEvents
+        if gen.endpoint == "responses":
+            self.events = wire_apis.ResponsesEvents(
+                gen.response_id, gen.created, gen.model, gen.request
+            )
+        else:
+            self.events = wire_apis.MessagesEvents(gen.response_id, gen.model, gen.prompt_tokens)
+
+    def opening(self) -> list[bytes]:
+        return self.events.opening()
+
+    def token(self, index: int, last: bool) -> bytes:
+        return self.events.token(wire.output_text(index, 1))
+
+    def closing(self) -> list[bytes]:
+        gen = self.gen
+        return self.events.closing(gen.finish_reason, gen.prompt_tokens, gen.output_tokens)
+
+
+def framer(gen: Generation) -> Framer:
+    if gen.endpoint in ("chat", "completions"):
+        return _OpenAIFramer(gen)
+    return _TypedFramer(gen)
 
 
 async def _stall(faults: FaultState) -> None:
@@ -97,27 +154,27 @@ async def stream_body(
     gen: Generation, engine: SimEngine, stream: RequestStream, faults: FaultState
 ) -> AsyncIterator[bytes]:
     sender = _Sender(faults)
-    role_sent = gen.endpoint != "chat"
+    frames = framer(gen)
+    opened = False
     try:
         while True:
             try:
                 start, count, last = await stream.next_tokens()
             except EngineCrashed as exc:
                 raise DroppedConnection("engine crashed") from exc
-            if not role_sent:
-                await sender.before_chunk(carries_token=False)
-                yield wire.chat_role_chunk(gen.response_id, gen.created, gen.model)
-                role_sent = True
+            if not opened:  # sent with the first token, as vLLM sends its first chunk
+                for chunk in frames.opening():
+                    await sender.before_chunk(carries_token=False)
+                    yield chunk
+                opened = True
             for index in range(start, start + count):
                 await sender.before_chunk(carries_token=True)
-                yield _content_chunk(gen, index, last and index == start + count - 1)
+                yield frames.token(index, last and index == start + count - 1)
             if last:
                 break
-        if gen.include_usage:
+        for chunk in frames.closing():
             await sender.before_chunk(carries_token=False)
-            yield _usage_chunk(gen)
-        await sender.before_chunk(carries_token=False)
-        yield wire.DONE
+            yield chunk
     finally:
         engine.abort(stream.key)
 
@@ -152,17 +209,16 @@ async def full_body(gen: Generation, stream: RequestStream) -> dict[str, Any]:
     last = False
     while not last:
         _, _, last = await stream.next_tokens()
-    build = wire.chat_response if gen.endpoint == "chat" else wire.completion_response
     text = wire.output_text(0, gen.output_tokens)
-    return build(
-        gen.response_id,
-        gen.created,
-        gen.model,
-        text,
-        gen.finish_reason,
-        gen.prompt_tokens,
-        gen.output_tokens,
-    )
+    args = (gen.prompt_tokens, gen.output_tokens)
+    if gen.endpoint == "responses":
+        return wire_apis.response_full(
+            gen.response_id, gen.created, gen.model, gen.request, text, gen.finish_reason, args
+        )
+    if gen.endpoint == "messages":
+        return wire_apis.message_full(gen.response_id, gen.model, text, gen.finish_reason, *args)
+    build = wire.chat_response if gen.endpoint == "chat" else wire.completion_response
+    return build(gen.response_id, gen.created, gen.model, text, gen.finish_reason, *args)
 
 
 async def _until_disconnect(receive: Receive) -> None:

@@ -39,6 +39,11 @@ class Encoder(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of token ids, special tokens included (the simulator's ``/detokenize``);
+        ``ValueError`` for an id outside the vocabulary."""
+        ...
+
     def count_many(self, texts: Sequence[str]) -> list[int]: ...
 
     def try_count_many(self, texts: Sequence[str]) -> list[int] | None: ...
@@ -93,6 +98,16 @@ class GigatokenEncoder(_Locked):
             ids: list[int] = self._tok.encode(text).tolist()
         return ids
 
+    def decode(self, ids: Sequence[int]) -> str:
+        # Checked first: gigatoken panics (a Rust index out of bounds) on an unknown id.
+        size = int(self._tok.vocab_size)
+        bad = [i for i in ids if not 0 <= i < size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary of {size}")
+        with self.lock:
+            raw: bytes = self._tok.decode(list(ids))
+        return raw.decode("utf-8", errors="replace")
+
     def _count_unlocked(self, texts: Sequence[str]) -> list[int]:
         counts = []
         for raw in texts:
@@ -133,6 +148,14 @@ class TiktokenEncoder(_Locked):
         with self.lock:
             return self._ids(text)
 
+    def decode(self, ids: Sequence[int]) -> str:
+        try:
+            with self.lock:
+                text: str = self._enc.decode(list(ids), errors="replace")
+        except KeyError as exc:
+            raise ValueError(f"token id {exc} is outside the vocabulary") from exc
+        return text
+
     def _count_unlocked(self, texts: Sequence[str]) -> list[int]:
         return [len(self._ids(text)) for text in texts]
 
@@ -150,6 +173,13 @@ class HFEncoder(_Locked):
         with self.lock:
             ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
         return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        with self.lock:
+            text: str | None = self._tok.decode(list(ids), skip_special_tokens=False)
+        if text is None:
+            raise ValueError("token ids outside the vocabulary")
+        return text
 
     def _count_unlocked(self, texts: Sequence[str]) -> list[int]:
         encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)

@@ -7,9 +7,15 @@ Contract:
   independently and their counts add up to the count of the whole (tested).
 - ``ChatTemplate(source, variables).render(prompt)`` renders a Hugging Face chat template the way
   transformers does (sandboxed Jinja, ``trim_blocks``/``lstrip_blocks``, ``tojson``,
-  ``raise_exception``) with ``add_generation_prompt=True``, after vLLM's message preprocessing
-  (tool-call ``arguments`` JSON strings become objects). A template that rejects the messages
-  raises ``TemplateRejected``; so does a template error on odd input.
+  ``raise_exception``, reasoning aliases, ``continue_final_message`` cut at a marker) with the
+  prompt's ``TemplateOptions`` (``add_generation_prompt``, ``continue_final_message``,
+  ``documents``, ``chat_template_kwargs`` such as ``enable_thinking``), after vLLM's message
+  preprocessing (tool-call ``arguments`` JSON strings become objects; array contents of text parts
+  only become those texts joined by newlines, vLLM's "string" content format; content with
+  media parts stays a list, for the template's own placeholders). A template that rejects
+  the messages raises ``TemplateRejected``; so does a template error on odd input.
+- The built-in ChatML honours ``add_generation_prompt`` and ``continue_final_message`` (the last
+  message left open); it has no variables, so ``chat_template_kwargs`` change nothing there.
 - ``split_before(text, token)`` cuts a rendered prompt before each occurrence of ``token``.
 
 What the built-in ChatML renders, and where it differs from Qwen3.6's own template
@@ -61,6 +67,10 @@ def _text(content: Any) -> str:
     return ""
 
 
+def _is_text_part(part: Any) -> bool:
+    return isinstance(part, dict) and isinstance(part.get("text"), str)
+
+
 def _dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
@@ -101,7 +111,10 @@ def chatml_pieces(prompt: ChatPrompt) -> list[str]:
         role = str(message.get("role"))
         text = _text(message.get("content"))
         pieces.append("".join(("<|im_start|>", role, "\n", text, calls, "<|im_end|>\n")))
-    pieces.append(GENERATION_PROMPT)
+    if prompt.options.continue_final_message and len(pieces) > 1:
+        pieces[-1] = pieces[-1].removesuffix("<|im_end|>\n")
+    elif prompt.options.add_generation_prompt:
+        pieces.append(GENERATION_PROMPT)
     return pieces
 
 
@@ -156,21 +169,40 @@ class ChatTemplate:
         self._variables = dict(variables)
 
     def render(self, prompt: ChatPrompt) -> str:
+        options = prompt.options
         messages = [self._prepare(message) for message in prompt.messages]
+        final = None
+        if options.continue_final_message:
+            messages[-1], final = _tag_final(messages[-1])
         try:
-            return self._template.render(
+            rendered = self._template.render(
                 messages=messages,
                 tools=list(prompt.tools) or None,
-                add_generation_prompt=True,
-                **self._variables,
+                documents=None if options.documents is None else list(options.documents),
+                add_generation_prompt=options.add_generation_prompt,
+                **{**self._variables, **options.kwargs},
             )
         except TemplateRejected:
             raise
         except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
             raise TemplateRejected(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+        return rendered if final is None else _cut_at_tag(rendered, final)
 
     @staticmethod
     def _prepare(message: dict[str, Any]) -> dict[str, Any]:
+        reasoning = next(
+            (message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None
+        )
+        if reasoning is not None:
+            # transformers fills every name a template may read reasoning under.
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        content = message.get("content")
+        if isinstance(content, list) and all(_is_text_part(part) for part in content):
+            # vLLM's "string" content format (what it detects for templates that do not loop
+            # over message['content'] themselves, Qwen's included): text parts joined by "\n".
+            # Content with media parts stays a list: the template renders its own placeholders
+            # for them (Qwen's vision tokens), as transformers renders it.
+            message = {**message, "content": _text(content)}
         calls = message.get("tool_calls")
         if not isinstance(calls, list):
             return message
@@ -183,3 +215,37 @@ class ChatTemplate:
             else:
                 prepared.append(call)
         return {**message, "tool_calls": prepared}
+
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# transformers' marker for continue_final_message: appended to the final text, cut after render.
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tag_final(message: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The final message with the continue marker after its text, and that text."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return {**message, "content": content + _CONTINUE_TAG}, content
+    if isinstance(content, list):
+        parts = list(content)
+        for i in range(len(parts) - 1, -1, -1):
+            part = parts[i]
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                parts[i] = {**part, "text": part["text"] + _CONTINUE_TAG}
+                return {**message, "content": parts}, part["text"]
+    raise TemplateRejected("continue_final_message is set but the final message has no text")
+
+
+def _cut_at_tag(rendered: str, final: str) -> str:
+    """Cut the render where the final message's text ends, as transformers does."""
+    tag = _CONTINUE_TAG.strip()
+    if final.strip() not in rendered or tag not in rendered:
+        raise TemplateRejected(
+            "continue_final_message is set but the final message does not appear in the chat "
+            "after applying the chat template"
+        )
+    at = rendered.rindex(tag)
+    if rendered[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return rendered[:at]
+    return rendered[:at].rstrip()

@@ -10,9 +10,10 @@ interpreter (``python -m gateway.tokenizers.worker READ_FD WRITE_FD``), not a fo
 multiprocessing spawn: nothing of the gateway is copied or re-imported into it.
 
 Contract of ``ChildEncoder`` (an ``Encoder``, backend ``gigatoken``):
-- ``encode``, ``count_many``, ``try_count_many`` answer exactly what the same gigatoken
-  tokenizer answers in-process (the child runs ``GigatokenEncoder``); calls are serialised by
-  ``lock``, the calling thread waits on a pipe without holding the GIL.
+- ``encode``, ``decode``, ``count_many``, ``try_count_many`` answer exactly what the same
+  gigatoken tokenizer answers in-process (the child runs ``GigatokenEncoder``; ``decode``'s
+  ``ValueError`` for an id outside the vocabulary is raised here as the same); calls are
+  serialised by ``lock``, the calling thread waits on a pipe without holding the GIL.
 - Each answer carries the child's resident memory. Past ``max_rss_mb`` (at least
   ``READY_HEADROOM`` x what the child held once loaded, or it would be replaced on every call)
   a replacement is started
@@ -73,6 +74,14 @@ def _rss_mb() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / (1024 * 1024)
 
 
+def _answer(encoder: GigatokenEncoder, op: str, arg: Any) -> Any:
+    if op == "encode":
+        return encoder.encode(arg)
+    if op == "decode":
+        return encoder.decode(arg)
+    return encoder.count_many(arg)
+
+
 def _serve(inbox: Connection, outbox: Connection) -> None:
     """The child: read its recipe, build the tokenizer, warm it, then answer calls until the
     gateway closes its end of the pipe (or dies)."""
@@ -91,9 +100,13 @@ def _serve(inbox: Connection, outbox: Connection) -> None:
         except (EOFError, OSError):
             return
         try:
-            result: Any = encoder.encode(arg) if op == "encode" else encoder.count_many(arg)
+            result = _answer(encoder, op, arg)
         except BaseException as exc:  # noqa: BLE001 - sent to the parent, which raises it
-            outbox.send(("failed", f"{type(exc).__name__}: {str(exc)[:500]}", _rss_mb()))
+            if op == "decode" and isinstance(exc, ValueError):
+                # An id outside the vocabulary: the caller's input, raised there as ValueError.
+                outbox.send(("invalid", str(exc)[:500], _rss_mb()))
+            else:
+                outbox.send(("failed", f"{type(exc).__name__}: {str(exc)[:500]}", _rss_mb()))
             continue
         outbox.send(("ok", result, _rss_mb()))
 
@@ -217,6 +230,11 @@ class ChildEncoder:
             ids: list[int] = self._call("encode", text)
         return ids
 
+    def decode(self, ids: Sequence[int]) -> str:
+        with self.lock:
+            text: str = self._call("decode", list(ids))
+        return text
+
     def count_many(self, texts: Sequence[str]) -> list[int]:
         with self.lock:
             return self._count(texts)
@@ -261,6 +279,8 @@ class ChildEncoder:
             status, result, rss = self._exchange(op, arg)
         self._child.rss_mb = rss
         self._child.calls += 1
+        if status == "invalid":
+            raise ValueError(result)
         if status != "ok":
             raise EncoderFailed(f"tokenizer failed: {result}")
         self._watch_memory()

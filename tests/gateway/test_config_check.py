@@ -89,6 +89,11 @@ BAD: dict[str, tuple[Callable[[str], str], str, str]] = {
         "per_endpoint: 4",
         "lanes.1.slots.per_endpoint: 4 is above the lane's limit (slots.lane) of 2",
     ),
+    "multipart lane that is no lane": (
+        lambda t: t + "routes:\n  multipart_lane: audio\n",
+        "multipart_lane: audio",
+        "routes.multipart_lane: unknown lane 'audio' (lanes: fast, heavy)",
+    ),
 }
 
 

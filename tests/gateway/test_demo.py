@@ -84,3 +84,64 @@ def test_the_demo_refuses_taken_ports_and_names_them() -> None:
     assert f"ports already in use: {port} (gateway, --port), " in proc.stderr, proc.stderr
     assert f"{base + 12} (heavy engine, --engine-port-base)" in proc.stderr, proc.stderr
     assert "is up" not in proc.stdout
+
+
+def test_the_sdks_work_unchanged_against_the_demo(tmp_path: Path) -> None:
+    """As a new user would: start `shapegate demo`, point the openai and anthropic SDKs at it."""
+    import signal
+    import time
+
+    import anthropic
+    import httpx
+    import openai
+
+    base = free_port() // 100 * 100 % 50000 + 10000
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = ["demo", "--time-scale", "0.005", "--port", str(port), "--engine-port-base", str(base)]
+    log = tmp_path / "demo.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            gateway_cli(*args), cwd=ROOT, env=checkout_env(), stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass  # not listening yet
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+        claude = anthropic.Anthropic(base_url=url, api_key="unused")
+        reply = client.responses.create(model="qwen3.6", input="hi", max_output_tokens=3)
+        assert reply.output_text == " lorem ipsum dolor"
+        streamed = list(
+            client.responses.create(model="qwen3.6", input="hi", max_output_tokens=2, stream=True)
+        )
+        assert streamed[-1].type == "response.completed"
+        assert len(client.embeddings.create(model="qwen3.6", input="hi").data[0].embedding) == 16
+        assert client.models.retrieve("qwen3.6").id == "qwen3.6"
+        tools: list[anthropic.types.ToolParam] = [
+            {"name": "f", "input_schema": {"type": "object", "properties": {}}}
+        ]
+        message = claude.messages.create(
+            model="qwen3.6",
+            max_tokens=3,
+            tools=tools,
+            messages=[{"role": "user", "content": "hi"}],
+        )
+        assert message.content[0].type == "text" and message.usage.output_tokens == 3
+        with claude.messages.stream(
+            model="qwen3.6", max_tokens=2, tools=tools, messages=[{"role": "user", "content": "hi"}]
+        ) as stream:
+            assert "".join(stream.text_stream) == " lorem ipsum"
+        missing = httpx.post(url + "/v1/no-such-route", json={})
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
+        client.close()
+        claude.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)

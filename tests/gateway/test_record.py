@@ -35,7 +35,7 @@ def routed(lane: str = "fast") -> Routed:
         body = orjson.dumps({"model": "qwen3.6", "prompt": "hi", "max_tokens": 3})
         request = parse_request("completions", body)
         return Routed.of(request, COUNT, Decision(lane=None, clusters=(), reason="no_lane"), {})
-    return Routed("qwen3.6", True, 6000, 64, COUNT, lane, "in_range", {"fast": True})
+    return Routed("qwen3.6", True, 6000, 64, COUNT, lane, "in_range", {"fast": True}, "chat")
 
 
 def grant(lane: str = "fast") -> Grant:

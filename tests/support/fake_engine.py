@@ -122,7 +122,12 @@ class FakeEngine:
             pass
 
     async def _respond(self, body: bytes, send: Any, seen: Seen) -> None:
-        data = orjson.loads(body)
+        # A multipart body (audio routes) carries no JSON: answer it as a plain request.
+        data = (
+            {}
+            if seen.headers.get("content-type", "").startswith("multipart/")
+            else orjson.loads(body)
+        )
         fake = data.get("fake") or {}
         mode = fake.get("mode", "ok")
         chunks = int(fake.get("chunks", 3))
