@@ -30,7 +30,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
@@ -293,16 +292,11 @@ def create_app(parts: SimParts, apply_faults: ApplyFaults) -> FastAPI:
         return Response(status_code=503 if faults.spec.dead or engine.failed else 200)
 
     @app.post("/tokenize")
-    async def tokenize(request: Request) -> JSONResponse:
-        try:
-            data = orjson.loads(await request.body())
-        except orjson.JSONDecodeError as exc:
-            return _error(400, f"request body is not valid JSON: {exc}", "BadRequestError")
-        tokens = await asyncio.to_thread(_tokenize, parts.counter, data)
-        if tokens is None:
-            return _error(
-                400, "give 'prompt' (text or token ids) or 'messages'", "BadRequestError", "prompt"
-            )
+    async def tokenize(request: Request) -> Response:
+        routed = await _validate(parts, ENGINE_ROUTES["/tokenize"], await request.body())
+        if isinstance(routed, Response):
+            return routed
+        tokens = await asyncio.to_thread(_tokenize, parts.counter, routed.prompt)
         return JSONResponse(wire.tokenize_response(tokens, profile.max_model_len))
 
     @app.get("/metrics")
@@ -349,17 +343,13 @@ def create_app(parts: SimParts, apply_faults: ApplyFaults) -> FastAPI:
     return app
 
 
-def _tokenize(counter: PromptCounter, data: Any) -> list[int] | None:
-    if not isinstance(data, dict):
-        return None
-    messages, prompt = data.get("messages"), data.get("prompt")
-    if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
-        return counter.encode(counter.render_chat(ChatPrompt(messages=tuple(messages))))
-    if isinstance(prompt, str):
-        return counter.encode(prompt)
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return [int(t) for t in prompt]
-    return None
+def _tokenize(counter: PromptCounter, prompt: ChatPrompt | CompletionPrompt) -> list[int]:
+    """The ids of a /tokenize request's prompt (rendered with the chat template for messages)."""
+    if isinstance(prompt, ChatPrompt):
+        return counter.encode(counter.render_chat(prompt))
+    if prompt.texts:
+        return counter.encode(prompt.texts[0])
+    return list(prompt.token_ids[0])
 
 
 def _pool_handler(parts: SimParts) -> Callable[[Request], Awaitable[Response]]:
