@@ -333,7 +333,7 @@ class Pipeline:
                     grant,
                     lane,
                     cluster,
-                    policy.engine_keys.get(cluster.name),
+                    policy,
                     count,
                     out,
                     record,
@@ -371,7 +371,7 @@ class Pipeline:
         grant: Grant,
         lane: LaneSettings,
         cluster: ClusterSettings,
-        engine_key: str | None,
+        policy: Policy,
         count: TokenCount,
         out: Outbound,
         record: Record,
@@ -381,8 +381,8 @@ class Pipeline:
             scope.get("headers", ()),
             record.request_id,
             forward_auth=cluster.forward_client_auth,
-            engine_key=engine_key,
-            extra=self.policy.forward_headers,
+            engine_key=policy.engine_keys.get(cluster.name),
+            extra=policy.forward_headers,
         )
         ours = {
             "x-request-id": record.request_id,
