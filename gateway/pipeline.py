@@ -182,6 +182,7 @@ class Target:
     lane: LaneSettings
     cluster: ClusterSettings
     engine_key: str | None
+    forward_headers: frozenset[str]  # the admitting policy's, as the engine key is
     count: ExactCount
     watch: Watch  # one for every attempt: failing over never extends the request's deadlines
     fresh: bool  # open a new connection (a kept-alive one was found closed)
@@ -337,6 +338,7 @@ class Pipeline:
                         lane,
                         settings.cluster(held.cluster),
                         policy.engine_keys.get(held.cluster),
+                        policy.forward_headers,
                         exact,
                         watch,
                         attempts.fresh,
@@ -411,7 +413,7 @@ class Pipeline:
             record.request_id,
             forward_auth=target.cluster.forward_client_auth,
             engine_key=target.engine_key,
-            extra=self.policy.forward_headers,
+            extra=target.forward_headers,
         )
         ours = {
             "x-request-id": record.request_id,

@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
 from engine_pool.sim.counting import Endpoint, RequestRejected, SimRequest
 from gateway.errors import BadRequest
 from gateway.protocol import ChatPrompt, CompletionPrompt, Prompt, RoutedRequest
@@ -110,17 +112,17 @@ class RegistryCounter:
             raise RequestRejected(str(exc), "tokens") from exc
 
     def tokenize(self, data: Any) -> list[int] | None:
-        if not isinstance(data, dict):
+        """The ids of a /tokenize request, parsed as the gateway parses it (tools, template
+        options and ``chat_template_kwargs`` honoured); None when it is not one."""
+        try:
+            prompt = _PARSERS["tokenize"](orjson.dumps(data)).prompt
+        except (BadRequest, TypeError):
             return None
-        messages, prompt = data.get("messages"), data.get("prompt")
-        if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
-            chat = ChatPrompt(messages=tuple(messages))
-            return self._counter.encode(self._model, self._counter.render_chat(self._model, chat))
-        if isinstance(prompt, str):
-            return self._counter.encode(self._model, prompt)
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return [int(t) for t in prompt]
-        return None
+        if isinstance(prompt, ChatPrompt):
+            return self._counter.encode(self._model, self._counter.render_chat(self._model, prompt))
+        if prompt.texts:
+            return self._counter.encode(self._model, prompt.texts[0])
+        return list(prompt.token_ids[0]) if prompt.token_ids else None
 
 
 def _json_logging(level: str) -> None:

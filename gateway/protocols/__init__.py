@@ -5,6 +5,7 @@ whose prompt is what the engine will render: a ``ChatPrompt`` (Responses, Anthro
 chat-style embeddings and tokenize) or a ``CompletionPrompt`` (embeddings, pooling, score,
 rerank, tokenize, detokenize). The body itself is never re-serialised.
 
+    common.py            field readers shared by the parsers (model, stream, integers, arrays)
     template_options.py  add_generation_prompt, continue_final_message, chat_template_kwargs,
                          documents: what changes the rendered prompt besides the messages
     tools.py             tool schemas as vLLM hands them to the chat template

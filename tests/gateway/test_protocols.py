@@ -172,11 +172,18 @@ def test_chat_template_options_are_read_and_checked() -> None:
     assert caught.value.param == "continue_final_message"
 
 
-def test_multipart_model_field() -> None:
-    data = b'--b\r\nContent-Disposition: form-data; name="model"\r\n\r\nqwen3.6\r\n--b--\r\n'
-    assert multipart_model(b"multipart/form-data; boundary=b", data) == "qwen3.6"
+def test_multipart_model_field_before_or_after_the_file() -> None:
+    kind = b"multipart/form-data; boundary=b"
+    model = b'--b\r\nContent-Disposition: form-data; name="model"\r\n\r\nqwen3.6\r\n'
+    audio = b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\n'
+    audio += b"\0" * 200_000 + b'name="model"' + b"\0" * 200_000 + b"\r\n"
+    assert multipart_model(kind, model + audio + b"--b--\r\n") == "qwen3.6"
+    assert multipart_model(kind, audio + model + b"--b--\r\n") == "qwen3.6"
+    with pytest.raises(BadRequest) as caught:  # 'name="model"' inside the audio is not a field
+        multipart_model(kind, audio + b"--b--\r\n")
+    assert caught.value.param == "model"
     with pytest.raises(BadRequest):
-        multipart_model(b"application/json", data)
+        multipart_model(b"application/json", model)
 
 
 def test_route_settings_are_validated() -> None:

@@ -66,6 +66,14 @@ async def _first_response_on_second_engine(
         await anext(lines)
         first = await client.post("/v1/responses", json={"model": "qwen3.6", "input": "hi"})
     assert first.status_code == 200, first.text
+    deadline = (
+        time.monotonic() + 5
+    )  # the held stream's slot is released once the gateway sees it go
+    while time.monotonic() < deadline:
+        state = (await client.get("/admin/state")).json()
+        if all(e["in_flight"] == 0 for c in state["clusters"] for e in c["endpoints"]):
+            break
+        await asyncio.sleep(0.02)
     assert len(engines[1].requests()) == 1 and engines[1].requests()[0].endpoint == "responses"
     response_id: str = first.json()["id"]
     return response_id
