@@ -6,6 +6,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import hypothesis
 import pytest
 
 from engine_pool.sim.server import SimServer, run_sim
@@ -29,6 +30,11 @@ MODEL = {
 JSON = {"content-type": "application/json"}
 # What a state-changing admin request carries without a bearer token (gateway/dashboard/guard.py).
 ADMIN = {"content-type": "application/yaml", "x-shapegate-admin": "1"}
+# scripts/mutate wants "killed or not", not the smallest failing example: no shrinking there.
+hypothesis.settings.register_profile(
+    "mutate", phases=[hypothesis.Phase.explicit, hypothesis.Phase.reuse, hypothesis.Phase.generate]
+)
+
 # A `shapegate` that only fails, first on PATH for the whole run: a test that starts the
 # installed entry point instead of the checkout (tests/support/checkout.py) fails loudly.
 POISON_SHAPEGATE = (

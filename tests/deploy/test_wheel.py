@@ -8,6 +8,7 @@ same ``scripts/wheel-smoke``.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import sysconfig
@@ -52,8 +53,11 @@ def test_the_wheel_works_from_any_directory(tmp_path: Path) -> None:
         text=True,
     ).stdout.strip()
     Path(site, "borrowed-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # The suite puts the checkout first on PYTHONPATH; the smoke must import the installed wheel.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     smoke = subprocess.run(
         [str(ROOT / "scripts" / "wheel-smoke"), str(venv / "bin")],
+        env=env,
         capture_output=True,
         text=True,
         timeout=600,

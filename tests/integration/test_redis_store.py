@@ -203,6 +203,24 @@ def test_the_store_follows_the_lease_rules(redis_url: str) -> None:
     )
 
 
+async def test_an_acquire_purges_expired_leases_before_it_counts(
+    redis_url: str, prefix: str
+) -> None:
+    store = store_for(redis_url, prefix, lease_ttl_s=TTL_S)
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        full = Limit(LANE.key, 1)
+        assert await store.try_acquire("dead", full, [Limit("ep:a", 1)]) == 0
+        assert await store.try_acquire("next", full, [Limit("ep:a", 1)]) is None  # full
+        for key in (LANE.key, "ep:a"):  # its holder stopped renewing long ago
+            raw.zadd("{" + prefix + "}:" + key, {"dead": 1}, xx=True)
+        assert await store.try_acquire("next", full, [Limit("ep:a", 1)]) == 0
+        assert await store.in_use([LANE.key, "ep:a"]) == {LANE.key: 1, "ep:a": 1}
+    finally:
+        raw.close()
+        await store.aclose()
+
+
 async def test_an_unrenewed_lease_is_reaped_and_a_held_one_is_not(
     redis_url: str, prefix: str
 ) -> None:
