@@ -87,6 +87,7 @@ class Routed:
 
     # The names log_fields() gives, for a record refused before its lane was decided.
     FIELDS = (
+        "route",
         "model",
         "stream",
         "body_bytes",
