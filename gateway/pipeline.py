@@ -77,6 +77,11 @@ from gateway.tokens import TokenCount, TokenCounter
 from gateway.usage import TAIL_MAX, ExactCount, engine_usage, sse_events, trim_tail
 from gateway.watchdog import Watch, deadlines_for
 
+# How long the response headers may wait for the exact prompt count (finished while the engine
+# worked; only a congested counting worker is still busy by then): the first byte is not held
+# longer, and the header is then left out rather than filled with the bound.
+HEADER_COUNT_WAIT_S = 0.05
+
 # A stream's first event (a Responses stream's carries the response id) is looked for this far.
 LEARN_HEAD_BYTES = 65536
 
@@ -428,8 +433,10 @@ class Pipeline:
         ) as response:
             record.status = response.status
             self.failover.answered(target.cluster, grant.url, response.status)
-            # Counted while the engine worked: done by now, so the header carries tokens.
-            ours["x-shapegate-prompt-tokens"] = str(await exact.tokens())
+            # Counted while the engine worked: done by now unless the counting worker is congested.
+            tokens = await exact.tokens(HEADER_COUNT_WAIT_S)
+            if tokens is not None:
+                ours["x-shapegate-prompt-tokens"] = str(tokens)
             if not (request.stream and response.status == 200):
                 payload = await response.read(watch)
                 record.ttft_s = time.monotonic() - record.started

@@ -7,8 +7,9 @@ Contract:
   engine's work: inline when that is cheap (an in-process encoder and small missing pieces:
   microseconds when cached), else started in the counting worker (always so with the bounded
   child-process encoder, whose pipe round trip never runs on the event loop). ``await
-  tokens()`` before the response headers go out. ``settle()`` at the end gives the figure (None
-  only when the worker had not finished, or failed: ``error``).
+  tokens(wait_s)`` before the response headers go out waits at most ``wait_s`` for it.
+  ``settle()`` at the end gives the figure (None only when the worker had not finished, or
+  failed: ``error``).
 - ``engine_usage(payload)``: ``usage.prompt_tokens`` and ``usage.completion_tokens`` from a
   JSON body or the last SSE event that carries usage (None for each where absent).
 - ``sse_events(data)`` and ``trim_tail(tail)``: the SSE data events of a relayed stream, for an
@@ -101,28 +102,39 @@ class ExactCount:
         else:
             self._pending = asyncio.get_running_loop().create_task(self._counter.exact(self._count))
 
-    async def tokens(self) -> int:
-        """The exact count (awaited before the response headers go out)."""
+    async def tokens(self, wait_s: float) -> int | None:
+        """The exact count for the response headers, waiting at most ``wait_s`` for the worker:
+        a congested counter never delays the first byte past that (None then: the headers carry
+        the bound under its own name only, and the count is still taken at ``settle``)."""
         if self._count.exact is None:
             self.meanwhile()
-        if self._pending is not None:
-            self._count = await self._pending
-            self._pending = None
-        assert self._count.exact is not None
+        pending = self._pending
+        if pending is not None:
+            if not pending.done():
+                await asyncio.wait({pending}, timeout=wait_s)  # never cancels the count
+            if pending.done():
+                self._take(pending)
         return self._count.exact
+
+    def _take(self, pending: asyncio.Task[TokenCount]) -> None:
+        self._pending = None
+        if pending.cancelled():
+            return
+        self.error = pending.exception()
+        if self.error is None:
+            self._count = pending.result()
 
     def settle(self) -> int | None:
         """The exact count at the request's end: None when it needed the worker and the request
         ended before the worker finished (the count is then abandoned), or when counting failed
         (``error`` says why)."""
-        pending, self._pending = self._pending, None
+        pending = self._pending
         if pending is not None:
-            if not pending.done():
+            if pending.done():
+                self._take(pending)
+            else:
+                self._pending = None
                 pending.cancel()
-            elif not pending.cancelled():
-                self.error = pending.exception()
-                if self.error is None:
-                    self._count = pending.result()
         elif self._count.exact is None:
             self._count = self._counter.exact_now(self._count) or self._count
         return self._count.exact

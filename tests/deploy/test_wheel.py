@@ -28,6 +28,9 @@ def test_the_wheel_works_from_any_directory(tmp_path: Path) -> None:
         timeout=300,
     )
     (wheel,) = dist.glob("shapegate-*.whl")
+    # The suite puts the checkout first on PYTHONPATH: without this, pip would find the
+    # checkout's metadata, call the wheel installed already, and the smoke would import nothing.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
@@ -43,6 +46,7 @@ def test_the_wheel_works_from_any_directory(tmp_path: Path) -> None:
             "--no-deps",
             str(wheel),
         ],
+        env=env,
         check=True,
         timeout=300,
     )
@@ -53,8 +57,6 @@ def test_the_wheel_works_from_any_directory(tmp_path: Path) -> None:
         text=True,
     ).stdout.strip()
     Path(site, "borrowed-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    # The suite puts the checkout first on PYTHONPATH; the smoke must import the installed wheel.
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     smoke = subprocess.run(
         [str(ROOT / "scripts" / "wheel-smoke"), str(venv / "bin")],
         env=env,

@@ -3,6 +3,8 @@ count (equal to the engine's usage), and the free byte bound goes only by its ow
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,7 @@ from structlog.testing import capture_logs
 from engine_pool.sim.server import run_sim
 from gateway.protocol import parse_request
 from gateway.sim_support import RegistryCounter
-from gateway.tokens import TokenCounter
+from gateway.tokens import TokenCount, TokenCounter
 from gateway.trace import read_trace
 from gateway.usage import TAIL_MAX, ExactCount, engine_usage, sse_events, trim_tail
 from tests.conftest import chat, lanes_config
@@ -122,7 +124,7 @@ async def test_exact_count_finishes_meanwhile_or_at_the_latest_when_settled(
     overlapped = ExactCount(counter, bound)
     assert (overlapped.bound, overlapped.decided_by) == (bound.tokens, bound.tokens)
     overlapped.meanwhile()  # what the proxy calls once the request is written
-    assert await overlapped.tokens() == 15
+    assert await overlapped.tokens(5.0) == 15
     # A request that never reached its engine (refused, say) still reports tokens.
     assert ExactCount(counter, bound).settle() == 15
     exact = await counter.count("qwen3.6", prompt, exact_above=0)
@@ -139,3 +141,35 @@ def test_events_are_counted_once_across_tail_trims() -> None:
             events += passed
     assert len(tail) <= TAIL_MAX and tail == stream[-len(tail) :]
     assert events + sse_events(tail) == 900
+
+
+class CongestedCounter:
+    """A counter whose worker is busy: nothing inline, the exact count takes a while."""
+
+    def __init__(self, result: TokenCount, delay_s: float) -> None:
+        self.result, self.delay_s = result, delay_s
+
+    def exact_now(self, count: TokenCount) -> TokenCount | None:
+        return None
+
+    async def exact(self, count: TokenCount) -> TokenCount:
+        await asyncio.sleep(self.delay_s)
+        return self.result
+
+
+async def test_a_congested_counter_never_holds_the_headers_past_the_wait(
+    counter: TokenCounter,
+) -> None:
+    prompt = parse_request("chat", orjson.dumps(chat(QUESTION))).prompt
+    bound = await counter.count("qwen3.6", prompt, exact_above=2000)
+    exact = await counter.count("qwen3.6", prompt, exact_above=0)
+    slow = ExactCount(CongestedCounter(exact, 0.5), bound)  # type: ignore[arg-type]
+    slow.meanwhile()
+    started = time.monotonic()
+    assert await slow.tokens(0.05) is None  # the header goes without it
+    assert time.monotonic() - started < 0.3
+    await asyncio.sleep(0.6)
+    assert slow.settle() == 15  # finished meanwhile: the log and metrics still get tokens
+    late = ExactCount(CongestedCounter(exact, 5.0), bound)  # type: ignore[arg-type]
+    late.meanwhile()
+    assert late.settle() is None and late.error is None  # abandoned, never a bound as tokens
