@@ -115,14 +115,15 @@ class UpstreamResponse:
         conn = self._conn
         phase: Phase = "first_byte"
         while True:
-            if conn.has_bytes():
-                chunk = await conn.next_bytes()  # returns at once: no deadline to arm
-            else:
-                try:
+            try:
+                if conn.has_bytes():
+                    # Returns at once (no deadline to arm), or raises for a close it already saw.
+                    chunk = await conn.next_bytes()
+                else:
                     with watch.within(phase):
                         chunk = await conn.next_bytes()
-                except ConnectionLost as exc:
-                    raise UpstreamError(f"engine connection failed mid-response: {exc}") from exc
+            except ConnectionLost as exc:
+                raise UpstreamError(f"engine connection failed mid-response: {exc}") from exc
             if not chunk:
                 return
             phase = "idle"
