@@ -8,7 +8,7 @@ Contract:
   and in-flight counts, new ones start UP, removed ones leave routing at once and are forgotten
   when their last in-flight request ends.
 - ``healthy_clusters()`` and ``views(cluster)`` are snapshots for the pure decisions in
-  gateway/lanes.py and picker.py.
+  gateway/request/lanes.py and picker.py.
 - ``track(cluster, url, scope)`` counts a request in flight on an endpoint for as long as the
   context is open (the count can never leak: release is the context's exit) and registers the
   request's cancel scope: when the endpoint goes DOWN, its in-flight requests are cancelled so

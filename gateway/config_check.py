@@ -44,8 +44,8 @@ from gateway.settings import (
 )
 
 if TYPE_CHECKING:
-    from gateway.metrics import Metrics
-    from gateway.tokens import TokenCounter
+    from gateway.count.tokens import TokenCounter
+    from gateway.observe.metrics import Metrics
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +80,7 @@ class CheckedPolicy:
 
     def load_counter(self, metrics: Metrics | None = None) -> TokenCounter:
         """The tokenizers and templates, loaded and warmed as at boot."""
-        from gateway.tokens import TokenCounter  # the tokenizer libraries: only when asked
+        from gateway.count.tokens import TokenCounter  # the tokenizer libraries: only when asked
 
         try:
             return TokenCounter.from_settings(self.settings, metrics)

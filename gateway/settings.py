@@ -288,7 +288,7 @@ class LaneSettings(_Frozen):
 
 
 class RouteSettings(_Frozen):
-    """The engine API routes beyond chat and completions (gateway/routes.py)."""
+    """The engine API routes beyond chat and completions (gateway/request/routes.py)."""
 
     # The lane for multipart routes (/v1/audio/*), which carry no text to count; default: the
     # lane that starts at 0 tokens.

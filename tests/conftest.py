@@ -10,10 +10,10 @@ import hypothesis
 import pytest
 
 from engine_pool.sim.server import SimServer, run_sim
-from gateway.app import create_app
+from gateway.count.tokens import TokenCounter
+from gateway.edge.app import create_app
 from gateway.settings import Settings, parse_settings
-from gateway.sim_support import RegistryCounter
-from gateway.tokens import TokenCounter
+from gateway.tools.sim_support import RegistryCounter
 from tests.support.checkout import checkout_env
 from tests.support.servers import serve_asgi
 
@@ -28,7 +28,8 @@ MODEL = {
 
 # The Content-Type every JSON route requires (a missing or other one is answered 415).
 JSON = {"content-type": "application/json"}
-# What a state-changing admin request carries without a bearer token (gateway/dashboard/guard.py).
+# What a state-changing admin request carries without a bearer token
+# (gateway/observe/dashboard/guard.py).
 ADMIN = {"content-type": "application/yaml", "x-shapegate-admin": "1"}
 # scripts/mutate wants "killed or not", not the smallest failing example: no shrinking there.
 hypothesis.settings.register_profile(

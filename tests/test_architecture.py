@@ -16,7 +16,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # Package modules that import nothing: they belong to no layer of their own.
-EMPTY_PACKAGES = {"gateway", "engine_pool", "gateway.dashboard", "gateway.protocols"}
+EMPTY_PACKAGES = {
+    "gateway",
+    "engine_pool",
+    *(
+        f"gateway.{p}"
+        for p in ("edge", "request", "count", "slots", "upstream", "observe", "tuning", "tools")
+    ),
+    "gateway.observe.dashboard",
+    "gateway.request.protocols",
+}
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +69,44 @@ def test_no_import_cycles(graph: Any) -> None:
             if back is not None:
                 cycles.append((module, *back))
     assert not cycles, f"import cycles: {cycles[:5]}"
+
+
+def architecture_block() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Architecture") :]
+    return section.split("```\n", 2)[1].splitlines()
+
+
+def test_the_readme_architecture_matches_the_folders() -> None:
+    """Every file the README's Architecture block lists exists, and every module of a folder it
+    lists file by file is listed (as an entry or named in an entry's line of that folder)."""
+    entries: dict[Path, str] = {}  # path -> the text of its line(s)
+    stack: list[tuple[int, Path]] = []
+    last = ROOT
+    for line in architecture_block():
+        name = line.strip().split(" ")[0]
+        indent = len(line) - len(line.lstrip())
+        if not name.endswith((".py", "/")) or indent % 2:
+            if last in entries:  # a continuation line of the last entry
+                entries[last] += " " + line.strip()
+            continue
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        last = (stack[-1][1] if stack else ROOT) / name.rstrip("/")
+        entries[last] = line
+        stack.append((indent, last))
+    missing = [str(p.relative_to(ROOT)) for p in entries if not p.exists()]
+    assert not missing, f"the README lists what does not exist: {missing}"
+    folders = {p.parent for p in entries if p.parent != ROOT} | {
+        ROOT / "gateway",
+        ROOT / "engine_pool",
+    }
+    unlisted = []
+    for package in ("gateway", "engine_pool"):
+        for module in sorted((ROOT / package).rglob("*.py")):
+            if module.name == "__init__.py" or module.parent not in folders or module in entries:
+                continue
+            siblings = " ".join(text for p, text in entries.items() if p.parent == module.parent)
+            if module.name not in siblings:
+                unlisted.append(str(module.relative_to(ROOT)))
+    assert not unlisted, f"add these modules to the README's Architecture block: {unlisted}"

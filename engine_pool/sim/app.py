@@ -64,7 +64,7 @@ ID_PREFIX = {
     "messages": "chatcmpl-",
 }
 # The sim's own routes beyond the generating ones, as vLLM serves them (the gateway's table,
-# gateway/routes.py, forwards each of these paths unchanged).
+# gateway/request/routes.py, forwards each of these paths unchanged).
 POOLING_PATHS: dict[str, Endpoint] = {
     "/v1/embeddings": "embeddings",
     "/pooling": "pooling",

@@ -10,7 +10,7 @@ YAML paths; ``--model`` replaces the served model name (the tokenizer stays the 
 
 ``register(subparsers, counter_for, configure_logging)`` takes what the sim cannot own (it
 never imports the gateway): how to build a profile's ``PromptCounter`` and how to set up the
-process's logging. ``gateway/sim_support.py`` registers it with the gateway's.
+process's logging. ``gateway/tools/sim_support.py`` registers it with the gateway's.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@ knows the model's tokenizer.
 
 A stand-in engine must see the prompt tokens a real vLLM would, so it counts with the model's
 real tokenizer and chat template rather than an estimate, and reads requests as the gateway
-does. That code is the gateway's (``gateway/protocol.py``, ``gateway/protocols/``,
-``gateway/tokens.py``), and ``engine_pool`` never imports ``gateway``: the sim is handed a
-``PromptCounter`` instead. The gateway's is ``gateway.sim_support.RegistryCounter``, which
+does. That code is the gateway's (``gateway/request/protocol.py``, ``gateway/request/protocols/``,
+``gateway/count/tokens.py``), and ``engine_pool`` never imports ``gateway``: the sim is handed a
+``PromptCounter`` instead. The gateway's is ``gateway.tools.sim_support.RegistryCounter``, which
 ``shapegate sim``, the demo, the benchmarks and the tests pass in. The sim keeps its own routes
 (which path is which ``Endpoint``) and its own wire format (``wire.py``, ``wire_apis.py``).
 

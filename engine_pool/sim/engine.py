@@ -184,7 +184,7 @@ class SimEngine:
                 self._clock = result.end
                 self._deliver(result)
         except Exception as exc:
-            # The gateway's error.swallowed fields (gateway/log.py), with the traceback.
+            # The gateway's error.swallowed fields (gateway/observe/log.py), with the traceback.
             log.exception(
                 "error.swallowed",
                 where="sim.engine_loop",

@@ -71,8 +71,8 @@ def test_a_plain_install_has_neither_extra_nor_a_requirement_on_it(
         venv,
         "python",
         "-c",
-        "import sys, gateway.cli, gateway.app, gateway.server; "
-        "gateway.cli.build_parser(); print('matplotlib' in sys.modules)",
+        "import sys, gateway.tools.cli, gateway.edge.app, gateway.edge.server; "
+        "gateway.tools.cli.build_parser(); print('matplotlib' in sys.modules)",
         cwd=tmp_path,
     )
     assert loaded.stdout.strip() == "False", loaded.stderr

@@ -25,10 +25,10 @@ from engine_pool.launch import (
     policy_warnings,
     render_command,
 )
-from gateway.cli import main
 from gateway.config_check import load_settings
 from gateway.settings import ConfigError, Settings
 from gateway.settings import parse_settings as _parse
+from gateway.tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICIES = [

@@ -26,9 +26,9 @@ from compose_spec import PyCompose
 from dockerfile_parse import DockerfileParser
 
 from engine_pool.launch import render_command
-from gateway.cli import main
 from gateway.config_check import load_settings
 from gateway.settings import Settings, parse_settings
+from gateway.tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"

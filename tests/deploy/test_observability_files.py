@@ -20,10 +20,10 @@ import pytest
 import yaml
 
 from engine_pool.sim.server import run_sim
-from gateway.app import create_app
+from gateway.count.tokens import TokenCounter
+from gateway.edge.app import create_app
 from gateway.settings import parse_settings
-from gateway.sim_support import RegistryCounter
-from gateway.tokens import TokenCounter
+from gateway.tools.sim_support import RegistryCounter
 from tests.conftest import ROOT, lanes_config
 from tests.support.prom import Scrape, parse
 from tests.support.servers import free_port, serve_asgi

@@ -21,8 +21,8 @@ import httpx
 import pytest
 
 from engine_pool.sim.server import SimServer, run_sim
-from gateway.sim_support import RegistryCounter
-from gateway.tokens import TokenCounter
+from gateway.count.tokens import TokenCounter
+from gateway.tools.sim_support import RegistryCounter
 from tests.conftest import ROOT, lanes_config
 from tests.support.cdp import CHROMIUM, Page, chromium
 from tests.support.fake_engine import FakeEngine

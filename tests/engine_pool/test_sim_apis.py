@@ -13,9 +13,9 @@ import pytest
 
 from engine_pool.sim.server import SimServer, run_sim
 from engine_pool.sim.wire import output_text
-from gateway.routes import ENGINE_ROUTES
-from gateway.sim_support import RegistryCounter
-from gateway.tokens import TokenCounter
+from gateway.count.tokens import TokenCounter
+from gateway.request.routes import ENGINE_ROUTES
+from gateway.tools.sim_support import RegistryCounter
 
 
 @pytest.fixture

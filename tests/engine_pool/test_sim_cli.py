@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from engine_pool.sim.profile import available_profiles, load_profile
-from gateway.cli import main
+from gateway.tools.cli import main
 from tests.support.checkout import ROOT, checkout_env, gateway_cli
 
 

@@ -11,8 +11,8 @@ import pytest
 
 from engine_pool.sim.records import RequestRecord
 from engine_pool.sim.server import SimServer, run_sim
-from gateway.sim_support import RegistryCounter
-from gateway.tokens import TokenCounter
+from gateway.count.tokens import TokenCounter
+from gateway.tools.sim_support import RegistryCounter
 
 
 def chat(content: str, max_tokens: int, stream: bool = False) -> dict[str, object]:

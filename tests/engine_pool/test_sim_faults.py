@@ -15,8 +15,8 @@ import pytest
 
 from engine_pool.sim.faults import FaultError, FaultSpec, parse_fault_arg
 from engine_pool.sim.server import SimServer, run_sim
-from gateway.sim_support import RegistryCounter
-from gateway.tokens import TokenCounter
+from gateway.count.tokens import TokenCounter
+from gateway.tools.sim_support import RegistryCounter
 
 CHAT = {"model": "qwen3.6", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 STREAM = {**CHAT, "stream": True}

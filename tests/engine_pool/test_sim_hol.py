@@ -15,8 +15,8 @@ import httpx
 from engine_pool.sim.profile import load_profile
 from engine_pool.sim.server import run_sim
 from engine_pool.sim.simulate import Arrival, simulate
-from gateway.sim_support import RegistryCounter
-from gateway.tokens import TokenCounter
+from gateway.count.tokens import TokenCounter
+from gateway.tools.sim_support import RegistryCounter
 
 SCALE = 0.005  # 200x: the monster's ~3 simulated minutes of prefill take ~0.9 s
 

@@ -9,8 +9,8 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from engine_pool.sim.server import SimServer, run_sim
-from gateway.sim_support import RegistryCounter
-from gateway.tokens import TokenCounter
+from gateway.count.tokens import TokenCounter
+from gateway.tools.sim_support import RegistryCounter
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say something short."}]
 

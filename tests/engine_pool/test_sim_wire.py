@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from engine_pool.sim.server import SimServer, run_sim
-from gateway.sim_support import RegistryCounter
-from gateway.tokens import TokenCounter
+from gateway.count.tokens import TokenCounter
+from gateway.tools.sim_support import RegistryCounter
 
 SHAPES = json.loads((Path(__file__).parent / "vllm_wire_shapes.json").read_text())
 MESSAGES = [{"role": "user", "content": "Name three rivers of Europe."}]

@@ -11,11 +11,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.app import create_app
-from gateway.cli import main
 from gateway.config_check import load_policy, parse_policy
+from gateway.count.tokens import TokenCounter
+from gateway.edge.app import create_app
 from gateway.settings import ConfigError
-from gateway.tokens import TokenCounter
+from gateway.tools.cli import main
 from tests.conftest import ADMIN
 from tests.support.servers import serve_asgi
 
@@ -211,7 +211,7 @@ def test_serve_refuses_what_check_config_refuses_without_a_traceback(tmp_path: P
     path = tmp_path / "policy.yaml"
     path.write_text(edit(GOOD))
     proc = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(path)],
+        [sys.executable, "-m", "gateway.tools.cli", "serve", "--config", str(path)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli import main
 from gateway.config_check import load_settings
 from gateway.settings import ConfigError, parse_settings
+from gateway.tools.cli import main
 from tests.conftest import lanes_config
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,7 +1,7 @@
 """Redis restarted empty under load: the limit still holds at the engine.
 
 Four streams hold the whole lane (limit 4) and more clients wait for a slot. Redis is restarted
-without its data. Without the epoch (gateway/slots_lua.py) the holders' leases vanish, four
+without its data. Without the epoch (gateway/slots/lua.py) the holders' leases vanish, four
 waiters are admitted into the empty Redis and the engine runs eight requests against a limit of
 four. With it, acquires take nothing until the holders have re-established their leases at
 their next renewal: the engine's in-flight count, sampled at 5 Hz, never exceeds 4.

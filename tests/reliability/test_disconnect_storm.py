@@ -22,8 +22,8 @@ from typing import Any
 import httpx
 
 from engine_pool.sim.server import SimServer, run_sim
-from gateway.sim_support import RegistryCounter
-from gateway.tokens import TokenCounter
+from gateway.count.tokens import TokenCounter
+from gateway.tools.sim_support import RegistryCounter
 from tests.conftest import JSON, MODEL
 from tests.reliability.reliability_support import (
     RawClient,

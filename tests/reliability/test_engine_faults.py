@@ -18,8 +18,8 @@ import orjson
 import pytest
 
 from engine_pool.sim.server import SimServer, run_sim
-from gateway.sim_support import RegistryCounter
-from gateway.tokens import TokenCounter
+from gateway.count.tokens import TokenCounter
+from gateway.tools.sim_support import RegistryCounter
 from tests.conftest import JSON, lanes_config
 from tests.reliability.reliability_support import (
     admin_state,

@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 from engine_pool.sim.server import SimServer, run_sim
-from gateway.sim_support import RegistryCounter
-from gateway.tokens import TokenCounter
+from gateway.count.tokens import TokenCounter
+from gateway.tools.sim_support import RegistryCounter
 from tests.conftest import JSON, lanes_config
 from tests.reliability.reliability_support import admin_state, chat_body
 from tests.support.checkout import ROOT, checkout_env, gateway_cli

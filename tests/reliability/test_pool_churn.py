@@ -5,8 +5,8 @@ httpx/httpcore 1.0.9 (encode/httpcore#1093) failed this: a request cancelled rig
 handed it a new connection left that connection behind, neither idle nor closed, for ever; once
 ``max_connections`` of them piled up, every request waited for the pool and failed against a
 healthy server (reproduced here 3 runs of 3 with the httpx client: 2,000 cancellations filled a
-pool of 8). ``gateway.http1`` takes and owns a connection with no await in between; these tests
-hold any client the proxy uses to the behaviour.
+pool of 8). ``gateway.upstream.http1`` takes and owns a connection with no await in between;
+these tests hold any client the proxy uses to the behaviour.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import httpx
 import pytest
 
 from gateway.errors import UpstreamError
-from gateway.proxy import Upstream
-from gateway.watchdog import Deadlines, Watch
+from gateway.request.watchdog import Deadlines, Watch
+from gateway.upstream.proxy import Upstream
 from tests.conftest import JSON, lanes_config
 from tests.reliability.reliability_support import (
     chat_body,
@@ -155,7 +155,7 @@ async def test_the_gateway_answers_within_5s_after_thousands_of_cancellations(
         made.append(Upstream(max_connections=16))
         return made[-1]
 
-    monkeypatch.setattr("gateway.services.Upstream", small_pool)
+    monkeypatch.setattr("gateway.edge.services.Upstream", small_pool)
     engine = FakeEngine()
     async with serve_asgi(engine) as engine_url:
         config = lanes_config([engine_url], [engine_url])

@@ -15,11 +15,11 @@ import orjson
 
 from engine_pool.sim.engine import SimEngine
 from engine_pool.sim.profile import load_profile
-from gateway.bench import soak
-from gateway.bench.harness import write_json
-from gateway.cli import build_parser
-from gateway.sim_support import RegistryCounter
-from gateway.tokens import TokenCounter
+from gateway.count.tokens import TokenCounter
+from gateway.tools.bench import soak
+from gateway.tools.bench.harness import write_json
+from gateway.tools.cli import build_parser
+from gateway.tools.sim_support import RegistryCounter
 
 
 async def test_a_short_soak_leaks_nothing(counter: TokenCounter, tmp_path: Path) -> None:

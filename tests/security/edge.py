@@ -10,10 +10,10 @@ from typing import Any
 
 import orjson
 
-from gateway.app import create_app
-from gateway.http_protocol import guarded_protocol
+from gateway.count.tokens import TokenCounter
+from gateway.edge.app import create_app
+from gateway.edge.http_protocol import guarded_protocol
 from gateway.settings import parse_settings
-from gateway.tokens import TokenCounter
 from tests.conftest import lanes_config
 from tests.support.servers import serve_asgi
 

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import yaml
 
-from gateway.tokens import TokenCounter
+from gateway.count.tokens import TokenCounter
 from tests.conftest import ADMIN, JSON, lanes_config
 from tests.security.edge import guarded_gateway
 from tests.support.fake_engine import FakeEngine

@@ -31,10 +31,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from gateway.app import create_app
-from gateway.http_protocol import guarded_protocol
+from gateway.count.tokens import TokenCounter
+from gateway.edge.app import create_app
+from gateway.edge.http_protocol import guarded_protocol
 from gateway.settings import parse_settings
-from gateway.tokens import TokenCounter
 from tests.conftest import lanes_config
 from tests.support.fake_engine import FakeEngine
 from tests.support.servers import serve_asgi

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import orjson
 
-from gateway.tokens import TokenCounter
+from gateway.count.tokens import TokenCounter
 from tests.conftest import JSON
 from tests.security.edge import guarded_gateway, raw_exchange, status_and_error
 from tests.support.waiting import wait_for

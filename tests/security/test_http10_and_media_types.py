@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from gateway.tokens import TokenCounter
+from gateway.count.tokens import TokenCounter
 from tests.security.edge import guarded_gateway, raw_exchange, status_and_error
 
 CHAT = {"model": "qwen3.6", "messages": [{"role": "user", "content": "hello there"}]}

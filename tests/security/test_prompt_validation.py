@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 from structlog.testing import capture_logs
 
-from gateway.tokens import TokenCounter
+from gateway.count.tokens import TokenCounter
 from tests.security.edge import guarded_gateway
 
 MODEL = "qwen3.6"

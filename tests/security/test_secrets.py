@@ -9,7 +9,7 @@ import httpx
 import pytest
 from structlog.testing import capture_logs
 
-from gateway.auth import ClientAuth
+from gateway.edge.auth import ClientAuth
 from gateway.errors import Unauthorized
 from gateway.settings import AuthSettings
 from tests.conftest import JSON, lanes_config

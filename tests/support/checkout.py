@@ -1,6 +1,6 @@
 """Subprocesses run the checkout under test, never whatever ``shapegate`` is installed.
 
-``python -m gateway.cli`` with the checkout root as working directory and first on
+``python -m gateway.tools.cli`` with the checkout root as working directory and first on
 ``PYTHONPATH`` imports ``gateway`` and ``engine_pool`` from this tree even when the venv holds an
 older install (or another worktree's). The suite's conftest also puts a ``shapegate`` that only
 exits 1 first on ``PATH``, so a test that starts the installed entry point fails loudly.
@@ -26,4 +26,4 @@ def checkout_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
 
 def gateway_cli(*args: str) -> list[str]:
     """The argv of ``shapegate ARGS`` run from the checkout (pair it with ``cwd=ROOT``)."""
-    return [sys.executable, "-m", "gateway.cli", *args]
+    return [sys.executable, "-m", "gateway.tools.cli", *args]

@@ -26,7 +26,7 @@ class SimProcess:
             [
                 sys.executable,
                 "-m",
-                "gateway.cli",
+                "gateway.tools.cli",
                 "sim",
                 "--port",
                 str(self.port),

@@ -1,0 +1,1 @@
+"""count: see the README's Architecture section."""

@@ -1,0 +1,376 @@
+"""gigatoken in a child process, replaced when its memory passes a bound.
+
+Why: gigatoken 0.10.0 (the official package) keeps every distinct pre-token it has encoded in a
+cache inside the tokenizer, with no bound and no way to clear it; text made of ever-new pieces
+(random CJK, base64) grows it by 3-6 MB per MB of text. Loading a fresh tokenizer in the
+gateway's own process would hold the GIL for ~1.3 s (the event loop stalls), and the allocator
+keeps part of what the old one freed. A child process gives both back: it loads off the
+gateway's GIL, and its memory returns to the system when it exits. The child is a fresh
+interpreter (``python -m gateway.count.tokenizers.worker READ_FD WRITE_FD``), not a fork or a
+multiprocessing spawn: nothing of the gateway is copied or re-imported into it.
+
+Contract of ``ChildEncoder`` (an ``Encoder``, backend ``gigatoken``):
+- ``encode``, ``decode``, ``count_many``, ``try_count_many`` answer exactly what the same
+  gigatoken tokenizer answers in-process (the child runs ``GigatokenEncoder``; ``decode``'s
+  ``ValueError`` for an id outside the vocabulary is raised here as the same); calls are
+  serialised by ``lock``, the calling thread waits on a pipe without holding the GIL.
+- Each answer carries the child's resident memory. Past ``max_rss_mb`` (at least
+  ``READY_HEADROOM`` x what the child held once loaded, or it would be replaced on every call)
+  a replacement is started
+  in the background (it loads and warms the tokenizer in its own process) and takes over at the
+  next call once ready; the old child is then stopped. Past ``HARD_FACTOR`` x the bound a call
+  waits for the replacement (``try_count_many``, the event loop's path, answers None instead,
+  so the loop hands the work to a worker thread): the bound holds even under a flood faster
+  than a load. At most, the tokenizer then holds ``HARD_FACTOR`` x the bound (the old child)
+  plus one freshly loaded child (the replacement), for the time of one load.
+- A child that died (killed, crashed) is replaced before the call is retried once; a failure
+  raised inside the child is raised here as ``EncoderFailed``.
+- ``close()`` stops the child; so does garbage collection of the encoder, and the child exits
+  by itself when the gateway's end of the pipe closes (the gateway died).
+Events: ``tokenizer.recycle_started`` (rss_mb), ``tokenizer.recycled`` (old_rss_mb, calls,
+load_s), ``tokenizer.child_lost`` (via ``swallowed``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+from gateway.count.tokenizers.encoders import Backend, GigatokenEncoder
+from gateway.observe.log import get_logger, swallowed
+
+if TYPE_CHECKING:
+    from gateway.observe.metrics import Metrics
+
+# The call that finds the child this far past its bound waits for the replacement.
+HARD_FACTOR = 1.25
+# The bound is at least this much above what a freshly loaded child holds.
+READY_HEADROOM = 1.25
+READY_TIMEOUT_S = 120.0
+_WARM_TEXT = 'warm 日本語 🎉 e\u0301 {"k": [1, 2]}\n' * 64
+
+
+class EncoderFailed(RuntimeError):
+    """The tokenizer in the child process raised, or no child could be started."""
+
+
+def _rss_mb() -> float:
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            pages = int(statm.read().split()[1])
+    except OSError:
+        import resource  # not Linux: the peak, which still trips the bound
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return pages * os.sysconf("SC_PAGE_SIZE") / (1024 * 1024)
+
+
+def _answer(encoder: GigatokenEncoder, op: str, arg: Any) -> Any:
+    if op == "encode":
+        return encoder.encode(arg)
+    if op == "decode":
+        return encoder.decode(arg)
+    return encoder.count_many(arg)
+
+
+def _serve(inbox: Connection, outbox: Connection) -> None:
+    """The child: read its recipe, build the tokenizer, warm it, then answer calls until the
+    gateway closes its end of the pipe (or dies)."""
+    try:
+        recipe, nfc = inbox.recv()
+        encoder = GigatokenEncoder(recipe(), nfc=nfc)
+        encoder.count_many([_WARM_TEXT, _WARM_TEXT * 64])
+    # pyo3's PanicException derives from BaseException; the parent raises what it is told.
+    except BaseException as exc:  # noqa: BLE001 - sent to the parent, which raises it
+        outbox.send(("failed", f"{type(exc).__name__}: {str(exc)[:500]}", _rss_mb()))
+        return
+    outbox.send(("ready", None, _rss_mb()))
+    while True:
+        try:
+            op, arg = inbox.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            result = _answer(encoder, op, arg)
+        except BaseException as exc:  # noqa: BLE001 - sent to the parent, which raises it
+            if op == "decode" and isinstance(exc, ValueError):
+                # An id outside the vocabulary: the caller's input, raised there as ValueError.
+                outbox.send(("invalid", str(exc)[:500], _rss_mb()))
+            else:
+                outbox.send(("failed", f"{type(exc).__name__}: {str(exc)[:500]}", _rss_mb()))
+            continue
+        outbox.send(("ok", result, _rss_mb()))
+
+
+@dataclass(slots=True)
+class _Child:
+    process: subprocess.Popen[bytes]
+    send: Connection
+    recv: Connection
+    rss_mb: float
+    started: float
+    calls: int = 0
+    ready_rss_mb: float = 0.0
+
+
+def _start(recipe: Callable[[], Any], nfc: bool) -> _Child:
+    """Start a child (a fresh interpreter: nothing of this process is forked or re-imported)
+    and wait until its tokenizer is loaded and warm."""
+    started = time.monotonic()
+    child_reads, to_child = os.pipe()  # (read end, write end); ours are not inherited
+    from_child, child_writes = os.pipe()
+    _widen(to_child)
+    _widen(from_child)
+    process = subprocess.Popen(  # noqa: S603 - our own interpreter and module
+        [
+            sys.executable,
+            "-m",
+            "gateway.count.tokenizers.worker",
+            str(child_reads),
+            str(child_writes),
+        ],
+        pass_fds=(child_reads, child_writes),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+    )
+    os.close(child_reads)
+    os.close(child_writes)
+    child = _Child(
+        process,
+        Connection(to_child, readable=False),
+        Connection(from_child, writable=False),
+        0,
+        started,
+    )
+    try:
+        child.send.send((recipe, nfc))
+        if not child.recv.poll(READY_TIMEOUT_S):
+            raise EncoderFailed(f"tokenizer child not ready within {READY_TIMEOUT_S:g}s")
+        status, detail, rss = child.recv.recv()
+    except (EOFError, OSError) as exc:
+        _stop(child)
+        raise EncoderFailed(f"tokenizer child exited while loading: {exc!r}") from exc
+    except EncoderFailed:
+        _stop(child)
+        raise
+    if status != "ready":
+        _stop(child)
+        raise EncoderFailed(f"tokenizer child failed to load: {detail}")
+    child.rss_mb = child.ready_rss_mb = rss
+    return child
+
+
+# A pipe holds 64 kB by default: a 130 kB prompt would take several wake-ups of each side to
+# cross, and on a busy host every wake-up waits for a CPU. Linux lets a pipe grow to
+# /proc/sys/fs/pipe-max-size (1 MiB by default) without privileges.
+PIPE_BYTES = 1 << 20
+
+
+def _widen(fd: int) -> None:
+    set_size = getattr(fcntl, "F_SETPIPE_SZ", None)  # Linux only
+    if set_size is None:
+        return
+    try:
+        with open("/proc/sys/fs/pipe-max-size", "rb") as limit:
+            size = min(PIPE_BYTES, int(limit.read()))
+        fcntl.fcntl(fd, set_size, size)
+    except OSError as exc:  # a smaller limit, or none: the default 64 kB pipe still works
+        get_logger("tokens").info("tokenizer.pipe_default", error=str(exc))
+
+
+def _stop(child: _Child) -> None:
+    """Close the pipe and kill: the child holds nothing worth a graceful exit, and its memory
+    goes back to the system at once."""
+    child.send.close()
+    child.recv.close()
+    if child.process.poll() is None:
+        child.process.kill()
+    child.process.wait(timeout=10)
+
+
+class ChildEncoder:
+    backend: Backend = "gigatoken"
+    out_of_process = True
+
+    def __init__(
+        self,
+        recipe: Callable[[], Any],
+        *,
+        nfc: bool,
+        max_rss_mb: float,
+        metrics: Metrics | None = None,
+    ) -> None:
+        """``recipe`` builds the gigatoken backend object in the child: a picklable callable."""
+        self._recipe = recipe
+        self._metrics = metrics
+        self._nfc = nfc
+        self.max_rss_mb = max_rss_mb
+        self.lock = threading.Lock()
+        self.recycles = 0
+        self._log = get_logger("tokens")
+        self._child = _start(recipe, nfc)
+        self._next: _Child | None = None
+        self._pending: threading.Thread | None = None
+        self._stopped = weakref.finalize(self, _stop_all, [self._child])
+
+    @property
+    def rss_mb(self) -> float:
+        """The child's resident memory after its last answer."""
+        return self._child.rss_mb
+
+    @property
+    def pid(self) -> int:
+        return self._child.process.pid
+
+    def encode(self, text: str) -> list[int]:
+        with self.lock:
+            ids: list[int] = self._call("encode", text)
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        with self.lock:
+            text: str = self._call("decode", list(ids))
+        return text
+
+    def count_many(self, texts: Sequence[str]) -> list[int]:
+        with self.lock:
+            return self._count(texts)
+
+    def try_count_many(self, texts: Sequence[str]) -> list[int] | None:
+        """Count now, or None if that would wait: another caller holds the child, or the child
+        is past the hard bound and its replacement still loading (the caller, the event loop,
+        then hands the texts to a worker thread, which waits)."""
+        if not self.lock.acquire(blocking=False):
+            return None
+        try:
+            if self._over_hard_bound():
+                return None
+            return self._count(texts)
+        finally:
+            self.lock.release()
+
+    def close(self) -> None:
+        with self.lock:
+            if self._pending is not None:
+                self._pending.join()
+            self._stopped.detach()
+            _stop_all([c for c in (self._child, self._next) if c is not None])
+
+    # -- internals (the caller holds ``lock``) ----------------------------------------------
+
+    def _count(self, texts: Sequence[str]) -> list[int]:
+        counts: list[int] = self._call("count", list(texts))
+        return counts
+
+    def _call(self, op: str, arg: Any) -> Any:
+        if self._over_hard_bound() and self._pending is not None:
+            self._pending.join()  # the hard bound: wait for the replacement
+        self._take_over()
+        try:
+            status, result, rss = self._exchange(op, arg)
+        except (EOFError, OSError) as exc:
+            swallowed(
+                self._log, self._metrics, "tokenizer.child", exc, "restarted_child_and_retried"
+            )
+            self._replace_now()
+            status, result, rss = self._exchange(op, arg)
+        self._child.rss_mb = rss
+        self._child.calls += 1
+        if status == "invalid":
+            raise ValueError(result)
+        if status != "ok":
+            raise EncoderFailed(f"tokenizer failed: {result}")
+        self._watch_memory()
+        return result
+
+    def _exchange(self, op: str, arg: Any) -> tuple[str, Any, float]:
+        self._child.send.send((op, arg))
+        reply: tuple[str, Any, float] = self._child.recv.recv()
+        return reply
+
+    @property
+    def bound_mb(self) -> float:
+        """The bound in force: ``max_rss_mb``, or more where the loaded tokenizer alone needs
+        that much (a bound under it would replace the child on every call)."""
+        return max(self.max_rss_mb, READY_HEADROOM * self._child.ready_rss_mb)
+
+    def _watch_memory(self) -> None:
+        rss, bound = self._child.rss_mb, self.bound_mb
+        if rss <= bound:
+            return
+        if self._pending is None and self._next is None:
+            self._log.info("tokenizer.recycle_started", rss_mb=round(rss, 1), bound_mb=bound)
+            self._pending = threading.Thread(
+                target=self._prepare, name="tokenizer-recycle", daemon=True
+            )
+            self._pending.start()
+
+    def _over_hard_bound(self) -> bool:
+        return self._child.rss_mb > HARD_FACTOR * self.bound_mb and self._pending is not None
+
+    def _prepare(self) -> None:
+        try:
+            self._next = _start(self._recipe, self._nfc)
+        except EncoderFailed as exc:
+            swallowed(self._log, self._metrics, "tokenizer.recycle", exc, "kept_the_old_child")
+
+    def _take_over(self) -> None:
+        if self._pending is not None and not self._pending.is_alive():
+            self._pending = None
+        if self._next is None or self._pending is not None:
+            return
+        old, self._child, self._next = self._child, self._next, None
+        self.recycles += 1
+        self._stopped.detach()
+        self._stopped = weakref.finalize(self, _stop_all, [self._child])
+        self._log.info(
+            "tokenizer.recycled",
+            old_rss_mb=round(old.rss_mb, 1),
+            calls=old.calls,
+            load_s=round(time.monotonic() - self._child.started, 2),
+        )
+        threading.Thread(target=_stop, args=(old,), name="tokenizer-stop", daemon=True).start()
+
+    def _replace_now(self) -> None:
+        old = self._child
+        self._child = _start(self._recipe, self._nfc)
+        self._stopped.detach()
+        self._stopped = weakref.finalize(self, _stop_all, [self._child])
+        _stop(old)
+
+
+def gigatoken_from_json(data: bytes) -> Any:
+    """A recipe: gigatoken's backend object from tokenizer.json bytes."""
+    import gigatoken as gt
+
+    # .backend drops the wrapper, which would keep the 13 MB JSON text alive for as_hf().
+    return gt.Tokenizer.from_json(data).backend
+
+
+def gigatoken_from_tiktoken(path: str, pretokenizer: str, specials: dict[str, int]) -> Any:
+    """A recipe: gigatoken's backend object from a .tiktoken file."""
+    import gigatoken as gt
+
+    return gt.Tokenizer.from_tiktoken(
+        path, pretokenizer=pretokenizer, special_tokens=specials
+    ).backend
+
+
+def _stop_all(children: list[_Child]) -> None:
+    for child in children:
+        _stop(child)
+
+
+if __name__ == "__main__":
+    _serve(
+        Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False)
+    )

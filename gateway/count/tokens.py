@@ -1,0 +1,471 @@
+"""How many prompt tokens will the engine see? The model's own vocabulary and chat template decide.
+
+Contract:
+- ``TokenCounter.from_settings(settings)`` loads and warms every model's tokenizer at start-up
+  (never from the network) and logs ``tokenizer.loaded`` once a model, with the backend in use
+  and any fallback; a file that fails to load is a ``ConfigError`` naming the model and the file.
+- ``count(model, prompt, exact_above=N)`` answers in one of three ways (``TokenCount.method``):
+  1. ``bound``: UTF-8 bytes of everything the template renders (of its NFC form where the
+     tokenizer normalises). A byte-level BPE never emits more tokens than bytes, and each special
+     token is one token for many bytes, so this is an upper bound (property-tested). Below
+     ``exact_above`` it decides the route and no tokenizer runs on the request's path; it is
+     never a token figure (``TokenCount.exact`` is None). ``exact(count)`` (or ``exact_now``,
+     inline when it can) finishes it later from the plan the count kept: the pipeline runs it
+     while the engine works.
+  2. ``cache``: every piece of the prompt was counted before. A rendered prompt is cut before each
+     ``<|im_start|>`` (one piece a ChatML message); special tokens are split out before any BPE
+     runs, so piece counts add up exactly to the whole (tested against the full render). The LRU
+     is keyed by SHA-256 of (tokenizer, piece): an agent's system prompt and earlier turns are
+     counted once.
+  3. ``exact``: the missing pieces are encoded. With gigatoken in its child process
+     (``tokenizers/worker.py``, the default) a worker thread waits for the child, so the event
+     loop never does; in-process, small ones inline and large ones in a worker thread with
+     gigatoken's GIL-free batch call, so a 300k-token count leaves the event loop running (with
+     the GIL held it would stall the loop for the whole count).
+- Chat prompts: ``chat_template: chatml`` renders the built-in ChatML (``tokenizers/templates.py``
+  lists what it renders and where it differs from Qwen3.6's own template), ``hf`` renders the
+  model's Jinja template, ``none`` counts the message texts joined by newlines.
+- Special-token strings inside messages (``<|im_end|>`` in user text) count as the special token:
+  vLLM renders the template and tokenizes the result with Hugging Face semantics, which match
+  added tokens anywhere in the text.
+- Completions: each prompt counts its text plus what the tokenizer's post-processor adds (a BOS;
+  none for Qwen); token-id prompts count as they are. For a batch of prompts the count is the
+  LARGEST single prompt: each is its own sequence in the engine, and the lane protects against
+  one long prefill, not against the sum. ``prompt_bytes`` covers all of them. Token-id prompts
+  answer ``method="exact"`` with ``tokenizer="token_ids"`` (no tokenizer ran).
+- Counts are Python ints. A template that rejects the messages raises ``BadRequest`` (the engine
+  would answer 400); an unknown model raises ``ModelNotFound``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import unicodedata
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from jinja2 import TemplateError
+
+from gateway.count.tokenizers import cache
+from gateway.count.tokenizers.encoders import GIL_FREE_ABOVE_CHARS
+from gateway.count.tokenizers.templates import (
+    ChatTemplate,
+    TemplateRejected,
+    chatml_pieces,
+    plain_text,
+    split_before,
+)
+from gateway.count.tokenizers.vocab import EncoderLimits, Vocabulary, load_vocabulary
+from gateway.errors import BadRequest, ModelNotFound
+from gateway.observe.log import Logger, get_logger, swallowed
+from gateway.observe.metrics import Metrics
+from gateway.request.protocol import ChatPrompt, CompletionPrompt, Prompt
+from gateway.settings import ConfigError, CountingSettings, Settings, parse_settings
+
+# "none": nothing to count (a multipart audio request); its lane is named by the policy.
+Method = Literal["bound", "cache", "exact", "none"]
+# Misses up to this many characters are counted on the event loop (under ~2 ms with the GIL
+# held either way); longer ones go to the worker thread, where gigatoken releases the GIL.
+INLINE_MAX_CHARS = GIL_FREE_ABOVE_CHARS
+# Finishing a bound: up to this many bytes, encoding the prompt whole costs less than hashing its
+# pieces for the cache (measured on a loaded 2-core machine: ~9 us against ~50 us for a 1 KB
+# chat prompt, 18 against 64 at 8 KB; at 16 KB they meet), so small prompts skip the cache.
+DIRECT_MAX_BYTES = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class TokenCount:
+    tokens: int
+    method: Method
+    tokenizer: str
+    prompt_bytes: int
+    seconds: float
+    # What ``TokenCounter.exact`` needs to finish a bound without planning the prompt again.
+    plan: _Plan | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def exact(self) -> int | None:
+        return None if self.method == "bound" else self.tokens
+
+
+@dataclass(frozen=True, slots=True)
+class _Misses:
+    """A count under way: the pieces no cache held (``texts``, at ``misses`` in the plan)."""
+
+    plan: _Plan
+    counts: list[int | None]
+    misses: list[int]
+    keys: list[bytes]
+    texts: list[str]
+    started: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Model:
+    vocab: Vocabulary
+    chat_template: Literal["chatml", "hf", "none"]
+    template: ChatTemplate | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """A prompt cut into pieces: ``sequences`` are [start, end) ranges of ``pieces``."""
+
+    vocab: Vocabulary
+    pieces: tuple[str, ...]
+    encoded: tuple[bytes | None, ...]  # UTF-8 of the non-ASCII pieces, kept for the cache key
+    sequences: tuple[tuple[int, int], ...]
+    extra: int
+    bound: int
+    prompt_bytes: int
+
+
+def _utf8(text: str) -> bytes:
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadRequest("prompt text holds a lone surrogate: not valid Unicode") from exc
+
+
+def _nfc_len(text: str, raw: int) -> int:
+    """UTF-8 bytes of the NFC form: what an NFC-normalising tokenizer actually encodes."""
+    if text.isascii() or unicodedata.is_normalized("NFC", text):
+        return raw
+    return len(unicodedata.normalize("NFC", text).encode("utf-8"))
+
+
+class TokenCounter:
+    def __init__(
+        self,
+        models: Mapping[str, _Model],
+        counting: CountingSettings,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self._models = dict(models)
+        self._cache = cache.CountCache(counting.cache_entries)
+        self._metrics = metrics
+        self._executor = (
+            ThreadPoolExecutor(max_workers=counting.exact_workers, thread_name_prefix="count")
+            if counting.exact_executor == "thread"
+            else None
+        )
+
+    @classmethod
+    def from_settings(cls, settings: Settings, metrics: Metrics | None = None) -> TokenCounter:
+        log = get_logger("tokens")
+        loaded: dict[str, Vocabulary] = {}
+        models: dict[str, _Model] = {}
+        for index, model in enumerate(settings.models):
+            spec = model.tokenizer
+            key = ("models", index, "tokenizer")
+            started = time.perf_counter()
+            # Models sharing a vocabulary share one loaded tokenizer (~120 MB for Qwen's).
+            shared = spec.model_dump_json(exclude={"chat_template"})
+            vocab = loaded.get(shared)
+            if vocab is None:
+                try:
+                    vocab = load_vocabulary(
+                        spec,
+                        _fallback_logger(log, metrics, model.name),
+                        EncoderLimits(settings.counting.max_encoder_rss_mb, metrics),
+                    )
+                except ConfigError as exc:
+                    raise ConfigError(f"model {model.name!r}: {exc}", key) from exc
+                loaded[shared] = vocab
+            template = None
+            if spec.chat_template == "hf":
+                if vocab.chat_template is None:
+                    raise ConfigError(
+                        f"model {model.name!r}: chat_template hf, but no chat template "
+                        f"(chat_template.jinja, or chat_template in tokenizer_config.json) "
+                        f"ships beside {vocab.origin}",
+                        (*key, "chat_template"),
+                    )
+                try:
+                    template = ChatTemplate(vocab.chat_template, vocab.template_vars)
+                except TemplateError as exc:
+                    raise ConfigError(
+                        f"model {model.name!r}: the chat template beside "
+                        f"{vocab.origin} does not compile: {exc}",
+                        (*key, "chat_template"),
+                    ) from exc
+            entry = _Model(vocab, spec.chat_template, template)
+            for name in (model.name, *model.aliases):
+                models[name] = entry
+            log.info(
+                "tokenizer.loaded",
+                model=model.name,
+                tokenizer=vocab.id,
+                backend=vocab.encoder.backend,
+                fallback=vocab.fallback,
+                origin=vocab.origin,
+                chat_template=spec.chat_template,
+                bound="sound" if vocab.bound_sound else "disabled",
+                piece_cache=vocab.split_token is not None,
+                load_ms=round((time.perf_counter() - started) * 1000, 1),
+            )
+        return cls(models, settings.counting, metrics)
+
+    @classmethod
+    def for_models(
+        cls, models: Sequence[Mapping[str, Any]], metrics: Metrics | None = None, **counting: Any
+    ) -> TokenCounter:
+        """A counter for these models alone, spelt as the config's ``models`` (and ``counting``)
+        are, with no gateway policy around them: for the simulator, tools and tests."""
+        policy = parse_settings(
+            {
+                "models": list(models),
+                "counting": counting,
+                # Settings demand a cluster and a lane; a counter reads neither.
+                "clusters": [{"name": "none", "endpoints": ["http://127.0.0.1:1"]}],
+                "lanes": [
+                    {
+                        "name": "all",
+                        "max_prompt_tokens": 10**9,
+                        "clusters": ["none"],
+                        "slots": {"lane": 1, "per_endpoint": 1},
+                    }
+                ],
+            },
+            environ={},
+        )
+        return cls.from_settings(policy, metrics)
+
+    async def count(self, model: str, prompt: Prompt, *, exact_above: int) -> TokenCount:
+        """Tokens the engine will see; large exact counts run off the event loop."""
+        step = self._begin(model, prompt, exact_above)
+        return step if isinstance(step, TokenCount) else await self._finish(step)
+
+    async def exact(self, count: TokenCount) -> TokenCount:
+        """The exact count of a prompt whose ``count`` settled for its bound (``count`` itself
+        when it is exact already), from the plan it kept: a cached piece costs one hash, a
+        missing one is encoded as ``count`` would (inline when small, else in the worker)."""
+        if count.method != "bound" or count.plan is None:
+            return count
+        direct = self._direct(count.plan)
+        if direct is not None:
+            return direct
+        step = self._resume(count.plan, time.perf_counter())
+        return step if isinstance(step, TokenCount) else await self._finish(step)
+
+    def exact_now(self, count: TokenCount) -> TokenCount | None:
+        """``exact(count)`` when it can be had inline (the missing pieces small and the encoder
+        free), else None: then ``exact`` finishes it in the worker."""
+        if count.method != "bound" or count.plan is None:
+            return count
+        direct = self._direct(count.plan)
+        if direct is not None:
+            return direct
+        step = self._resume(count.plan, time.perf_counter())
+        if isinstance(step, TokenCount):
+            return step
+        found = self._inline(step.plan, step.texts)
+        return None if found is None else self._end(step, found)
+
+    def _direct(self, plan: _Plan) -> TokenCount | None:
+        """A small prompt counted whole, past the cache (None when large or the encoder busy).
+        Piece counts add up to the whole (special tokens split before any BPE), so it is the
+        same count the cache would assemble."""
+        if plan.prompt_bytes > DIRECT_MAX_BYTES:
+            return None
+        found = self._inline(plan, ["".join(plan.pieces[a:b]) for a, b in plan.sequences])
+        if found is None:
+            return None
+        # Not in shapegate_count_seconds, which times counts on the request's path: this one
+        # overlaps the engine's work.
+        tokens = max(found) + plan.extra
+        return TokenCount(int(tokens), "exact", plan.vocab.id, plan.prompt_bytes, 0.0)
+
+    async def _finish(self, step: _Misses) -> TokenCount:
+        found = self._inline(step.plan, step.texts)
+        if found is None:
+            loop = asyncio.get_running_loop()
+            encoder = step.plan.vocab.encoder
+            found = await loop.run_in_executor(self._executor, encoder.count_many, step.texts)
+        return self._end(step, found)
+
+    def _inline(self, plan: _Plan, texts: list[str]) -> list[int] | None:
+        """Counts of ``texts``, encoded on this thread when that is allowed and cheap."""
+        encoder = plan.vocab.encoder
+        if self._executor is None:
+            return encoder.count_many(texts)
+        # Never a pipe round trip to the bounded child (tokenizers/worker.py) on the event loop:
+        # that count goes to the worker thread, which waits on the pipe without the GIL.
+        if not encoder.out_of_process and sum(len(text) for text in texts) <= INLINE_MAX_CHARS:
+            return encoder.try_count_many(texts)  # None while a worker holds it
+        return None
+
+    def count_sync(self, model: str, prompt: Prompt, *, exact_above: int = 0) -> TokenCount:
+        """Same answer as ``count``, computed inline."""
+        step = self._begin(model, prompt, exact_above)
+        if isinstance(step, TokenCount):
+            return step
+        return self._end(step, step.plan.vocab.encoder.count_many(step.texts))
+
+    def encode(self, model: str, text: str) -> list[int]:
+        """Token ids of plain text: no template, nothing added; special-token strings match."""
+        return self._model(model).vocab.encoder.encode(text)
+
+    def decode(self, model: str, ids: Sequence[int]) -> str:
+        """Text of token ids (special tokens included); ValueError for an unknown id."""
+        return self._model(model).vocab.encoder.decode(ids)
+
+    def render_chat(self, model: str, prompt: ChatPrompt) -> str:
+        """The prompt text the engine sees (template applied, generation prompt added)."""
+        return "".join(self._chat_pieces(self._model(model), prompt))
+
+    def tokenizer_id(self, model: str) -> str:
+        return self._model(model).vocab.id
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+        for encoder in {
+            id(m.vocab.encoder): m.vocab.encoder for m in self._models.values()
+        }.values():
+            encoder.close()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _model(self, name: str) -> _Model:
+        entry = self._models.get(name)
+        if entry is None:
+            raise ModelNotFound(f"The model `{name}` does not exist.", param="model")
+        return entry
+
+    def _chat_pieces(self, entry: _Model, prompt: ChatPrompt) -> list[str]:
+        if entry.template is not None:
+            try:
+                return [entry.template.render(prompt)]
+            except TemplateRejected as exc:
+                raise BadRequest(str(exc), param="messages") from exc
+        if entry.chat_template == "none":
+            return [plain_text(prompt)]
+        return chatml_pieces(prompt)
+
+    def _plan(self, model: str, prompt: Prompt, exact_above: int) -> _Plan | None:
+        """The prompt as pieces to count, with its free bound; None for token-id prompts.
+
+        ``bound`` is sound whenever it is below ``exact_above`` (the only case it is used): the
+        NFC check, a full scan of the text, runs only then, on a text that is small by then.
+        """
+        entry = self._model(model)
+        vocab = entry.vocab
+        texts: Sequence[str]
+        if isinstance(prompt, CompletionPrompt):
+            if not prompt.texts:
+                return None
+            texts, extra = prompt.texts, vocab.completion_extra
+        else:
+            texts, extra = [], 0
+        pieces: list[str] = []
+        sequences: list[tuple[int, int]] = []
+        if isinstance(prompt, ChatPrompt):
+            chat = self._chat_pieces(entry, prompt)
+            if len(chat) == 1 or vocab.split_token is None:
+                # A rendered template or plain text is cut here; ChatML comes cut by message.
+                chat = split_before("".join(chat), vocab.split_token)
+            pieces.extend(chat)
+            sequences.append((0, len(pieces)))
+        for text in texts:
+            start = len(pieces)
+            pieces.extend(split_before(text, vocab.split_token))
+            sequences.append((start, len(pieces)))
+        # ASCII (the common case) needs no encoding to know its size: isascii() is O(1).
+        encoded = [None if piece.isascii() else _utf8(piece) for piece in pieces]
+        raw = [
+            len(piece) if data is None else len(data)
+            for piece, data in zip(pieces, encoded, strict=True)
+        ]
+
+        def bound_of(sizes: list[int]) -> int:
+            return max((sum(sizes[a:b]) + extra for a, b in sequences), default=0)
+
+        bound = bound_of(raw)
+        if not vocab.bound_sound:
+            bound = 2**62  # no provable bound: every count is exact
+        elif vocab.nfc and bound < exact_above and any(data is not None for data in encoded):
+            # (ASCII is its own NFC form: an all-ASCII prompt's bound needs no second pass.)
+            bound = bound_of([_nfc_len(piece, n) for piece, n in zip(pieces, raw, strict=True)])
+        return _Plan(vocab, tuple(pieces), tuple(encoded), tuple(sequences), extra, bound, sum(raw))
+
+    def _answer(self, plan: _Plan | None, prompt: Prompt, started: float) -> TokenCount:
+        """The count that needs no tokenizer: the bound, or the length of token-id prompts."""
+        if plan is not None:
+            return self._done(plan.bound, "bound", plan.vocab.id, plan.prompt_bytes, started, plan)
+        assert isinstance(prompt, CompletionPrompt)
+        tokens = max((len(ids) for ids in prompt.token_ids), default=0)
+        return self._done(tokens, "exact", "token_ids", 0, started)
+
+    def _begin(self, model: str, prompt: Prompt, exact_above: int) -> TokenCount | _Misses:
+        """The answer when no piece needs encoding (bound, token ids, all cached), else what to
+        encode; ``count`` and ``count_sync`` differ only in where the encoding runs."""
+        started = time.perf_counter()
+        plan = self._plan(model, prompt, exact_above)
+        if plan is None or plan.bound < exact_above:
+            return self._answer(plan, prompt, started)
+        return self._resume(plan, started)
+
+    def _resume(self, plan: _Plan, started: float) -> TokenCount | _Misses:
+        """A plan's answer from the cache, else what is left to encode."""
+        counts, misses, keys = self._lookup(plan)
+        if not misses:
+            return self._total(plan, counts, "cache", started)
+        texts = [plan.pieces[i] for i in misses]
+        return _Misses(plan, counts, misses, keys, texts, started)
+
+    def _end(self, step: _Misses, found: list[int]) -> TokenCount:
+        self._store(step.counts, step.misses, step.keys, found)
+        return self._total(step.plan, step.counts, "exact", step.started)
+
+    def _lookup(self, plan: _Plan) -> tuple[list[int | None], list[int], list[bytes]]:
+        """Cached counts by piece (None where missing), the missing indexes, the cache keys."""
+        keys = [
+            cache.key(plan.vocab.id, piece.encode("utf-8") if data is None else data)
+            for piece, data in zip(plan.pieces, plan.encoded, strict=True)
+        ]
+        counts = [self._cache.get(k) for k in keys]
+        return counts, [i for i, n in enumerate(counts) if n is None], keys
+
+    def _store(
+        self, counts: list[int | None], misses: list[int], keys: list[bytes], found: list[int]
+    ) -> None:
+        for i, n in zip(misses, found, strict=True):
+            counts[i] = n
+            self._cache.put(keys[i], n)
+
+    def _total(
+        self, plan: _Plan, counts: list[int | None], method: Method, started: float
+    ) -> TokenCount:
+        tokens = max(
+            sum(counts[i] or 0 for i in range(a, b)) + plan.extra for a, b in plan.sequences
+        )
+        return self._done(tokens, method, plan.vocab.id, plan.prompt_bytes, started)
+
+    def _done(
+        self,
+        tokens: int,
+        method: Method,
+        tokenizer: str,
+        prompt_bytes: int,
+        started: float,
+        plan: _Plan | None = None,
+    ) -> TokenCount:
+        seconds = time.perf_counter() - started
+        if self._metrics is not None:
+            self._metrics.child(self._metrics.count_seconds, method).observe(seconds)
+        return TokenCount(int(tokens), method, tokenizer, prompt_bytes, seconds, plan)
+
+
+def _fallback_logger(
+    log: Logger,
+    metrics: Metrics | None,
+    model: str,
+) -> Callable[[str, BaseException, str], None]:
+    def record(backend: str, exc: BaseException, decision: str) -> None:
+        swallowed(log, metrics, "tokenizer.load", exc, decision, model=model, backend=backend)
+
+    return record

@@ -1,0 +1,1 @@
+"""edge: see the README's Architecture section."""

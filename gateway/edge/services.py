@@ -1,0 +1,196 @@
+"""The services of one gateway, built and wired by ``Gateway.build(settings)``.
+
+Everything is built here and passed explicitly: no module globals, no ``app.state`` grab-bag, so
+each test builds a fresh gateway. Tokenizers are loaded and warmed in ``Gateway.build`` (a load
+failure is a start-up error), never on the first request. ``drain`` stops admitting and waits
+for in-flight requests up to ``server.drain_timeout_s``. The routes (api.py, dashboard/) and hot
+reload (reload.py) take a ``Gateway``; the ASGI app and its lifespan are app.py's.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+
+from engine_pool.cluster import Cluster
+from engine_pool.monitor import EngineMonitor
+from engine_pool.registry import EnginePool
+from gateway.count.tokens import TokenCounter
+from gateway.edge.auth import ClientAuth
+from gateway.observe.log import Logger, get_logger
+from gateway.observe.metrics import Metrics
+from gateway.observe.record import Recorder
+from gateway.request.admission import Admission
+from gateway.request.lanes import endpoint_limit
+from gateway.request.pipeline import Pipeline, Policy
+from gateway.request.response_affinity import build_affinity
+from gateway.settings import ConfigError, Settings
+from gateway.slots.store import MemorySlotStore, SlotStore
+from gateway.upstream.engines import EngineEvents, probe_plans
+from gateway.upstream.failover import Failover
+from gateway.upstream.proxy import Upstream
+from gateway.upstream.readiness import BootProbe
+
+
+def clusters_of(settings: Settings) -> Iterator[Cluster]:
+    """The engine pool's view of the configured clusters (at start and on every reload)."""
+    for c in settings.clusters:
+        yield Cluster(
+            name=c.name,
+            kind=c.kind,
+            endpoints=c.endpoints,
+            models=c.models,
+            slow_start_s=c.outlier.slow_start_s,
+        )
+
+
+def deadlines_of(settings: Settings) -> list[float]:
+    """Every lane's first-byte, idle and total deadline: latency histograms' bucket edges."""
+    return [
+        s
+        for lane in settings.lanes
+        for s in (lane.timeouts.first_byte_s, lane.timeouts.idle_s, lane.timeouts.total_s)
+    ]
+
+
+def build_store(settings: Settings, metrics: Metrics, log: Logger) -> SlotStore:
+    if settings.state.backend == "redis":
+        from gateway.slots.redis_store import RedisSlotStore
+
+        return RedisSlotStore.from_settings(settings.state, metrics, log)
+    return MemorySlotStore()
+
+
+def _set_limits(metrics: Metrics, settings: Settings) -> None:
+    for lane in settings.lanes:
+        metrics.queue_depth.labels(lane=lane.name).set(0)
+        for name in (*lane.clusters, *lane.emergency_clusters):
+            cluster = settings.cluster(name)
+            metrics.slots_limit.labels(lane=lane.name, cluster=name).set(
+                min(
+                    lane.slots.lane,
+                    endpoint_limit(settings.lanes, lane, name) * len(cluster.endpoints),
+                )
+            )
+            metrics.slots_in_use.labels(lane=lane.name, cluster=name).inc(0)
+
+
+@dataclass
+class Gateway:
+    metrics: Metrics
+    log: Logger
+    pool: EnginePool
+    store: SlotStore
+    admission: Admission
+    upstream: Upstream
+    pipeline: Pipeline
+    monitor: EngineMonitor
+    probe: BootProbe
+    config_path: Path | None = None
+    started_at: float = field(default_factory=time.time)
+    _monitor_scope: anyio.CancelScope | None = None
+
+    @classmethod
+    def build(
+        cls,
+        settings: Settings,
+        counter: TokenCounter | None = None,
+        config_path: Path | None = None,
+    ) -> Gateway:
+        metrics = Metrics(deadlines_of(settings))
+        log = get_logger("gateway")
+        counter = counter or TokenCounter.from_settings(settings, metrics)
+        pool = EnginePool(clusters_of(settings))
+        metrics.watch_in_flight(lambda: ((e.cluster, e.url, e.in_flight) for e in pool.engines()))
+        store = build_store(settings, metrics, log)
+        admission = Admission(store, metrics, log, poll_interval_s=settings.state.poll_interval_s)
+        upstream = Upstream()
+        keys = cls.engine_keys_for(settings)
+        events = EngineEvents(settings, metrics, log)
+        pipeline = Pipeline(
+            Policy(settings, counter, keys, ClientAuth.from_settings(settings.auth)),
+            pool,
+            admission,
+            upstream,
+            Recorder(
+                metrics,
+                log,
+                ring_size=settings.server.decision_ring_size,
+                trace_file=settings.state.trace_file,
+                latency=pool.latency,
+            ),
+            Failover(pool, admission, metrics, log, events),
+            build_affinity(settings, log, metrics),
+        )
+        monitor = EngineMonitor(pool, probe_plans(settings), events)
+        probe = BootProbe(settings, pool, upstream, log, keys)
+        _set_limits(metrics, settings)
+        return cls(
+            metrics, log, pool, store, admission, upstream, pipeline, monitor, probe, config_path
+        )
+
+    @staticmethod
+    def engine_keys_for(settings: Settings) -> dict[str, str]:
+        keys = {}
+        for cluster in settings.clusters:
+            if cluster.api_key_env:
+                value = os.environ.get(cluster.api_key_env)
+                if not value:
+                    raise ConfigError(
+                        f"cluster {cluster.name!r}: environment variable {cluster.api_key_env} "
+                        "(api_key_env) is not set"
+                    )
+                keys[cluster.name] = value
+        return keys
+
+    @property
+    def settings(self) -> Settings:
+        """The policy in force for new requests."""
+        return self.pipeline.policy.settings
+
+    @property
+    def recorder(self) -> Recorder:
+        return self.pipeline.recorder
+
+    @property
+    def counter(self) -> TokenCounter:
+        return self.pipeline.policy.counter
+
+    @property
+    def ready(self) -> bool:
+        probed = self.probe.ready or not self.settings.server.boot_probe
+        return probed and self.pipeline.accepting
+
+    def adopt(self, settings: Settings) -> None:
+        """Point the background services at a reloaded policy (gateway/edge/reload.py)."""
+        self.monitor = EngineMonitor(
+            self.pool, probe_plans(settings), EngineEvents(settings, self.metrics, self.log)
+        )
+        if self._monitor_scope is not None:
+            self._monitor_scope.cancel()
+        self.probe.adopt(settings, self.pipeline.policy.engine_keys)
+        _set_limits(self.metrics, settings)
+
+    async def run_monitor(self) -> None:
+        """The engine monitor, restarted whenever a reload replaces it."""
+        while True:
+            with anyio.CancelScope() as self._monitor_scope:
+                await self.monitor.run()
+
+    async def drain(self) -> None:
+        """Stop admitting; wait for in-flight requests up to the drain deadline."""
+        self.pipeline.accepting = False
+        with anyio.move_on_after(self.settings.server.drain_timeout_s):
+            while self.pipeline.in_flight:  # noqa: ASYNC110 - a bounded poll at shutdown
+                await anyio.sleep(0.05)
+        self.log.info("gateway.drained", left_in_flight=self.pipeline.in_flight)
+
+    async def aclose(self) -> None:
+        await self.upstream.aclose()
+        await self.store.aclose()
+        await self.pipeline.affinity.aclose()

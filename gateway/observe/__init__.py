@@ -1,0 +1,1 @@
+"""observe: see the README's Architecture section."""

@@ -1,0 +1,403 @@
+"""Step 9, record: a typed record of one request and the one recorder that reports it.
+
+Contract:
+- ``Record`` is what the gateway keeps about one request while it runs and after: the request's
+  shape and the lane decision (``Routed``, set once the lane is decided, with the typed
+  ``TokenCount``), the slot ``Grant`` (set once admitted: ``admitted`` is ``grant is not None``),
+  the ``Outcome``, the status, and the timings (start, time to first byte, duration; the queue
+  wait and the count's time ride on the grant and the count). It never holds prompt text.
+- ``Recorder`` owns every report about a request, and nothing else writes one:
+
+      decided(record, routed)   the lane is decided: the record joins the ring of recent
+                                decisions (the dashboard shows it in flight)
+      admitted(record, grant)   one ``route.decision`` event; decision, queue-wait and
+                                prompt-token metrics
+      moved(record, grant)      the request failed over to another endpoint (its slot moved)
+      chunk(record, now)        a chunk reached the client: TTFT on the first, ITL after
+      refused(record, exc)      the gateway answered with an error: the outcome it means;
+                                ``route.rejected`` if the request was never admitted; a
+                                watchdog deadline counts in ``shapegate_watchdog_events_total``
+      finished(record, status)  one ``route.finished`` event; request, e2e, TTFT and output
+                                metrics; the dashboard's rolling window and, for a
+                                deadline, its ``watchdog`` event; the trace
+
+  Log field and metric names are part of the interface (tests, dashboards, alert rules).
+- ``Record.as_json()`` is the one JSON view of a record (``/admin/state`` and the dashboard).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from engine_pool.latency import LatencyBook
+from gateway.count.drift import DriftWatch
+from gateway.count.tokens import TokenCount
+from gateway.errors import GatewayError
+from gateway.observe.dashboard.stats import RollingWindow
+from gateway.observe.log import Logger
+from gateway.observe.metrics import Metrics, status_class
+from gateway.request.admission import Grant
+from gateway.request.lanes import Decision, Reason
+from gateway.request.protocol import Endpoint, RoutedRequest
+from gateway.request.watchdog import DeadlineHit, Phase
+from gateway.tuning.trace import TraceWriter
+
+# How a request ended (gateway/request/pipeline.py's docstring says what each means).
+Outcome = Literal[
+    "ok", "upstream_error", "timeout", "client_disconnect", "rejected", "error", "cancelled"
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """What the lane decision saw and chose; the shape of the request, never its text."""
+
+    model: str
+    stream: bool
+    body_bytes: int
+    max_tokens: int | None
+    count: TokenCount
+    lane: str  # "none" when no lane takes the prompt
+    reason: Reason
+    cluster_health: dict[str, bool]
+    route: Endpoint  # the engine route (gateway/request/routes.py) the request came by
+
+    @classmethod
+    def of(
+        cls, request: RoutedRequest, count: TokenCount, decision: Decision, healthy: dict[str, bool]
+    ) -> Routed:
+        lane = decision.lane
+        candidates = (*lane.clusters, *lane.emergency_clusters) if lane else ()
+        return cls(
+            model=request.model,
+            stream=request.stream,
+            body_bytes=request.body_bytes,
+            max_tokens=request.max_tokens,
+            # Without the plan a bound keeps for the exact count: a record never holds text.
+            count=replace(count, plan=None) if count.plan is not None else count,
+            lane=decision.lane_name,
+            reason=decision.reason,
+            cluster_health={c: healthy.get(c, True) for c in candidates},
+            route=request.endpoint,
+        )
+
+    # The names log_fields() gives, for a record refused before its lane was decided.
+    FIELDS = (
+        "route",
+        "model",
+        "stream",
+        "body_bytes",
+        "prompt_bytes",
+        "prompt_tokens",
+        "count_method",
+        "count_ms",
+        "tokenizer",
+        "max_tokens",
+        "lane",
+        "reason",
+        "cluster_health",
+    )
+
+    def log_fields(self) -> dict[str, Any]:
+        count = self.count
+        return {
+            "route": self.route,
+            "model": self.model,
+            "stream": self.stream,
+            "body_bytes": self.body_bytes,
+            "prompt_bytes": count.prompt_bytes,
+            # Tokens only when counted exactly; a bound that decided goes by its own name (the
+            # exact count, made while the engine works, follows in route.finished).
+            **(
+                {"prompt_tokens": count.tokens}
+                if count.exact is not None
+                else {"prompt_tokens_bound": count.tokens}
+            ),
+            "count_method": count.method,
+            "count_ms": round(count.seconds * 1000, 3),
+            "tokenizer": count.tokenizer,
+            "max_tokens": self.max_tokens,
+            "lane": self.lane,
+            "reason": self.reason,
+            "cluster_health": self.cluster_health,
+        }
+
+
+@dataclass(slots=True)
+class Record:
+    """One request, from arrival to its last report."""
+
+    request_id: str
+    endpoint: Endpoint
+    started: float = field(default_factory=time.monotonic)
+    routed: Routed | None = None
+    grant: Grant | None = None
+    # None while the request runs; the pipeline sets how it ended.
+    outcome: Outcome | None = None
+    status: int = 0
+    ttft_s: float | None = None
+    duration_s: float | None = None
+    # Our exact prompt count (made while the engine works when the bound decided the lane) and
+    # the engine's own usage figures; drift is theirs minus ours.
+    prompt_tokens: int | None = None
+    engine_prompt_tokens: int | None = None
+    count_drift: int | None = None
+    output_tokens: int | None = None
+    # One token per SSE content event, when the engine reported no usage.
+    output_tokens_estimate: int | None = None
+    chunks: int = 0
+    last_chunk_at: float = 0.0
+    # How often it failed over before the engine answered (gateway/upstream/failover.py).
+    retries: int = 0
+    # Why it ended, when not as planned: the error the client was told, the deadline hit.
+    error: str | None = None
+    deadline: Phase | None = None
+    in_ring: bool = False
+
+    @property
+    def admitted(self) -> bool:
+        return self.grant is not None
+
+    @property
+    def finished(self) -> bool:
+        return self.duration_s is not None
+
+    @property
+    def lane(self) -> str:
+        return self.routed.lane if self.routed is not None else "none"
+
+    @property
+    def cluster(self) -> str:
+        return self.grant.cluster if self.grant is not None else "none"
+
+    def as_json(self) -> dict[str, Any]:
+        """Everything the decision log says about the request, plus how it ended so far; the
+        same keys for every record (None where a refused request never got that far)."""
+        routed = self.routed.log_fields() if self.routed else dict.fromkeys(Routed.FIELDS)
+        grant = self.grant
+        return {
+            "request_id": self.request_id,
+            "endpoint_kind": self.endpoint,
+            "outcome": self.outcome if self.finished else "in_flight",
+            "status": self.status or None,
+            **routed,
+            "prompt_tokens": self.prompt_tokens
+            if self.prompt_tokens is not None
+            else routed.get("prompt_tokens"),
+            "prompt_tokens_bound": routed.get("prompt_tokens_bound"),
+            "cluster": grant.cluster if grant else None,
+            "endpoint": grant.url if grant else None,
+            "queue_wait_s": round(grant.queued_s, 4) if grant else None,
+            "retries": self.retries,
+            "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 4),
+            "duration_s": self.duration_s,
+            "output_tokens": self.output_tokens,
+            "output_tokens_estimate": self.output_tokens_estimate,
+            "engine_prompt_tokens": self.engine_prompt_tokens,
+            "count_drift": self.count_drift,
+            "deadline": self.deadline,
+            "error": self.error,
+        }
+
+
+class Recorder:
+    """The decision log, the per-request metrics, the ring of recent decisions, the dashboard's
+    rolling window and the trace: every report about a request, in one place."""
+
+    def __init__(
+        self,
+        metrics: Metrics,
+        log: Logger,
+        ring_size: int,
+        trace_file: str | None = None,
+        latency: LatencyBook | None = None,
+    ) -> None:
+        self.metrics = metrics
+        self.latency = latency
+        self.log = log
+        self.recent: deque[Record] = deque(maxlen=ring_size)
+        self.trace = TraceWriter(Path(trace_file)) if trace_file else None
+        self.window = RollingWindow()
+        self.drift = DriftWatch(metrics, log)
+
+    def _remember(self, record: Record) -> None:
+        if not record.in_ring:
+            record.in_ring = True
+            self.recent.append(record)
+
+    def decided(self, record: Record, routed: Routed) -> None:
+        record.routed = routed
+        record.prompt_tokens = routed.count.exact  # None while only the bound is known
+        self._remember(record)
+
+    def admitted(self, record: Record, grant: Grant) -> None:
+        record.grant = grant
+        routed = record.routed
+        assert routed is not None, "admitted before the lane was decided"
+        self.log.info(
+            "route.decision",
+            request_id=record.request_id,
+            **routed.log_fields(),
+            cluster=grant.cluster,
+            endpoint=grant.url,
+            queue_wait_s=round(grant.queued_s, 4),
+        )
+        m = self.metrics
+        m.child(m.route_decisions, grant.lane, routed.reason, routed.count.method).inc()
+        m.child(m.queue_wait, grant.lane).observe(grant.queued_s)
+
+    def moved(self, record: Record, grant: Grant) -> None:
+        """The request failed over before any answer byte: its slot is now ``grant``'s (the
+        ``route.retry`` event itself is gateway/upstream/failover.py's)."""
+        record.grant = grant
+        record.retries += 1
+
+    def engine_counted(self, record: Record, model: str, template: str) -> None:
+        """The engine answered: compare its prompt count with ours when both exist."""
+        if record.prompt_tokens is None or record.engine_prompt_tokens is None:
+            return
+        assert record.routed is not None, "answered before the lane was decided"
+        record.count_drift = self.drift.observe(
+            model=model,
+            route=record.endpoint,
+            ours=record.prompt_tokens,
+            theirs=record.engine_prompt_tokens,
+            tokenizer=record.routed.count.tokenizer,
+            template=template,
+        )
+
+    def chunk(self, record: Record, now: float) -> None:
+        if record.chunks == 0:
+            record.ttft_s = now - record.started
+        elif record.grant is not None:
+            m = self.metrics
+            m.child(m.itl, record.grant.lane, record.grant.cluster).observe(
+                now - record.last_chunk_at
+            )
+        record.last_chunk_at = now
+        record.chunks += 1
+
+    def refused(self, record: Record, exc: GatewayError) -> None:
+        record.status = exc.status
+        record.error = exc.message
+        if isinstance(exc, DeadlineHit):
+            record.outcome = "timeout"
+            record.deadline = exc.kind
+            self.metrics.watchdog_events.labels(
+                lane=record.lane, cluster=record.cluster, kind=exc.kind
+            ).inc()
+        elif record.admitted and exc.status >= 500:
+            record.outcome = "upstream_error"
+        else:
+            record.outcome = "rejected"
+        if not record.admitted:
+            routed = record.routed.log_fields() if record.routed is not None else {}
+            self.log.info(
+                "route.rejected",
+                request_id=record.request_id,
+                status=exc.status,
+                **routed,
+                error=record.error,
+            )
+            self._remember(record)
+
+    def finished(self, record: Record, status: int | None) -> None:
+        if record.outcome is None:
+            record.outcome = "cancelled"
+        if status:
+            record.status = status
+        duration = time.monotonic() - record.started
+        record.duration_s = round(duration, 4)
+        lane, cluster = record.lane, record.cluster
+        self.log.info(
+            "route.finished",
+            request_id=record.request_id,
+            lane=lane,
+            cluster=cluster,
+            outcome=record.outcome,
+            status=record.status,
+            ttft_s=None if record.ttft_s is None else round(record.ttft_s, 4),
+            duration_s=record.duration_s,
+            prompt_tokens=record.prompt_tokens,
+            engine_prompt_tokens=record.engine_prompt_tokens,
+            count_drift=record.count_drift,
+            output_tokens=record.output_tokens,
+            output_tokens_estimate=record.output_tokens_estimate,
+            chunks=record.chunks,
+            retries=record.retries,
+            error=record.error,
+            deadline=record.deadline,
+        )
+        m = self.metrics
+        m.child(m.requests, lane, cluster, record.outcome, status_class(record.status)).inc()
+        if record.grant is not None:
+            url = record.grant.url
+            m.child(m.e2e, lane, cluster, url).observe(duration)
+            if record.ttft_s is not None:
+                m.child(m.ttft, lane, cluster, url).observe(record.ttft_s)
+            if record.prompt_tokens is not None:
+                m.child(m.prompt_tokens, lane).observe(record.prompt_tokens)
+            output, source = record.output_tokens, "usage"
+            if output is None:
+                output, source = record.output_tokens_estimate, "sse_estimate"
+            if output is not None:
+                m.child(m.output_tokens, lane, source).observe(output)
+            per_token = None
+            if output and output > 1 and record.chunks > 1 and record.ttft_s is not None:
+                per_token = (duration - record.ttft_s) / (output - 1)
+                m.child(m.tpot, lane).observe(per_token)
+            # Streamed answers only: a non-streamed one's first byte is its last.
+            if (
+                self.latency is not None
+                and record.routed is not None
+                and record.routed.stream
+                and record.outcome == "ok"
+                and record.ttft_s is not None
+                and record.prompt_tokens is not None
+            ):
+                self.latency.observe(
+                    cluster, url, record.prompt_tokens, record.ttft_s, per_token, time.monotonic()
+                )
+            # A trace line holds tokens or nothing: never a bound standing in for them.
+            if self.trace is not None and record.routed and record.prompt_tokens is not None:
+                routed = record.routed
+                self.trace.record(
+                    model=routed.model,
+                    prompt_tokens=record.prompt_tokens,
+                    prompt_bytes=routed.count.prompt_bytes,
+                    output_tokens=output or 0,
+                    stream=routed.stream,
+                )
+        admitted = record.grant is not None
+        self.window.observe(
+            lane,
+            record.outcome,
+            record.ttft_s if admitted else None,
+            duration if admitted else None,
+        )
+        if record.outcome == "timeout":
+            self._watchdog_event(record)
+
+    def _watchdog_event(self, record: Record) -> None:
+        grant = record.grant
+        self.metrics.events.add(
+            "watchdog",
+            "pipeline.deadline",
+            record.error or "deadline hit",
+            "answered_timeout",
+            {
+                "deadline": record.deadline,
+                "lane": record.lane,
+                "cluster": grant.cluster if grant else None,
+                "endpoint": grant.url if grant else None,
+                "request_id": record.request_id,
+            },
+        )
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """The recent decisions, newest first, as plain JSON for the admin state."""
+        return [r.as_json() for r in reversed(self.recent)]

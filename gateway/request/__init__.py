@@ -1,0 +1,1 @@
+"""request: see the README's Architecture section."""

@@ -1,0 +1,483 @@
+"""The request lifecycle, top to bottom (README "Request lifecycle" tells the same story).
+
+``Pipeline.handle`` runs one proxied request: read the body, parse, count, choose the lane,
+admit (slot), pick the endpoint, forward, relay, release, record. Each step is a call into its
+own module; this file only wires them in order and turns every way a request can end into one
+outcome:
+
+    ok                 the engine's answer reached the client (any engine status below 500)
+    upstream_error     the engine failed (5xx, refused, reset) and the client was told
+    timeout            a watchdog deadline ended the request
+    client_disconnect  the client left; its queue place or slot and upstream were released
+    rejected           the gateway refused the request (bad input, lane full, no lane)
+    error              a bug: logged with its traceback, counted, answered with a 500
+    cancelled          cancelled from outside (the server stopped) before it could finish
+
+Every request gets one ``route.decision`` (or ``route.rejected``) and one ``route.finished``;
+step 9 (record) is gateway/observe/record.py's ``Recorder``, which this file calls at each step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from engine_pool.cluster import EngineView
+from engine_pool.picker import order_endpoints
+from engine_pool.registry import EnginePool
+from gateway.count.tokens import TokenCount, TokenCounter
+from gateway.count.usage import TAIL_MAX, ExactCount, engine_usage, sse_events, trim_tail
+from gateway.edge.auth import ClientAuth
+from gateway.edge.exchange import (
+    ClientGone,
+    Outbound,
+    Receive,
+    Scope,
+    Send,
+    header,
+    read_body,
+    require_media_type,
+    watch_disconnect,
+)
+from gateway.errors import (
+    BadRequest,
+    EngineUnreachable,
+    GatewayError,
+    ModelNotFound,
+    NoHealthyCluster,
+    PromptTooLong,
+    ShuttingDown,
+    UpstreamError,
+)
+from gateway.observe.log import Logger, swallowed
+from gateway.observe.metrics import Metrics
+from gateway.observe.record import Record, Recorder, Routed
+from gateway.request.admission import Admission, Grant
+from gateway.request.lanes import (
+    Decision,
+    choose_lane,
+    choose_named_lane,
+    endpoint_limit,
+    exact_count_above,
+    no_lane_message,
+    pin_to_cluster,
+)
+from gateway.request.protocol import RoutedRequest, prefix_key
+from gateway.request.protocols.multipart import parse_multipart
+from gateway.request.response_affinity import MemoryAffinity, ResponseAffinity, response_id_of
+from gateway.request.routes import EngineRoute
+from gateway.request.watchdog import Watch, deadlines_for
+from gateway.settings import ClusterSettings, LaneSettings, ModelSettings, Settings
+from gateway.upstream.failover import Attempts, Failover
+from gateway.upstream.proxy import Upstream, response_headers, upstream_headers
+
+# How long the response headers may wait for the exact prompt count (finished while the engine
+# worked; only a congested counting worker is still busy by then): the first byte is not held
+# longer, and the header is then left out rather than filled with the bound.
+HEADER_COUNT_WAIT_S = 0.05
+
+# A stream's first event (a Responses stream's carries the response id) is looked for this far.
+LEARN_HEAD_BYTES = 65536
+
+
+def _first(group: BaseExceptionGroup[Any]) -> BaseException:
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _reaper(log: Logger, metrics: Metrics, request_id: str) -> Callable[[asyncio.Task[None]], None]:
+    """A done-callback for the disconnect watcher: a failure in it is logged, never lost."""
+
+    def reap(task: asyncio.Task[None]) -> None:
+        exc = None if task.cancelled() else task.exception()
+        if exc is not None:
+            swallowed(
+                log,
+                metrics,
+                "pipeline.watch_disconnect",
+                exc,
+                "disconnect_unwatched",
+                request_id=request_id,
+            )
+
+    return reap
+
+
+def request_id_from(scope: Scope) -> str:
+    given = header(scope, b"x-request-id")
+    if given and len(given) <= 128 and given.isascii() and all(32 < b < 127 for b in given):
+        return given.decode()
+    return uuid.uuid4().hex
+
+
+def read_request(
+    route: EngineRoute, scope: Scope, body: bytes, settings: Settings
+) -> tuple[RoutedRequest, ModelSettings]:
+    """Parse the body as its route reads it and find the model it names (the policy's, by name
+    or alias); BadRequest (or ModelNotFound) in the route's error shape otherwise."""
+    if route.parse is None:
+        request = parse_multipart(route.endpoint, header(scope, b"content-type"), body)
+    else:
+        request = route.parse(body)
+    model = settings.model(request.model)
+    if model is None:
+        raise ModelNotFound(f"The model `{request.model}` does not exist.", param="model")
+    if model.max_model_len and (request.max_tokens or 0) >= model.max_model_len:
+        raise BadRequest(
+            f"'max_tokens' of {request.max_tokens} leaves no room for a prompt in the "
+            f"model's context of {model.max_model_len} tokens",
+            param="max_tokens",
+        )
+    return request, model
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """What a request is admitted under: settings, tokenizers and engine keys, swapped whole on
+    reload. A request reads the policy once, so it finishes under the one that admitted it."""
+
+    settings: Settings
+    counter: TokenCounter
+    engine_keys: dict[str, str]
+    auth: ClientAuth
+    version: int = 1
+    exact_above: int = field(init=False)
+    # (lane, cluster) -> the slot limit of one of the cluster's endpoints for that lane.
+    endpoint_limits: dict[tuple[str, str], int] = field(init=False)
+    forward_headers: frozenset[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        lanes = self.settings.lanes
+        object.__setattr__(self, "exact_above", exact_count_above(lanes))
+        limits = {
+            (lane.name, c.name): endpoint_limit(lanes, lane, c.name)
+            for lane in lanes
+            for c in self.settings.clusters
+        }
+        object.__setattr__(self, "endpoint_limits", limits)
+        extra = frozenset(name.lower() for name in self.settings.routes.forward_headers)
+        object.__setattr__(self, "forward_headers", extra)
+
+    def serves(self, cluster: str, model: str) -> bool:
+        models = self.settings.cluster(cluster).models
+        return not models or model in models
+
+    def limit_of(self, lane: LaneSettings) -> Callable[[EngineView], int]:
+        """The slot limit of an endpoint for this lane's requests (gateway/request/lanes.py)."""
+        limits, name = self.endpoint_limits, lane.name
+        return lambda view: limits[(name, view.cluster)]
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where an admitted request goes: its slot's endpoint, the lane whose deadlines bound it,
+    the cluster's auth settings and key, and the prompt count (the deadlines grow with the
+    figure that decided the lane; the exact count is finished while the engine works)."""
+
+    route: EngineRoute
+    grant: Grant
+    lane: LaneSettings
+    cluster: ClusterSettings
+    engine_key: str | None
+    forward_headers: frozenset[str]  # the admitting policy's, as the engine key is
+    count: ExactCount
+    watch: Watch  # one for every attempt: failing over never extends the request's deadlines
+    fresh: bool  # open a new connection (a kept-alive one was found closed)
+
+
+class Pipeline:
+    def __init__(
+        self,
+        policy: Policy,
+        pool: EnginePool,
+        admission: Admission,
+        upstream: Upstream,
+        recorder: Recorder,
+        failover: Failover,
+        affinity: ResponseAffinity | None = None,
+    ) -> None:
+        self.policy = policy
+        routes = policy.settings.routes
+        self.affinity = affinity or MemoryAffinity(
+            routes.response_affinity_entries, routes.response_affinity_ttl_s
+        )
+        self.pool = pool
+        self.admission = admission
+        self.upstream = upstream
+        self.recorder = recorder
+        self.metrics = recorder.metrics
+        self.log = recorder.log
+        self.failover = failover
+        self.accepting = True
+        self.in_flight = 0
+
+    async def handle(self, route: EngineRoute, scope: Scope, receive: Receive, send: Send) -> None:
+        policy = self.policy
+        record = Record(request_id=request_id_from(scope), endpoint=route.endpoint)
+        out = Outbound(send, route.errors)
+        ids = [(b"x-request-id", record.request_id.encode())]
+        self.in_flight += 1
+        try:
+            if not self.accepting:
+                raise ShuttingDown("gateway is shutting down", retry_after_s=1)
+            policy.auth.check(header(scope, b"authorization"))
+            require_media_type(scope, route.media_types)
+            body = await read_body(
+                scope,
+                receive,
+                policy.settings.server.max_body_bytes,
+                policy.settings.server.body_timeout_s,
+            )
+            with anyio.CancelScope() as cancel_on_disconnect:
+                # A plain task, not an anyio task group: the group's spawn, its cancel (anyio
+                # formats the task's repr into every cancel reason) and its exit were among the
+                # largest per-request costs in the overhead benchmark's profile.
+                watcher = asyncio.get_running_loop().create_task(
+                    watch_disconnect(receive, cancel_on_disconnect.cancel)
+                )
+                watcher.add_done_callback(_reaper(self.log, self.metrics, record.request_id))
+                try:
+                    await self._route(policy, route, scope, body, out, record)
+                finally:
+                    watcher.cancel()
+            # After the last byte, uvicorn reports the finished exchange as a disconnect too.
+            if cancel_on_disconnect.cancelled_caught and not out.finished:
+                record.outcome = "client_disconnect"
+        except* ClientGone:
+            record.outcome = "client_disconnect"
+        except* GatewayError as refusal:
+            exc = _first(refusal)
+            assert isinstance(exc, GatewayError)
+            self.recorder.refused(record, exc)
+            await out.error(exc, ids)
+        except* Exception as bug:  # the request boundary: a bug must not kill the server
+            exc = _first(bug)
+            self.log.exception("request.failed", request_id=record.request_id, exc_info=exc)
+            swallowed(
+                self.log,
+                self.metrics,
+                "pipeline.handle",
+                exc,
+                decision="answered_500",
+                request_id=record.request_id,
+            )
+            record.outcome = "error"
+            await out.error(GatewayError("internal gateway error"), ids)
+        finally:
+            self.in_flight -= 1
+            self.recorder.finished(record, out.status)
+
+    async def _route(
+        self,
+        policy: Policy,
+        route: EngineRoute,
+        scope: Scope,
+        body: bytes,
+        out: Outbound,
+        record: Record,
+    ) -> None:
+        settings = policy.settings
+        request, model = read_request(route, scope, body, settings)
+        healthy = self.pool.healthy_clusters()
+        if route.multipart:  # no text to count: the lane the policy names
+            count = TokenCount(0, "none", "none", 0, 0.0)
+            decision = choose_named_lane(settings.multipart_lane, settings.lanes, healthy)
+        else:
+            count = await policy.counter.count(
+                model.name, request.prompt, exact_above=policy.exact_above
+            )
+            decision = choose_lane(count.tokens, settings.lanes, healthy)
+        decision, pinned = await self._pin(request, decision, settings.lanes)
+        self.recorder.decided(record, Routed.of(request, count, decision, healthy))
+        if decision.lane is None:
+            raise PromptTooLong(no_lane_message(count.tokens, settings.lanes), param="input_tokens")
+        if not decision.clusters:
+            raise NoHealthyCluster(
+                f"no healthy cluster for lane '{decision.lane.name}'", retry_after_s=5
+            )
+        lane = decision.lane
+        serving = tuple(c for c in decision.clusters if policy.serves(c, model.name))
+
+        affinity = (
+            prefix_key(request.prompt, lane.affinity_prefix_bytes)
+            if lane.prefix_affinity and not route.multipart
+            else None
+        )
+
+        def candidates() -> Sequence[EngineView]:
+            views = [v for c in serving for v in order_endpoints(self.pool.views(c), affinity)]
+            return views if pinned is None else [v for v in views if v.url == pinned]
+
+        if pinned is not None and not any(v.state.routable for v in candidates()):
+            raise NoHealthyCluster(
+                f"the engine holding response '{request.previous_response_id}' ({pinned}) is "
+                "down; its stored conversation lives only there",
+                retry_after_s=5,
+            )
+
+        limit_of = policy.limit_of(lane)
+        exact = ExactCount(policy.counter, count)
+        # One watch spans every attempt. A bound errs long: deadlines grown from it are never
+        # shorter than the exact count's.
+        watch = Watch(deadlines_for(lane.timeouts, exact.decided_by))
+        attempts = Attempts(
+            lane, self.pool.views, lambda c: policy.serves(c, model.name), limit_of, watch.left_s
+        )
+        # The slot token is ours, never the client's request id: two requests sharing an id
+        # must not share (and free) one slot.
+        async with self.admission.slot(lane, candidates, uuid.uuid4().hex, limit_of) as held:
+            self.recorder.admitted(record, held.grant)
+            try:
+                while True:
+                    target = Target(
+                        route,
+                        held.grant,
+                        lane,
+                        settings.cluster(held.cluster),
+                        policy.engine_keys.get(held.cluster),
+                        policy.forward_headers,
+                        exact,
+                        watch,
+                        attempts.fresh,
+                    )
+                    try:
+                        with (
+                            anyio.CancelScope() as engine_down,
+                            self.pool.track(held.cluster, held.url, engine_down) as engine,
+                        ):
+                            await self._forward(request, scope, body, target, out, record)
+                        if engine_down.cancelled_caught and record.status == 0:
+                            raise EngineUnreachable(
+                                f"engine was marked down before answering: {engine.evidence}",
+                                reason="marked_down",
+                            )
+                        break
+                    except EngineUnreachable as exc:
+                        # Nothing reached the client: fail over (gateway/upstream/failover.py) or
+                        # give up.
+                        if not await self.failover.next_attempt(
+                            record.request_id, held, exc, attempts, target.cluster
+                        ):
+                            raise
+                        self.recorder.moved(record, held.grant)
+            finally:
+                record.prompt_tokens = exact.settle()
+                if exact.error is not None:
+                    swallowed(
+                        self.log,
+                        self.metrics,
+                        "usage.exact_count",
+                        exact.error,
+                        decision="prompt_tokens_unknown",
+                        request_id=record.request_id,
+                    )
+            self.recorder.engine_counted(record, model.name, model.tokenizer.chat_template)
+            if engine_down.cancelled_caught and not out.finished:
+                raise UpstreamError(f"engine was marked down mid-request: {engine.evidence}")
+
+    async def _pin(
+        self, request: RoutedRequest, decision: Decision, lanes: Sequence[LaneSettings]
+    ) -> tuple[Decision, str | None]:
+        """A Responses follow-up goes to the endpoint that stored its previous response, when
+        the gateway knows it; otherwise the count alone decides (the engine answers 404 for a
+        response it does not hold)."""
+        if request.previous_response_id is None:
+            return decision, None
+        found = await self.affinity.lookup(request.previous_response_id)
+        if found is None:
+            return decision, None
+        pinned = pin_to_cluster(decision, found[0], lanes)
+        return pinned, found[1] if pinned.reason == "response_affinity" else None
+
+    async def _learn(self, request: RoutedRequest, grant: Grant, payload: bytes) -> None:
+        """Remember which endpoint produced a Responses answer (its id is in the first bytes)."""
+        if request.endpoint == "responses":
+            response_id = response_id_of(payload)
+            if response_id is not None:
+                await self.affinity.remember(response_id, grant.cluster, grant.url)
+
+    async def _forward(
+        self,
+        request: RoutedRequest,
+        scope: Scope,
+        body: bytes,
+        target: Target,
+        out: Outbound,
+        record: Record,
+    ) -> None:
+        grant, exact, watch = target.grant, target.count, target.watch
+        headers = upstream_headers(
+            scope.get("headers", ()),
+            record.request_id,
+            forward_auth=target.cluster.forward_client_auth,
+            engine_key=target.engine_key,
+            extra=target.forward_headers,
+        )
+        ours = {
+            "x-request-id": record.request_id,
+            "x-shapegate-lane": grant.lane,
+            "x-shapegate-cluster": grant.cluster,
+        }
+        if exact.bound is not None:
+            ours["x-shapegate-prompt-tokens-bound"] = str(exact.bound)
+        url = grant.url.rstrip("/") + target.route.path
+        async with self.upstream.open(
+            url, body, headers, watch, exact.meanwhile, fresh=target.fresh
+        ) as response:
+            record.status = response.status
+            self.failover.answered(target.cluster, grant.url, response.status)
+            # Counted while the engine worked: done by now unless the counting worker is congested.
+            tokens = await exact.tokens(HEADER_COUNT_WAIT_S)
+            if tokens is not None:
+                ours["x-shapegate-prompt-tokens"] = str(tokens)
+            if not (request.stream and response.status == 200):
+                payload = await response.read(watch)
+                record.ttft_s = time.monotonic() - record.started
+                usage = engine_usage(payload)
+                # A known length: framed by Content-Length, not chunked (HTTP/1.0 clients too).
+                whole = {**ours, "content-length": str(len(payload))}
+                await out.start(
+                    response.status, response_headers(response.headers, whole), streaming=False
+                )
+                if response.status == 200:  # stored before the client can see the id
+                    await self._learn(request, grant, payload)
+                await out.body(payload, more=False)
+                record.outcome = "upstream_error" if record.status >= 500 else "ok"
+            else:
+                tail, events, head = b"", 0, b""
+                learning = request.endpoint == "responses"
+                async for chunk in response.chunks(watch):
+                    self.recorder.chunk(record, time.monotonic())
+                    if not out.started:
+                        await out.start(
+                            200, response_headers(response.headers, ours), streaming=True
+                        )
+                    tail += chunk  # usage comes last; data events are counted in bulk
+                    if len(tail) > TAIL_MAX:
+                        tail, passed = trim_tail(tail)
+                        events += passed
+                    if learning:  # the id is in the first event, which may span chunks
+                        head += chunk
+                        if b"\n\n" in head or len(head) > LEARN_HEAD_BYTES:
+                            learning = False
+                            await self._learn(request, grant, head)
+                    await out.body(chunk, more=True)
+                if not out.started:
+                    await out.start(200, response_headers(response.headers, ours), streaming=True)
+                await out.body(b"", more=False)
+                record.outcome = "ok"
+                usage = engine_usage(tail)
+                events += sse_events(tail)
+                if usage.completion_tokens is None and request.endpoint in ("chat", "completions"):
+                    # No usage chunk: one token per content event (chat opens with a role event).
+                    record.output_tokens_estimate = max(0, events - (request.endpoint == "chat"))
+            record.output_tokens = usage.completion_tokens
+            record.engine_prompt_tokens = usage.prompt_tokens

@@ -1,0 +1,1 @@
+"""slots: see the README's Architecture section."""

@@ -1,0 +1,119 @@
+"""Slot stores: who holds which concurrency slot, behind one protocol.
+
+A request needs two slots taken together: one in its lane and one on the engine endpoint that
+will serve it. ``try_acquire`` is given the lane limit and the candidate endpoints in preference
+order and takes the lane slot plus the first candidate with room, all or nothing, returning the
+candidate's index (or None when nothing has room). Slots are keyed by a per-request token, so
+acquire is idempotent per token and release is exact and idempotent.
+
+    MemorySlotStore   one process; the default and the demo's
+    RedisSlotStore    shared by every gateway replica through leases (gateway/slots/redis_store.py)
+
+``move(token, lane, release, candidates)`` fails a granted request over: it gives up the
+endpoint slot ``release`` and takes the first candidate with room, keeping the lane slot, in one
+step (never two endpoint slots at once); None when no candidate has room (the token then holds
+the lane slot only).
+
+``hold(token, keys)`` is the context a grant lives in: nothing to do in memory, lease renewal
+for Redis. ``waiting(token, lane_key)`` is the context a queued request waits in: nothing in
+memory; for Redis, a place in the lane's waiting list shared by every replica, which
+``try_acquire`` honours (arrival order across replicas) and which is left when the block exits.
+Local waiting, timeouts and disconnects are admission.py's business, not the store's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    key: str
+    limit: int
+
+
+def lane_key(lane: str) -> str:
+    return f"lane:{lane}"
+
+
+def endpoint_key(cluster: str, url: str) -> str:
+    return f"ep:{cluster}:{url}"
+
+
+class SlotStore(Protocol):
+    # True when other processes share the store, so waiters must also poll for their releases.
+    shared: bool
+
+    async def try_acquire(
+        self, token: str, lane: Limit, candidates: Sequence[Limit]
+    ) -> int | None: ...
+
+    async def move(
+        self, token: str, lane: Limit, release: str, candidates: Sequence[Limit]
+    ) -> int | None: ...
+
+    async def release(self, token: str, keys: Sequence[str]) -> None: ...
+
+    def hold(self, token: str, keys: Sequence[str]) -> AbstractAsyncContextManager[None]: ...
+
+    def waiting(self, token: str, lane_key: str) -> AbstractAsyncContextManager[None]: ...
+
+    async def in_use(self, keys: Sequence[str]) -> dict[str, int]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class MemorySlotStore:
+    """Slots of one gateway process. Every method is atomic: none awaits while it holds state."""
+
+    shared = False
+
+    def __init__(self) -> None:
+        self._held: dict[str, set[str]] = {}
+
+    def _room(self, limit: Limit, token: str) -> bool:
+        holders = self._held.get(limit.key, set())
+        return token in holders or len(holders) < limit.limit
+
+    async def try_acquire(self, token: str, lane: Limit, candidates: Sequence[Limit]) -> int | None:
+        if not self._room(lane, token):
+            return None
+        for index, candidate in enumerate(candidates):
+            if self._room(candidate, token):
+                self._held.setdefault(lane.key, set()).add(token)
+                self._held.setdefault(candidate.key, set()).add(token)
+                return index
+        return None
+
+    async def move(
+        self, token: str, lane: Limit, release: str, candidates: Sequence[Limit]
+    ) -> int | None:
+        self._held.get(release, set()).discard(token)
+        for index, candidate in enumerate(candidates):
+            if self._room(candidate, token):
+                self._held.setdefault(candidate.key, set()).add(token)
+                return index
+        return None
+
+    async def release(self, token: str, keys: Sequence[str]) -> None:
+        for key in keys:
+            self._held.get(key, set()).discard(token)
+
+    @asynccontextmanager
+    async def hold(self, token: str, keys: Sequence[str]) -> AsyncIterator[None]:
+        # In one process a slot cannot outlive its holder: there is no lease to renew.
+        yield
+
+    @asynccontextmanager
+    async def waiting(self, token: str, lane_key: str) -> AsyncIterator[None]:
+        # admission.py's own FIFO is the whole queue when no other process shares the slots.
+        yield
+
+    async def in_use(self, keys: Sequence[str]) -> dict[str, int]:
+        return {key: len(self._held.get(key, ())) for key in keys}
+
+    async def aclose(self) -> None:
+        self._held.clear()

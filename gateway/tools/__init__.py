@@ -1,0 +1,1 @@
+"""tools: see the README's Architecture section."""

@@ -1,0 +1,397 @@
+"""A fixed fast upstream and an open-loop HTTP/1.1 load generator, both on raw asyncio sockets.
+
+Used by ``shapegate bench overhead`` and ``shapegate bench memory``; neither goes through any
+HTTP library of the gateway's, so the gateway is the only thing measured twice.
+
+- ``FixedUpstream`` (``python -m gateway.tools.bench.httpload upstream --port P``) answers every
+  ``POST`` with the same OpenAI-shaped chat completion: a JSON body with ``content-length``, or,
+  when the request body says ``"stream": true``, 100 SSE chunks plus a usage chunk and
+  ``[DONE]`` in chunked transfer encoding, written back to back in one ``writelines`` (an engine
+  spaces them by its inter-token latency; here the relay's per-byte cost is what is measured,
+  and at 1,000 requests/s a Python upstream cannot afford 100 writes per response). Every
+  ``GET`` (health, metrics) gets an empty 200. Keep-alive throughout.
+- ``open_loop(host, port, path, body, rate, seconds)`` sends requests on a fixed schedule,
+  ``rate`` a second, whether or not earlier ones finished (open loop: queueing in the server
+  shows up as latency, not as a lower send rate). A request due when no keep-alive connection
+  is idle opens a new one (up to ``MAX_CONNECTIONS``; past that it waits, which shows as
+  ``lag``). Per request it records the schedule lag (send time minus due time, the generator's
+  own lateness), the time to the first response byte and to the last, both from the send, and
+  the status; a refused, reset or timed-out request, or any status but 200, is an error.
+The generator's own ceiling is measured by pointing it at the upstream directly at rising rates
+(``overhead`` does and reports it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import socket
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import cast
+
+import httptools
+import orjson
+
+STREAM_CHUNKS = 100
+# open_loop: how long it waits for the last response, its connection ceiling, and the
+# keep-alive connections it opens before the first request is due.
+TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 512
+WARM_CONNECTIONS = 16
+_JSON_BODY = orjson.dumps(
+    {
+        "id": "chatcmpl-bench",
+        "object": "chat.completion",
+        "created": 1_700_000_000,
+        "model": "qwen3.6",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "Hello! How can I help you today?"},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": 12, "completion_tokens": 9, "total_tokens": 21},
+    }
+)
+_JSON_RESPONSE = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+    + str(len(_JSON_BODY)).encode()
+    + b"\r\n\r\n"
+    + _JSON_BODY
+)
+_SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+    b"transfer-encoding: chunked\r\n\r\n"
+)
+_EMPTY_RESPONSE = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
+
+
+def _http_chunk(payload: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(payload), payload)
+
+
+def _sse_chunks() -> list[bytes]:
+    chunks = []
+    for i in range(STREAM_CHUNKS):
+        event = {
+            "id": "chatcmpl-bench",
+            "object": "chat.completion.chunk",
+            "created": 1_700_000_000,
+            "model": "qwen3.6",
+            "choices": [{"index": 0, "delta": {"content": f"tok{i} "}, "finish_reason": None}],
+            "usage": None,
+        }
+        chunks.append(_http_chunk(b"data: " + orjson.dumps(event) + b"\n\n"))
+    usage = {
+        "id": "chatcmpl-bench",
+        "object": "chat.completion.chunk",
+        "created": 1_700_000_000,
+        "model": "qwen3.6",
+        "choices": [],
+        "usage": {"prompt_tokens": 12, "completion_tokens": 100, "total_tokens": 112},
+    }
+    chunks.append(_http_chunk(b"data: " + orjson.dumps(usage) + b"\n\ndata: [DONE]\n\n"))
+    chunks.append(b"0\r\n\r\n")
+    return chunks
+
+
+_SSE_CHUNKS = [_SSE_HEAD, *_sse_chunks()]
+
+
+class FixedUpstream(asyncio.Protocol):
+    """One connection of the fixed upstream (httptools parses requests)."""
+
+    def __init__(self) -> None:
+        self._parser = httptools.HttpRequestParser(self)
+        self._transport: asyncio.Transport | None = None
+        self._body: list[bytes] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses, only duck-typed alike.
+        self._transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError:
+            assert self._transport is not None
+            self._transport.close()
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        transport = self._transport
+        assert transport is not None
+        body = b"".join(self._body)
+        self._body.clear()
+        if self._parser.get_method() != b"POST":
+            transport.write(_EMPTY_RESPONSE)
+        elif b'"stream":true' in body or b'"stream": true' in body:
+            transport.writelines(_SSE_CHUNKS)
+        else:
+            transport.write(_JSON_RESPONSE)
+
+
+async def serve_upstream(host: str, port: int) -> None:
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(FixedUpstream, host, port, backlog=4096, reuse_address=True)
+    async with server:
+        await server.serve_forever()
+
+
+@dataclass(slots=True)
+class LoadResult:
+    """Per-request samples of one open-loop run (seconds)."""
+
+    rate: float
+    seconds: float
+    sent: int = 0
+    ok: int = 0
+    errors: int = 0
+    error_kinds: dict[str, int] = field(default_factory=dict)
+    lag: list[float] = field(default_factory=list)
+    ttfb: list[float] = field(default_factory=list)
+    total: list[float] = field(default_factory=list)
+    elapsed: float = 0.0
+    connections: int = 0
+
+    def error(self, kind: str) -> None:
+        self.errors += 1
+        self.error_kinds[kind] = self.error_kinds.get(kind, 0) + 1
+
+
+class _Client(asyncio.Protocol):
+    """One keep-alive client connection; one request at a time."""
+
+    def __init__(self, gen: _Generator) -> None:
+        self._gen = gen
+        self._parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.sent_at = 0.0
+        self.first_at = 0.0
+        self.busy = False
+        self.keep_alive = True
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def send(self, request: bytes) -> None:
+        assert self.transport is not None
+        self.busy = True
+        self.first_at = 0.0
+        self.sent_at = time.perf_counter()
+        self.transport.write(request)
+
+    def data_received(self, data: bytes) -> None:
+        if self.busy and not self.first_at:
+            self.first_at = time.perf_counter()
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError:
+            self._fail("bad_response")
+            assert self.transport is not None
+            self.transport.close()
+
+    def on_headers_complete(self) -> None:
+        self.keep_alive = self._parser.should_keep_alive()
+
+    def on_message_complete(self) -> None:
+        done = time.perf_counter()
+        self.busy = False
+        self._gen.finished(self, self._parser.get_status_code(), done)
+
+    def _fail(self, kind: str) -> None:
+        if self.busy:
+            self.busy = False
+            self._gen.failed(self, kind)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail("reset" if exc else "closed")
+        self._gen.lost(self)
+
+
+class _Generator:
+    def __init__(
+        self, host: str, port: int, requests: Sequence[bytes], max_connections: int
+    ) -> None:
+        self.host, self.port, self.requests = host, port, requests
+        self.max_connections = max_connections
+        self.idle: deque[_Client] = deque()
+        self.pending: deque[tuple[float, bytes]] = deque()
+        self.open = 0
+        self.in_flight: dict[_Client, float] = {}
+        self.result: LoadResult | None = None
+        self.outstanding = 0
+        self.scheduled = False  # every request of the run was submitted
+        self.all_done = asyncio.Event()
+
+    async def connect(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.open += 1
+        try:
+            _, client = await loop.create_connection(lambda: _Client(self), self.host, self.port)
+        except OSError:
+            self.open -= 1
+            if self.pending and self.result is not None:
+                self.pending.popleft()
+                self._settle(None, "connect_failed")
+            return
+        sock = client.transport.get_extra_info("socket") if client.transport else None
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.result is not None:
+            self.result.connections = max(self.result.connections, self.open)
+        self._ready(client)
+
+    def _ready(self, client: _Client) -> None:
+        if self.pending:
+            self._send(client, *self.pending.popleft())
+        else:
+            self.idle.append(client)
+
+    def _send(self, client: _Client, due: float, request: bytes) -> None:
+        client.send(request)
+        self.in_flight[client] = due
+        if self.result is not None:
+            self.result.lag.append(client.sent_at - due)
+
+    def submit(self, due: float) -> None:
+        assert self.result is not None
+        request = self.requests[self.result.sent % len(self.requests)]
+        self.result.sent += 1
+        self.outstanding += 1
+        while self.idle:
+            client = self.idle.popleft()
+            if client.transport is not None and not client.transport.is_closing():
+                self._send(client, due, request)
+                return
+        self.pending.append((due, request))
+        if self.open < self.max_connections:
+            asyncio.get_running_loop().create_task(self.connect())
+
+    def finished(self, client: _Client, status: int, done: float) -> None:
+        self.in_flight.pop(client, None)
+        result = self.result
+        if result is not None:
+            if status == 200:
+                result.ok += 1
+                result.ttfb.append(client.first_at - client.sent_at)
+                result.total.append(done - client.sent_at)
+            else:
+                result.error(f"status_{status}")
+        self._settle_count()
+        if client.keep_alive and client.transport is not None:
+            self._ready(client)
+        elif client.transport is not None:
+            client.transport.close()
+
+    def failed(self, client: _Client, kind: str) -> None:
+        self.in_flight.pop(client, None)
+        self._settle(client, kind)
+
+    def _settle(self, client: _Client | None, kind: str) -> None:
+        if self.result is not None:
+            self.result.error(kind)
+        self._settle_count()
+
+    def _settle_count(self) -> None:
+        self.outstanding -= 1
+        if self.scheduled and self.outstanding <= 0:
+            self.all_done.set()
+
+    def lost(self, client: _Client) -> None:
+        self.open -= 1
+        if client in self.idle:
+            self.idle.remove(client)
+        if self.pending and self.open < self.max_connections:
+            asyncio.get_running_loop().create_task(self.connect())
+
+    def close(self) -> None:
+        for client in [*self.idle, *self.in_flight]:
+            if client.transport is not None:
+                client.transport.close()
+
+
+def http_request(host: str, port: int, path: str, body: bytes) -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    ).encode() + body
+
+
+async def open_loop(
+    host: str,
+    port: int,
+    path: str,
+    body: bytes | Sequence[bytes],
+    rate: float,
+    seconds: float,
+) -> LoadResult:
+    """Send ``rate * seconds`` requests on a fixed schedule; wait for all (up to ``TIMEOUT_S``).
+
+    ``body`` is one request body, or a list of them sent in turn (request i gets body i)."""
+    bodies = [body] if isinstance(body, bytes) else body
+    requests = [http_request(host, port, path, one) for one in bodies]
+    gen = _Generator(host, port, requests, MAX_CONNECTIONS)
+    await asyncio.gather(*(gen.connect() for _ in range(WARM_CONNECTIONS)))
+    result = gen.result = LoadResult(rate=rate, seconds=seconds, connections=gen.open)
+    count = max(1, round(rate * seconds))
+    interval = 1.0 / rate
+    clock = time.perf_counter
+    start = clock() + 0.01
+    for i in range(count):
+        due = start + i * interval
+        delay = due - clock()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        gen.submit(due)
+    gen.scheduled = True
+    if gen.outstanding <= 0:
+        gen.all_done.set()
+    try:
+        await asyncio.wait_for(gen.all_done.wait(), TIMEOUT_S)
+    except TimeoutError:
+        for _ in range(gen.outstanding):
+            result.error("timeout")
+    result.elapsed = clock() - start
+    gen.close()
+    await asyncio.sleep(0)
+    return result
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile; NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def new_event_loop() -> Callable[[], asyncio.AbstractEventLoop]:
+    """uvloop's loop factory where installed (the gateway's own choice), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m gateway.tools.bench.httpload")
+    parser.add_argument("role", choices=["upstream"])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args()
+    with asyncio.Runner(loop_factory=new_event_loop()) as runner:
+        runner.run(serve_upstream(args.host, args.port))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""``shapegate init``: an annotated starting policy from a few flags, checked before it is kept.
+
+    shapegate init --engine http://127.0.0.1:9101 [--engine URL ...] [--heavy-engine URL ...]
+                   [--model NAME] [--tokenizer qwen3.6 | PATH] [--max-model-len N]
+                   [--threshold N] [--out shapegate.yaml] [--force]
+
+With only ``--engine``, one lane takes every prompt up to the model's context. With
+``--heavy-engine`` too, prompts of ``--threshold`` tokens or more go to a heavy lane of their own.
+The file is written only if it passes the same checks as ``shapegate check-config`` (tokenizer
+loaded, lanes covering the context, slot limits); exit code 2 otherwise, and an existing file is
+never replaced without ``--force``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from gateway.config_check import parse_policy
+from gateway.count.tokenizers.vocab import BUILTIN_NAMES
+from gateway.settings import ConfigError
+
+
+def _flow(values: list[str]) -> str:
+    return "[" + ", ".join(values) + "]"
+
+
+def _tokenizer(args: argparse.Namespace) -> str:
+    if args.tokenizer in BUILTIN_NAMES:
+        template = args.chat_template or "chatml"
+        return f"{{source: builtin, name: {args.tokenizer}, chat_template: {template}}}"
+    # A folder (or file) holding a Hugging Face tokenizer.json, and its chat template beside it.
+    template = args.chat_template or "hf"
+    return f"{{source: hf_json, path: {Path(args.tokenizer).resolve()}, chat_template: {template}}}"
+
+
+def _lane(name: str, low: int, high: int, slots: tuple[int, int], heavy: bool) -> str:
+    lane, per_endpoint = slots
+    if heavy:
+        timeouts = (
+            "{connect_s: 5, first_byte_s: 60, first_byte_per_1k_tokens_s: 1.0, idle_s: 120, "
+            "total_s: 3600}"
+        )
+        queue = "{depth: 64, max_wait_s: 1800}"
+    else:
+        timeouts = "{connect_s: 2, first_byte_s: 30, idle_s: 30, total_s: 300}"
+        queue = "{depth: 512, max_wait_s: 30}"
+    return f"""\
+  - name: {name}
+    # This lane takes prompts with {low} <= tokens < {high}.
+    min_prompt_tokens: {low}
+    max_prompt_tokens: {high}
+    clusters: [{name}]
+    # lane: requests in flight in the whole lane (every replica); per_endpoint: on one engine,
+    # best equal to the engine's --max-num-seqs.
+    slots: {{lane: {lane}, per_endpoint: {per_endpoint}}}
+    # When every slot is taken: wait in a bounded queue (or on_full: reject, for an instant 429).
+    queue: {queue}
+    on_full: wait
+    # first_byte_per_1k_tokens_s lets a long prefill take its time before the first token.
+    timeouts: {timeouts}
+"""
+
+
+def render_policy(args: argparse.Namespace) -> str:
+    """The annotated YAML ``init`` writes; pure over the parsed flags."""
+    top = args.max_model_len
+    heavy = bool(args.heavy_engine)
+    clusters = f"""\
+  - name: {"fast" if heavy else "main"}
+    kind: {args.kind}
+    # Each engine's base URL; the gateway picks the least loaded one with a free slot.
+    endpoints: {_flow(args.engine)}
+"""
+    if heavy:
+        clusters += f"""\
+  - name: heavy
+    kind: {args.kind}
+    endpoints: {_flow(args.heavy_engine)}
+"""
+        lanes = _lane("fast", 0, args.threshold, (64 * len(args.engine), 64), False)
+        lanes += _lane("heavy", args.threshold, top, (4 * len(args.heavy_engine), 4), True)
+    else:
+        lanes = _lane("main", 0, top, (64 * len(args.engine), 64), False)
+    return f"""\
+# shapegate policy written by `shapegate init`. Check it, then serve it:
+#   shapegate check-config {args.out}
+#   shapegate serve --config {args.out}
+# Edit and apply without a restart: POST /admin/reload, or kill -HUP the gateway.
+server:
+  host: {args.host}
+  port: {args.port}
+
+models:
+  # The name clients send as "model"; the engines must serve it under the same name.
+  - name: {args.model}
+    # Prompt tokens are counted with this tokenizer and chat template, offline, at every request.
+    tokenizer: {_tokenizer(args)}
+    # The engine's --max-model-len; lanes below cover every prompt up to it.
+    max_model_len: {top}
+
+clusters:
+{clusters}
+lanes:
+  # A prompt goes to the lane whose [min_prompt_tokens, max_prompt_tokens) range holds its
+  # token count; ranges start at 0 and leave no gap. Longer prompts are refused with 400.
+{lanes}
+state:
+  # memory: one gateway replica. redis: slots shared by every replica (state.redis_url).
+  backend: memory
+"""
+
+
+def _init(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        print(f"shapegate init: {out} exists; pass --force to replace it", file=sys.stderr)
+        return 2
+    if args.heavy_engine and not 0 < args.threshold < args.max_model_len:
+        print("shapegate init: --threshold must lie between 0 and --max-model-len", file=sys.stderr)
+        return 2
+    text = render_policy(args)
+    try:
+        parse_policy(text, str(out)).load_counter()
+    except ConfigError as exc:
+        print(f"shapegate init: the policy would not serve: {exc}", file=sys.stderr)
+        return 2
+    out.write_text(text, encoding="utf-8")
+    print(
+        f"wrote {out}\n"
+        f"  check:  shapegate check-config {out}\n"
+        f"  serve:  shapegate serve --config {out}"
+    )
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    init = subparsers.add_parser("init", help="write an annotated starting policy")
+    init.add_argument(
+        "--engine",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="an engine's base URL (repeatable); with --heavy-engine, the fast lane's engines",
+    )
+    init.add_argument(
+        "--heavy-engine",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an engine for prompts of --threshold tokens or more (repeatable; none: one lane)",
+    )
+    init.add_argument("--model", default="qwen3.6", help="the model name clients send")
+    init.add_argument(
+        "--tokenizer",
+        default="qwen3.6",
+        help=f"a shipped tokenizer ({', '.join(BUILTIN_NAMES)}) or a folder holding the model's "
+        "tokenizer.json (and its chat template)",
+    )
+    init.add_argument(
+        "--chat-template",
+        choices=("chatml", "hf", "none"),
+        default=None,
+        help="how chat messages become the prompt (default: chatml for a shipped tokenizer, "
+        "hf, the model's own template, for a folder)",
+    )
+    init.add_argument(
+        "--max-model-len", type=int, default=131072, help="the engines' context, in tokens"
+    )
+    init.add_argument(
+        "--threshold",
+        type=int,
+        default=32768,
+        help="prompt tokens from which the heavy lane takes a request",
+    )
+    init.add_argument("--kind", choices=("vllm", "sglang"), default="vllm", help="engine kind")
+    init.add_argument("--host", default="127.0.0.1", help="the gateway's listen address")
+    init.add_argument("--port", type=int, default=8000, help="the gateway's port")
+    init.add_argument("--out", default="shapegate.yaml", help="policy file to write")
+    init.add_argument("--force", action="store_true", help="replace an existing --out file")
+    init.set_defaults(func=_init)

@@ -1,0 +1,1 @@
+"""tuning: see the README's Architecture section."""

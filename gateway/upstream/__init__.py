@@ -1,0 +1,1 @@
+"""upstream: see the README's Architecture section."""

@@ -1,0 +1,191 @@
+"""The gateway's side of watching engines: probe plans from the lane policy, and what the
+monitor's events become in logs and metrics.
+
+A cluster is probed with the health settings of the lane(s) it serves. When it serves several
+(primary in one, emergency in another), the most lenient settings win: a heavy engine must never
+be judged by a fast lane's clock.
+
+Events become: ``engine.state_changed`` (info, once per transition, with evidence) and
+``shapegate_engine_up``; ``engine.slow`` (a warning and ``watchdog_events{kind=probe_timeout}``,
+an alert that evicts nothing); load gauges. Every failed probe and scrape counts in
+``shapegate_engine_check_failures_total{cluster, endpoint, check}``: an engine failing is the
+engine's news (its state change is logged once), not an error of ours. Only a scrape failing
+while the engine is known alive (it answers probes) is unexpected: that one is also a swallowed
+error, logged when the endpoint's scrapes start failing, not on every interval.
+
+``watch_latency`` judges, every ``JUDGE_INTERVAL_S``, each endpoint's request latencies against
+its cluster's peers (engine_pool/latency.py): ``engine.slow_requests`` (warning, with evidence)
+when one turns slow, ``engine.slow_recovered`` when it no longer is, ``shapegate_engine_slow``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+
+from engine_pool.health import Thresholds
+from engine_pool.latency import judge
+from engine_pool.monitor import (
+    LoadRead,
+    MonitorEvent,
+    ProbeFailed,
+    ProbePlan,
+    ScrapeFailed,
+    SlowProbe,
+)
+from engine_pool.registry import EnginePool, StateChange
+from gateway.observe.log import Logger, swallowed
+from gateway.observe.metrics import Metrics
+from gateway.settings import HealthSettings, LaneSettings, Settings
+
+
+def lanes_of(settings: Settings, cluster: str) -> list[LaneSettings]:
+    return [
+        lane
+        for lane in settings.lanes
+        if cluster in lane.clusters or cluster in lane.emergency_clusters
+    ]
+
+
+def _lenient(healths: list[HealthSettings]) -> HealthSettings:
+    if not healths:
+        return HealthSettings()
+    return HealthSettings(
+        interval_s=min(h.interval_s for h in healths),
+        timeout_s=max(h.timeout_s for h in healths),
+        down_after_timeouts=max(h.down_after_timeouts for h in healths),
+        up_after_successes=max(h.up_after_successes for h in healths),
+        scrape_interval_s=min(h.scrape_interval_s for h in healths),
+    )
+
+
+def probe_plans(settings: Settings) -> list[ProbePlan]:
+    plans = []
+    for cluster in settings.clusters:
+        health = _lenient([lane.health for lane in lanes_of(settings, cluster.name)])
+        for url in cluster.endpoints:
+            plans.append(
+                ProbePlan(
+                    cluster=cluster.name,
+                    url=url,
+                    kind=cluster.kind,
+                    health_path=cluster.health_path,
+                    interval_s=health.interval_s,
+                    timeout_s=health.timeout_s,
+                    thresholds=Thresholds(health.down_after_timeouts, health.up_after_successes),
+                    scrape_interval_s=health.scrape_interval_s,
+                )
+            )
+    return plans
+
+
+def slow_start(log: Logger, cluster: str, url: str, window_s: float, why: str) -> None:
+    """One ``engine.slow_start``: the endpoint's admission ramps up over ``window_s``."""
+    log.info("engine.slow_start", cluster=cluster, endpoint=url, window_s=window_s, why=why)
+
+
+class EngineEvents:
+    """Turns monitor events into log lines and metrics."""
+
+    def __init__(self, settings: Settings, metrics: Metrics, log: Logger) -> None:
+        self._settings = settings
+        self._metrics = metrics
+        self._log = log
+        self._failing: set[tuple[str, str]] = set()
+        for cluster in settings.clusters:
+            for url in cluster.endpoints:
+                metrics.engine_up.labels(cluster=cluster.name, endpoint=url).set(1)
+
+    def __call__(self, event: MonitorEvent) -> None:
+        if isinstance(event, StateChange):
+            self._log.info(
+                "engine.state_changed",
+                cluster=event.cluster,
+                endpoint=event.url,
+                old=event.old.value,
+                new=event.new.value,
+                evidence=event.evidence,
+            )
+            self._metrics.engine_up.labels(cluster=event.cluster, endpoint=event.url).set(
+                1 if event.new.routable else 0
+            )
+            if event.new.routable and event.slow_start_s > 0:
+                slow_start(self._log, event.cluster, event.url, event.slow_start_s, "recovered")
+        elif isinstance(event, SlowProbe):
+            lanes = lanes_of(self._settings, event.cluster)
+            lane = lanes[0].name if lanes else "none"
+            self._log.warning(
+                "engine.slow",
+                cluster=event.cluster,
+                endpoint=event.url,
+                lane=lane,
+                evidence=event.evidence,
+            )
+            self._metrics.watchdog_events.labels(
+                lane=lane, cluster=event.cluster, kind="probe_timeout"
+            ).inc()
+            self._metrics.events.add(
+                "watchdog",
+                "engine.probe",
+                event.evidence,
+                "alert_only",
+                {"lane": lane, "cluster": event.cluster, "endpoint": event.url},
+            )
+        elif isinstance(event, LoadRead):
+            self._failing.discard((event.cluster, event.url))
+            for what in ("running", "waiting", "kv_usage"):
+                value = getattr(event.load, what)
+                if value is not None:
+                    self._metrics.engine_load.labels(
+                        cluster=event.cluster, endpoint=event.url, what=what
+                    ).set(value)
+        elif isinstance(event, ProbeFailed):
+            self._metrics.engine_check_failures.labels(
+                cluster=event.cluster, endpoint=event.url, check="probe"
+            ).inc()
+        elif isinstance(event, ScrapeFailed):
+            self._metrics.engine_check_failures.labels(
+                cluster=event.cluster, endpoint=event.url, check="scrape"
+            ).inc()
+            key = (event.cluster, event.url)
+            if not event.engine_alive:
+                # Down, or dead a moment ago and not yet caught by its prober: expected.
+                return
+            if key in self._failing:
+                self._metrics.swallowed_errors.labels(where="load.scrape").inc()
+            else:
+                self._failing.add(key)
+                swallowed(
+                    self._log,
+                    self._metrics,
+                    "load.scrape",
+                    event.error,
+                    decision="route_without_load",
+                    cluster=event.cluster,
+                    endpoint=event.url,
+                )
+
+
+# How often endpoints' request latencies are judged against their peers (O(samples) a round).
+JUDGE_INTERVAL_S = 5.0
+
+
+def judge_latency(pool: EnginePool, metrics: Metrics, log: Logger) -> None:
+    """One round: each endpoint's TTFT p95 and slow state from the requests it served."""
+    for (cluster, url), latency in judge(pool.latency, time.monotonic()).items():
+        if pool.set_latency(cluster, url, latency):
+            if latency.slow is not None:
+                log.warning(
+                    "engine.slow_requests", cluster=cluster, endpoint=url, evidence=latency.slow
+                )
+            else:
+                log.info("engine.slow_recovered", cluster=cluster, endpoint=url)
+        metrics.engine_slow.labels(cluster=cluster, endpoint=url).set(latency.slow is not None)
+
+
+async def watch_latency(pool: EnginePool, metrics: Metrics, log: Logger) -> None:
+    """``judge_latency`` every ``JUDGE_INTERVAL_S``; slow is reported, routing is unchanged."""
+    while True:
+        await anyio.sleep(JUDGE_INTERVAL_S)
+        judge_latency(pool, metrics, log)

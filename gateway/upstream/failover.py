@@ -1,0 +1,150 @@
+"""Failing over before the response began, and what real requests tell about engines.
+
+    failover_candidates(lane, views, tried, serves) -> list[EngineView]      pure
+    Failover(pool, admission, metrics, log, on_change)                       the edge
+    await failover.next_attempt(request_id, held, exc, attempts, cluster) -> bool
+
+A request whose engine could not be reached (``EngineUnreachable``: refused, reset, or a
+connection found closed, with no answer byte) may go elsewhere, because nothing reached the
+client and the engine did not answer:
+
+1. A kept-alive connection found closed (``stale``) is tried once more on a fresh connection
+   to the same engine: the engine may only have closed an idle connection.
+2. Otherwise the request moves, slot and all (``Admission.move``), to the next routable
+   endpoint of its lane it has not tried: the lane's clusters first, then, only when none of
+   those has one left, its emergency clusters; at most ``lanes[].retry.max_retries`` times,
+   within the request's deadlines (one ``Watch`` spans every attempt).
+
+Each retry is one ``route.retry`` event (request_id, lane, from, to, reason) and one
+``shapegate_retries_total{lane,reason}``. Each failure (but a stale connection, which is no
+evidence against the engine) and each answer feeds passive ejection in the pool
+(engine_pool/outlier.py); an ejection is reported like any engine state change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import anyio
+
+from engine_pool.cluster import EngineView
+from engine_pool.picker import order_endpoints
+from engine_pool.registry import EnginePool, StateChange
+from gateway.errors import EngineUnreachable
+from gateway.observe.log import Logger
+from gateway.observe.metrics import Metrics
+from gateway.request.admission import Admission, Held
+from gateway.settings import ClusterSettings, LaneSettings
+
+
+def failover_candidates(
+    lane: LaneSettings,
+    views: Mapping[str, Sequence[EngineView]],
+    tried: set[tuple[str, str]],
+    serves: Callable[[str], bool],
+) -> list[EngineView]:
+    """Routable endpoints not yet tried: the lane's clusters' first, else its emergency ones'."""
+    for group in (lane.clusters, lane.emergency_clusters):
+        found = [
+            view
+            for cluster in group
+            if serves(cluster)
+            for view in order_endpoints(views.get(cluster, ()))
+            if (view.cluster, view.url) not in tried
+        ]
+        if found:
+            return found
+    return []
+
+
+@dataclass(slots=True)
+class Attempts:
+    """One request's attempts: its lane, where it may go, the endpoints that failed it, and
+    whether the next attempt goes out on a fresh connection."""
+
+    lane: LaneSettings
+    views: Callable[[str], Sequence[EngineView]]
+    serves: Callable[[str], bool]
+    limit_of: Callable[[EngineView], int]
+    # Seconds left of the request's total deadline: a move never waits past it.
+    left_s: Callable[[], float]
+    tried: set[tuple[str, str]] = field(default_factory=set)
+    fresh: bool = False
+
+    def candidates(self) -> list[EngineView]:
+        lane = self.lane
+        views = {c: self.views(c) for c in (*lane.clusters, *lane.emergency_clusters)}
+        return failover_candidates(lane, views, self.tried, self.serves)
+
+
+class Failover:
+    def __init__(
+        self,
+        pool: EnginePool,
+        admission: Admission,
+        metrics: Metrics,
+        log: Logger,
+        on_change: Callable[[StateChange], None],
+    ) -> None:
+        self._pool = pool
+        self._admission = admission
+        self._metrics = metrics
+        self._log = log
+        self._on_change = on_change
+
+    async def next_attempt(
+        self,
+        request_id: str,
+        held: Held,
+        exc: EngineUnreachable,
+        attempts: Attempts,
+        cluster: ClusterSettings,
+    ) -> bool:
+        """Record the failure and set up the next attempt: the same engine on a fresh
+        connection, or the next endpoint with the slot moved there. False: give up (no retry
+        left, or nowhere to go); the caller answers with ``exc``."""
+        self.unreachable(cluster, held.url, exc)
+        old, lane = held.url, attempts.lane
+        if exc.stale and not attempts.fresh:
+            attempts.fresh = True
+        elif held.moves < lane.retry.max_retries:
+            attempts.tried.add((held.cluster, held.url))
+            attempts.fresh = False
+            moved = False
+            with anyio.move_on_after(attempts.left_s()):
+                moved = await self._admission.move(
+                    held, lane, attempts.candidates, attempts.limit_of
+                )
+            if not moved:
+                return False
+        else:
+            return False
+        self.retried(request_id, lane.name, old, held.url, exc.reason)
+        return True
+
+    def unreachable(self, cluster: ClusterSettings, url: str, exc: EngineUnreachable) -> None:
+        if exc.stale:
+            return
+        change = self._pool.unreachable(
+            cluster.name,
+            url,
+            refused=exc.reason == "refused",
+            eject_after=cluster.outlier.eject_after_connect_failures,
+            why=exc.message,
+        )
+        self._ejected(change, "connect_failure")
+
+    def answered(self, cluster: ClusterSettings, url: str, status: int) -> None:
+        change = self._pool.answered(cluster.name, url, status, cluster.outlier.eject_after_5xx)
+        self._ejected(change, "5xx")
+
+    def _ejected(self, change: StateChange | None, cause: str) -> None:
+        if change is not None:
+            self._metrics.ejections.labels(cluster=change.cluster, cause=cause).inc()
+            self._on_change(change)
+
+    def retried(self, request_id: str, lane: str, old: str, new: str, reason: str) -> None:
+        where = {"from": old, "to": new}  # "from" is a Python keyword
+        self._log.info("route.retry", request_id=request_id, lane=lane, reason=reason, **where)
+        self._metrics.child(self._metrics.retries, lane, reason).inc()

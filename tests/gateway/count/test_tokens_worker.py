@@ -1,0 +1,153 @@
+"""gigatoken in a child process: the same counts as in-process, replaced past its memory bound,
+restarted when killed, gone when closed. ``counting.max_encoder_rss_mb: null`` keeps it in the
+gateway's own process."""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from structlog.testing import capture_logs
+
+from gateway.count.tokenizers.encoders import GigatokenEncoder
+from gateway.count.tokenizers.vocab import EncoderLimits, load_vocabulary
+from gateway.count.tokenizers.worker import HARD_FACTOR, ChildEncoder
+from gateway.count.tokens import TokenCounter
+from gateway.settings import TokenizerSettings, parse_settings
+from tests.conftest import lanes_config
+
+CL100K = TokenizerSettings(source="builtin", name="cl100k_base")
+TEXTS = [
+    "plain prose, with punctuation; and numbers 12345.",
+    "日本語と中文 🎉 e\u0301 क़ <|endoftext|> tail",
+    '{"id": 17, "tags": ["a", "b"]}\n' * 50,
+]
+
+
+def _alive(pid: int) -> bool:
+    """Running: a zombie (killed, not yet reaped by its parent) counts as gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _gone(pid: int, within_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_child_counts_exactly_what_the_in_process_tokenizer_counts() -> None:
+    inproc = load_vocabulary(CL100K, limits=EncoderLimits(max_rss_mb=None)).encoder
+    child = load_vocabulary(CL100K, limits=EncoderLimits(max_rss_mb=512)).encoder
+    assert isinstance(inproc, GigatokenEncoder) and isinstance(child, ChildEncoder)
+    try:
+        assert child.count_many(TEXTS) == inproc.count_many(TEXTS)
+        assert child.try_count_many(TEXTS[:1]) == inproc.count_many(TEXTS[:1])
+        assert [child.encode(t) for t in TEXTS] == [inproc.encode(t) for t in TEXTS]
+        big = "word " * 300_000  # above the GIL-free batch threshold
+        assert child.count_many([big]) == inproc.count_many([big])
+        assert child.pid != os.getpid()
+    finally:
+        child.close()
+
+
+def test_past_its_bound_the_child_is_replaced_and_memory_comes_back() -> None:
+    child = load_vocabulary(CL100K, limits=EncoderLimits(max_rss_mb=128)).encoder
+    assert isinstance(child, ChildEncoder)
+    try:
+        first_pid, loaded = child.pid, child.rss_mb
+        bound = child.bound_mb
+        assert bound >= loaded  # a bound under the loaded size is raised, not looped on
+        rng = np.random.default_rng(5)
+        peak = 0.0
+        with capture_logs() as logs:
+            for _ in range(2_000):  # base64 grows gigatoken's cache ~6 MB per MB of text
+                text = base64.b64encode(rng.bytes(30_000)).decode()
+                assert child.count_many([text])[0] > 0
+                peak = max(peak, child.rss_mb)
+                if child.recycles >= 2:
+                    break
+        assert child.recycles >= 2, (loaded, bound, peak)
+        assert child.pid != first_pid
+        assert _gone(first_pid)
+        assert peak <= HARD_FACTOR * bound + 32  # the hard bound, plus one call's growth
+        events = [e["event"] for e in logs]
+        assert "tokenizer.recycle_started" in events and "tokenizer.recycled" in events
+        # The replacement counts as the first did.
+        assert child.count_many(TEXTS) == load_vocabulary(
+            CL100K, limits=EncoderLimits(max_rss_mb=None)
+        ).encoder.count_many(TEXTS)
+    finally:
+        child.close()
+
+
+def test_a_killed_child_is_replaced_and_the_call_answered() -> None:
+    child = load_vocabulary(CL100K, limits=EncoderLimits(max_rss_mb=512)).encoder
+    assert isinstance(child, ChildEncoder)
+    try:
+        expected = child.count_many(TEXTS)
+        victim = child.pid
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        assert _gone(victim)
+        with capture_logs() as logs:
+            assert child.count_many(TEXTS) == expected
+        assert child.pid != victim
+        assert any(e.get("where") == "tokenizer.child" for e in logs)
+    finally:
+        child.close()
+    assert not _alive(child.pid or 0) or _gone(child.pid or 0)
+
+
+@pytest.mark.parametrize("bound", [None, 384.0])
+def test_the_setting_chooses_where_gigatoken_runs(bound: float | None) -> None:
+    config = lanes_config(["http://127.0.0.1:9"], ["http://127.0.0.1:9"])
+    config["counting"] = {"max_encoder_rss_mb": bound}
+    counter = TokenCounter.from_settings(parse_settings(config, environ={}))
+    encoder = counter._model("qwen3.6").vocab.encoder
+    try:
+        if bound is None:
+            assert isinstance(encoder, GigatokenEncoder)
+        else:
+            assert isinstance(encoder, ChildEncoder) and encoder.max_rss_mb == bound
+            pid = encoder.pid
+    finally:
+        counter.close()
+    if bound is not None:
+        assert pid is not None and _gone(pid)
+
+
+async def test_with_the_child_the_event_loop_never_waits_for_a_count() -> None:
+    import threading
+
+    from gateway.request.protocol import ChatPrompt
+
+    config = lanes_config(["http://127.0.0.1:9"], ["http://127.0.0.1:9"])
+    counter = TokenCounter.from_settings(parse_settings(config, environ={}))
+    encoder = counter._model("qwen3.6").vocab.encoder
+    assert isinstance(encoder, ChildEncoder) and encoder.out_of_process
+    threads: list[str] = []
+    real = encoder.count_many
+
+    def spy(texts: list[str]) -> list[int]:
+        threads.append(threading.current_thread().name)
+        return real(texts)
+
+    encoder.count_many = spy  # type: ignore[method-assign]
+    try:
+        prompt = ChatPrompt(messages=({"role": "user", "content": "a small miss " * 20},))
+        count = await counter.count("qwen3.6", prompt, exact_above=0)
+        assert count.method == "exact" and count.tokens > 0
+        assert threads and threading.main_thread().name not in threads
+    finally:
+        counter.close()

@@ -1,0 +1,92 @@
+"""``shapegate init`` writes a policy that check-config passes and that serves."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine_pool.sim.server import run_sim
+from gateway.count.tokens import TokenCounter
+from gateway.tools.cli import main
+from gateway.tools.sim_support import RegistryCounter
+from tests.conftest import chat
+from tests.support.checkout import ROOT, checkout_env, gateway_cli
+from tests.support.servers import free_port, start_gateway, until_ok
+
+
+def test_init_refuses_to_overwrite_and_checks_what_it_writes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "policy.yaml"
+    out.write_text("mine\n")
+    assert main(["init", "--engine", "http://127.0.0.1:9101", "--out", str(out)]) == 2
+    assert "exists" in capsys.readouterr().err and out.read_text() == "mine\n"
+    bad = ["init", "--engine", "http://127.0.0.1:9101", "--tokenizer", str(tmp_path), "--force"]
+    assert main([*bad, "--out", str(out)]) == 2
+    assert "holds no tokenizer.json" in capsys.readouterr().err
+    assert out.read_text() == "mine\n"
+
+
+def test_a_two_lane_policy_passes_check_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "two.yaml"
+    args = ["init", "--engine", "http://127.0.0.1:9101", "--engine", "http://127.0.0.1:9102"]
+    args += ["--heavy-engine", "http://127.0.0.1:9201", "--threshold", "16384"]
+    assert main([*args, "--max-model-len", "262144", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["check-config", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "fast: 0 <= prompt tokens < 16384" in printed
+    assert "heavy: 16384 <= prompt tokens < 262144" in printed
+    assert "slots: lane 128, per endpoint 64" in printed
+    assert "# " in out.read_text()  # annotated
+
+
+async def test_init_then_serve_against_a_sim_engine(tmp_path: Path, counter: TokenCounter) -> None:
+    out = tmp_path / "policy.yaml"
+    shared = RegistryCounter(counter, "qwen3.6")
+    async with run_sim("h100-fast", time_scale=0.01, seed=1, counter=shared) as engine:
+        init = gateway_cli("init", "--engine", engine.url)
+        init += ["--model", "qwen3.6", "--max-model-len", "32768", "--out", str(out)]
+        made = await asyncio.to_thread(
+            subprocess.run,
+            init,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            cwd=ROOT,
+            env=checkout_env(),
+        )
+        assert made.returncode == 0, made.stderr
+        checked = await asyncio.to_thread(
+            subprocess.run,
+            gateway_cli("check-config", str(out)),
+            capture_output=True,
+            cwd=ROOT,
+            env=checkout_env(),
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert checked.returncode == 0, checked.stderr
+        port = free_port()
+        proc = start_gateway(out, port)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with httpx.AsyncClient(timeout=30) as client:
+                await until_ok(client, url + "/readyz")
+                r = await client.post(url + "/v1/chat/completions", json=chat("hello there"))
+            assert r.status_code == 200, r.text
+            assert r.headers["x-shapegate-lane"] == "main"
+            assert r.json()["choices"][0]["message"]["content"]
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(proc.communicate, timeout=30)
+        assert proc.returncode == 0
