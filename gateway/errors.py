@@ -29,6 +29,8 @@ from typing import Any, ClassVar, Literal
 
 import orjson
 
+from engine_pool import engine_api
+
 
 class GatewayError(Exception):
     status: ClassVar[int] = 500
@@ -150,8 +152,7 @@ ANTHROPIC_TYPES = {
 
 
 def anthropic_error_body(message: str, status: int) -> dict[str, Any]:
-    kind = ANTHROPIC_TYPES.get(status, "api_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
+    return engine_api.anthropic_error_body(message, status, ANTHROPIC_TYPES)
 
 
 def error_payload(exc: GatewayError, shape: ErrorShape) -> bytes:

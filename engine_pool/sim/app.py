@@ -38,8 +38,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from engine_pool.engine_api import Endpoint
 from engine_pool.sim import wire, wire_apis
-from engine_pool.sim.counting import Endpoint, PromptCounter, RequestRejected, SimRequest
+from engine_pool.sim.counting import PromptCounter, RequestRejected, SimRequest
 from engine_pool.sim.engine import RequestStream, SimEngine
 from engine_pool.sim.faults import FaultError, FaultSpec, FaultState
 from engine_pool.sim.profile import EngineProfile

@@ -30,23 +30,9 @@ event loop); every reader raises ``RequestRejected(message, param)`` for what vL
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
-# Every route the sim serves a request of, as vLLM does (engine_pool/sim/app.py has the paths).
-Endpoint = Literal[
-    "chat",
-    "completions",
-    "responses",
-    "messages",
-    "embeddings",
-    "pooling",
-    "score",
-    "rerank",
-    "tokenize",
-    "detokenize",
-    "transcriptions",
-    "translations",
-]
+from engine_pool.engine_api import Endpoint
 
 
 @dataclass(frozen=True, slots=True)

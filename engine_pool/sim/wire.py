@@ -133,6 +133,21 @@ def completion_usage_chunk(
     return sse(body)
 
 
+def _full_body(
+    id_: str, object_: str, created: int, model: str, choice: dict[str, Any]
+) -> dict[str, Any]:
+    """The head of a non-streamed response, fields in vLLM's order (the usage and the
+    route's own fields follow, then ``_full_tail``)."""
+    body = _head(id_, object_, created, model)
+    body.update(choices=[choice], service_tier=None, system_fingerprint=None)
+    return body
+
+
+def _full_tail(body: dict[str, Any]) -> dict[str, Any]:
+    body.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
+    return body
+
+
 def _full_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     return {
         **usage(prompt_tokens, completion_tokens),
@@ -168,20 +183,14 @@ def chat_response(
         "token_ids": None,
         "routed_experts": None,
     }
-    body = _head(id_, "chat.completion", created, model)
+    body = _full_body(id_, "chat.completion", created, model, choice)
     body.update(
-        choices=[choice],
-        service_tier=None,
-        system_fingerprint=None,
         usage=_full_usage(prompt_tokens, completion_tokens),
         prompt_logprobs=None,
         prompt_token_ids=None,
         prompt_text=None,
-        kv_transfer_params=None,
-        ec_transfer_params=None,
-        metrics=None,
     )
-    return body
+    return _full_tail(body)
 
 
 def completion_response(
@@ -204,17 +213,9 @@ def completion_response(
         "prompt_token_ids": None,
         "routed_experts": None,
     }
-    body = _head(id_, "text_completion", created, model)
-    body.update(
-        choices=[choice],
-        service_tier=None,
-        system_fingerprint=None,
-        usage=_full_usage(prompt_tokens, completion_tokens),
-        kv_transfer_params=None,
-        ec_transfer_params=None,
-        metrics=None,
-    )
-    return body
+    body = _full_body(id_, "text_completion", created, model, choice)
+    body["usage"] = _full_usage(prompt_tokens, completion_tokens)
+    return _full_tail(body)
 
 
 def model_list(

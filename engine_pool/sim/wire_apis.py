@@ -29,6 +29,8 @@ from typing import Any
 
 import orjson
 
+from engine_pool import engine_api
+
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 
 
@@ -238,8 +240,7 @@ ANTHROPIC_ERROR_TYPES = {
 
 
 def anthropic_error_body(message: str, status: int) -> dict[str, Any]:
-    kind = ANTHROPIC_ERROR_TYPES.get(status, "api_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
+    return engine_api.anthropic_error_body(message, status, ANTHROPIC_ERROR_TYPES)
 
 
 def message_full(

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from engine_pool.engine_api import Endpoint
 from engine_pool.latency import LatencyBook
 from gateway.count.drift import DriftWatch
 from gateway.count.tokens import TokenCount
@@ -42,7 +43,7 @@ from gateway.observe.log import Logger
 from gateway.observe.metrics import Metrics, status_class
 from gateway.request.admission import Grant
 from gateway.request.lanes import Decision, Reason
-from gateway.request.protocol import Endpoint, RoutedRequest
+from gateway.request.protocol import RoutedRequest
 from gateway.request.watchdog import DeadlineHit, Phase
 from gateway.tuning.trace import TraceWriter
 

@@ -21,29 +21,14 @@ other routes reuse (``check_content``, ``check_part``, ``check_token_ids``,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 
+from engine_pool.engine_api import Endpoint
 from gateway.errors import BadRequest
 from gateway.request.protocols.template_options import DEFAULT, TemplateOptions, template_options
 from gateway.request.protocols.tools import chat_tool
-
-# Every engine route the gateway counts and lanes (gateway/request/routes.py maps paths to these).
-Endpoint = Literal[
-    "chat",
-    "completions",
-    "responses",
-    "messages",
-    "embeddings",
-    "pooling",
-    "score",
-    "rerank",
-    "tokenize",
-    "detokenize",
-    "transcriptions",
-    "translations",
-]
 
 
 @dataclass(frozen=True, slots=True)

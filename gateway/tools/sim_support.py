@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from engine_pool.sim.counting import Endpoint, RequestRejected, SimRequest
+from engine_pool.engine_api import Endpoint
+from engine_pool.sim.counting import RequestRejected, SimRequest
 from gateway.errors import BadRequest
 from gateway.request.protocol import ChatPrompt, CompletionPrompt, Prompt, RoutedRequest
 from gateway.request.protocols.multipart import parse_multipart

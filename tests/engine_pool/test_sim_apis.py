@@ -11,19 +11,9 @@ import httpx
 import orjson
 import pytest
 
-from engine_pool.sim.server import SimServer, run_sim
+from engine_pool.sim.server import SimServer
 from engine_pool.sim.wire import output_text
-from gateway.count.tokens import TokenCounter
 from gateway.request.routes import ENGINE_ROUTES
-from gateway.tools.sim_support import RegistryCounter
-
-
-@pytest.fixture
-async def sim(counter: TokenCounter) -> AsyncIterator[SimServer]:
-    async with run_sim(
-        "h100-fast", time_scale=0.01, counter=RegistryCounter(counter, "qwen3.6")
-    ) as server:
-        yield server
 
 
 @pytest.fixture

@@ -8,19 +8,9 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from engine_pool.sim.server import SimServer, run_sim
-from gateway.count.tokens import TokenCounter
-from gateway.tools.sim_support import RegistryCounter
+from engine_pool.sim.server import SimServer
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say something short."}]
-
-
-@pytest.fixture
-async def sim(counter: TokenCounter) -> AsyncIterator[SimServer]:
-    async with run_sim(
-        "h100-fast", time_scale=0.01, counter=RegistryCounter(counter, "qwen3.6")
-    ) as server:
-        yield server
 
 
 @pytest.fixture

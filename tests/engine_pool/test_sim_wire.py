@@ -4,16 +4,12 @@ included, over real HTTP."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
-from engine_pool.sim.server import SimServer, run_sim
-from gateway.count.tokens import TokenCounter
-from gateway.tools.sim_support import RegistryCounter
+from engine_pool.sim.server import SimServer
 
 SHAPES = json.loads((Path(__file__).parent / "vllm_wire_shapes.json").read_text())
 MESSAGES = [{"role": "user", "content": "Name three rivers of Europe."}]
@@ -45,14 +41,6 @@ def sse_events(body: bytes) -> list[Any]:
     events = body.split(b"\n\n")[:-1]
     assert all(e.startswith(b"data: ") for e in events)
     return [json.loads(e[6:]) for e in events[:-1]]
-
-
-@pytest.fixture
-async def sim(counter: TokenCounter) -> AsyncIterator[SimServer]:
-    async with run_sim(
-        "h100-fast", time_scale=0.01, counter=RegistryCounter(counter, "qwen3.6")
-    ) as server:
-        yield server
 
 
 async def prompt_tokens(client: httpx.AsyncClient, **body: Any) -> int:

@@ -9,7 +9,7 @@ import httpx
 import redis
 
 from engine_pool.sim.server import SimServer
-from tests.gateway.test_response_affinity import (
+from tests.gateway.request.test_response_affinity import (
     _config,
     _first_response_on_second_engine,
     two_engines,  # noqa: F401 - the fixture

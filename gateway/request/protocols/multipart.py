@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import re
 
+from engine_pool.engine_api import Endpoint
 from gateway.errors import BadRequest
-from gateway.request.protocol import CompletionPrompt, Endpoint, RoutedRequest
+from gateway.request.protocol import CompletionPrompt, RoutedRequest
 
 _BOUNDARY = re.compile(rb'boundary="?([^";\s]+)"?', re.IGNORECASE)
 _MODEL = re.compile(rb'content-disposition:[^\r\n]*\bname="model"', re.IGNORECASE)

@@ -20,8 +20,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from engine_pool.engine_api import Endpoint
 from gateway.errors import BadRequest
-from gateway.request.protocol import ChatPrompt, CompletionPrompt, Endpoint, Prompt, RoutedRequest
+from gateway.request.protocol import ChatPrompt, CompletionPrompt, Prompt, RoutedRequest
 from gateway.request.protocols.common import load_object, model_of, objects
 from gateway.request.protocols.template_options import template_options
 from gateway.request.protocols.tools import chat_tool

@@ -14,8 +14,6 @@ import pytest
 from structlog.testing import capture_logs
 
 from tests.conftest import JSON, lanes_config
-from tests.support.fake_engine import FakeEngine
-from tests.support.servers import serve_asgi
 
 THRESHOLD = 2000
 
@@ -36,13 +34,6 @@ def dense_json(chars: int, seed: int = 7) -> str:
         }
         records.append(json.dumps(record))
     return "[" + ",".join(records) + "]"
-
-
-@pytest.fixture
-async def engines() -> Any:
-    fast, heavy = FakeEngine(), FakeEngine()
-    async with serve_asgi(fast) as fast_url, serve_asgi(heavy) as heavy_url:
-        yield {"fast": (fast, fast_url), "heavy": (heavy, heavy_url)}
 
 
 @pytest.fixture

@@ -19,18 +19,9 @@ from structlog.testing import capture_logs
 
 from gateway.request.routes import ENGINE_ROUTES
 from tests.conftest import JSON, lanes_config
-from tests.gateway.test_pipeline import dense_json
-from tests.support.fake_engine import FakeEngine
-from tests.support.servers import serve_asgi
+from tests.gateway.request.test_pipeline import dense_json
 
 DEMO_THRESHOLD = 32768  # configs/demo.yaml: the fast lane ends here
-
-
-@pytest.fixture
-async def engines() -> Any:
-    fast, heavy = FakeEngine(), FakeEngine()
-    async with serve_asgi(fast) as fast_url, serve_asgi(heavy) as heavy_url:
-        yield {"fast": (fast, fast_url), "heavy": (heavy, heavy_url)}
 
 
 @pytest.fixture
