@@ -21,6 +21,18 @@ Contract:
   picked. ``limit_of(view)`` is the endpoint's slot limit for this lane (its engine's share,
   gateway/lanes.py ``endpoint_limit``); by default the lane's ``per_endpoint``. Either way it is
   scaled down while the endpoint slow-starts (``EngineView.ramp``).
+- Priority classes (gateway/classes.py): the waiter that tries the store is the one
+  ``next_waiter`` picks (class, then arrival, starvation bound), not always the first in; a
+  class may fill only the lane slots not reserved for the classes above it. 429 and 503 answers
+  carry a ``Retry-After`` from the lane's measured drain rate (grants over the last minute).
+- Borrowing (gateway/borrowing.py): ``Want.loans`` are lending lanes whose idle endpoints the
+  request may take (``lent()`` gives their views); such a grant holds its own lane's slot and a
+  ``borrow:`` slot on the lender's endpoint (``Grant.lender`` names the lender). A lane that
+  lends enters its own endpoints only once their borrowers drained (or after ``max_drain_s``);
+  its waiter that is blocked by borrowers reserves the endpoint with the fewest, and no
+  borrower enters a reserved endpoint or one where the lender's own requests run. These rules
+  read the store's counts between two calls and are exact only for a store in one process
+  (the memory store); settings refuse ``lend`` with Redis.
 - ``move`` fails a granted request over to another endpoint: the old endpoint slot is given up
   and a new one taken in one store step, the lane slot kept, so it never holds two; it waits
   for room up to ``queue.max_wait_s`` (renewing its lane lease meanwhile) and returns False if
@@ -39,11 +51,13 @@ import anyio
 
 from engine_pool.cluster import EngineView
 from engine_pool.outlier import ramped_limit
+from gateway.borrowing import EndpointUse, Loan, borrow_room, owner_may_enter, to_reserve
+from gateway.classes import DrainMeter, class_lane_limit, next_waiter, retry_after_s
 from gateway.errors import Overloaded, QueueTimeout
 from gateway.log import Logger, swallowed
 from gateway.metrics import Metrics
-from gateway.settings import LaneSettings
-from gateway.slots import Limit, SlotStore, endpoint_key, lane_key
+from gateway.settings import ClassSettings, LaneSettings
+from gateway.slots import Limit, SlotStore, borrow_key, endpoint_key, lane_key
 
 # Without a shared store, local releases wake waiters; this only bounds a missed health change.
 LOCAL_POLL_S = 0.25
@@ -57,9 +71,27 @@ class Grant:
     url: str
     keys: tuple[str, ...]
     queued_s: float
+    # The lane whose idle engine this request borrowed (decision reason ``borrowed``).
+    lender: str | None = None
 
 
 LimitOf = Callable[[EngineView], int]
+NO_CLASSES = ClassSettings()
+
+
+@dataclass(frozen=True, slots=True)
+class Want:
+    """What a request brings to admission besides its lane: its class and the loans open to it
+    (``lent()`` lists the lenders' endpoints as (view, loan), asked on every try)."""
+
+    priority: str = NO_CLASSES.default
+    classes: ClassSettings = NO_CLASSES
+    loans: tuple[Loan, ...] = ()
+    lent: Callable[[], Sequence[tuple[EngineView, Loan]]] = lambda: ()
+
+    @property
+    def rank(self) -> int:
+        return self.classes.names.index(self.priority)
 
 
 class Held:
@@ -100,6 +132,7 @@ class Held:
 @dataclass(eq=False, slots=True)
 class _Waiter:
     token: str
+    rank: int = 0
     since: float = field(default_factory=time.monotonic)
     wake: anyio.Event = field(default_factory=anyio.Event)
 
@@ -119,9 +152,28 @@ class Admission:
         self._poll_s = poll_interval_s if store.shared else LOCAL_POLL_S
         self._release_timeout_s = release_timeout_s
         self._queues: dict[str, deque[_Waiter]] = {}
+        self._starvation_s: dict[str, float] = {}
+        self._drain: dict[str, DrainMeter] = {}
+        # Endpoint key -> (token, since) of the lender's waiter that reserved it.
+        self._reserved: dict[str, tuple[str, float]] = {}
+        # Borrowed grants in flight: (lane, lender) -> count (admin state and dashboard).
+        self.borrowing: dict[tuple[str, str], int] = {}
 
     def queue_depth(self, lane: str) -> int:
         return len(self._queues.get(lane, ()))
+
+    def reserved(self) -> dict[str, float]:
+        """Endpoints reserved by a lender's waiter for its borrowers to drain: key -> seconds."""
+        now = time.monotonic()
+        return {key: round(now - since, 3) for key, (_, since) in self._reserved.items()}
+
+    def drain_rate(self, lane: str) -> float:
+        """Grants a second in ``lane`` over the last minute (what Retry-After is computed from)."""
+        meter = self._drain.get(lane)
+        return meter.rate(time.monotonic()) if meter is not None else 0.0
+
+    def _retry_after(self, lane: LaneSettings, depth: int) -> float:
+        return retry_after_s(depth, self.drain_rate(lane.name), lane.queue.max_wait_s)
 
     @asynccontextmanager
     async def slot(
@@ -130,16 +182,26 @@ class Admission:
         candidates: Callable[[], Sequence[EngineView]],
         token: str,
         limit_of: LimitOf | None = None,
+        want: Want | None = None,
     ) -> AsyncIterator[Held]:
         limit_of = limit_of or (lambda _: lane.slots.per_endpoint)
-        held = Held(await self._acquire(lane, candidates, token, limit_of))
+        want = want or Want()
+        held = Held(await self._acquire(lane, candidates, token, limit_of, want))
+        lender = held.grant.lender
         self._metrics.slots_in_use.labels(lane=held.lane, cluster=held.cluster).inc()
+        if lender is not None:
+            self._metrics.borrowed.labels(lane=held.lane, lender=lender).inc()
+            self._metrics.borrowers_in_flight.labels(lane=held.lane, lender=lender).inc()
+            self.borrowing[(held.lane, lender)] = self.borrowing.get((held.lane, lender), 0) + 1
         try:
             await held._stack.enter_async_context(self.store.hold(held.token, held.keys))
             yield held
         finally:
             await held._stack.aclose()
             self._metrics.slots_in_use.labels(lane=held.lane, cluster=held.cluster).dec()
+            if lender is not None:
+                self._metrics.borrowers_in_flight.labels(lane=held.lane, lender=lender).dec()
+                self.borrowing[(held.lane, lender)] -= 1
             await self._release(held.token, held.keys, lane=held.lane)
 
     async def move(
@@ -200,21 +262,27 @@ class Admission:
         candidates: Callable[[], Sequence[EngineView]],
         token: str,
         limit_of: LimitOf,
+        want: Want,
     ) -> Grant:
         started = time.monotonic()
         queue = self._queues.setdefault(lane.name, deque())
+        self._starvation_s[lane.name] = want.classes.starvation_s
+        meter = self._drain.setdefault(lane.name, DrainMeter())
         if not queue:
-            grant = await self._try(lane, candidates, token, started, limit_of)
+            grant = await self._try(lane, candidates, token, started, limit_of, want)
             if grant is not None:
+                meter.granted(time.monotonic())
                 return grant
         if lane.on_full == "reject":
-            raise Overloaded(f"lane '{lane.name}' is full", retry_after_s=1)
+            raise Overloaded(
+                f"lane '{lane.name}' is full", retry_after_s=self._retry_after(lane, 0)
+            )
         if len(queue) >= lane.queue.depth:
             raise Overloaded(
                 f"lane '{lane.name}' queue is full ({lane.queue.depth} waiting)",
-                retry_after_s=max(1.0, lane.queue.max_wait_s / 4),
+                retry_after_s=self._retry_after(lane, len(queue)),
             )
-        waiter = _Waiter(token)
+        waiter = _Waiter(token, want.rank)
         queue.append(waiter)
         self._queue_changed(lane.name)
         try:
@@ -222,9 +290,12 @@ class Admission:
                 # A shared store keeps the place in a queue shared by every replica.
                 async with self.store.waiting(token, lane_key(lane.name)):
                     while True:
-                        if queue[0] is waiter:
-                            grant = await self._try(lane, candidates, token, started, limit_of)
+                        if self._head(lane.name) is waiter:
+                            grant = await self._try(
+                                lane, candidates, token, started, limit_of, want
+                            )
                             if grant is not None:
+                                meter.granted(time.monotonic())
                                 return grant
                         waiter.wake = anyio.Event()
                         with anyio.move_on_after(self._poll_s):
@@ -232,13 +303,30 @@ class Admission:
         except TimeoutError:
             raise QueueTimeout(
                 f"no slot in lane '{lane.name}' within {lane.queue.max_wait_s:g}s",
-                retry_after_s=max(1.0, lane.queue.max_wait_s / 4),
+                retry_after_s=self._retry_after(lane, len(queue)),
             ) from None
         finally:
             queue.remove(waiter)
+            self._unreserve(token)
             self._queue_changed(lane.name)
-            if queue:
-                queue[0].wake.set()
+            head = self._head(lane.name)
+            if head is not None:
+                head.wake.set()
+
+    def _head(self, lane: str) -> _Waiter | None:
+        """The waiter that tries the store next: class, then arrival, within the starvation
+        bound (gateway/classes.py)."""
+        queue = self._queues.get(lane)
+        if not queue:
+            return None
+        waiting = [(w.rank, w.since) for w in queue]
+        starvation = self._starvation_s.get(lane, NO_CLASSES.starvation_s)
+        return queue[next_waiter(waiting, time.monotonic(), starvation)]
+
+    def _unreserve(self, token: str) -> None:
+        for key in [k for k, (holder, _) in self._reserved.items() if holder == token]:
+            del self._reserved[key]
+            self._wake_all()  # borrowers may enter it again
 
     async def _try(
         self,
@@ -247,12 +335,25 @@ class Admission:
         token: str,
         started: float,
         limit_of: LimitOf,
+        want: Want,
     ) -> Grant | None:
-        views = list(candidates())
-        if not views:
+        own = list(candidates())
+        lent = list(want.lent()) if want.loans else []
+        if not own and not lent:
             return None
-        lane_limit = Limit(lane_key(lane.name), lane.slots.lane)
-        limits = [self._endpoint_limit(v, limit_of) for v in views]
+        lane_limit = Limit(
+            lane_key(lane.name), class_lane_limit(want.classes, want.priority, lane.slots.lane)
+        )
+        own_limits = [self._endpoint_limit(v, limit_of) for v in own]
+        if lane.lend is not None:
+            own_limits = await self._protected(lane, token, own, own_limits)
+        offers: list[tuple[EngineView, Limit, str | None]] = [
+            (v, lim, None) for v, lim in zip(own, own_limits, strict=True)
+        ]
+        offers += await self._loans(lent)
+        # Least loaded first, own endpoints before lent ones on a tie (a stable sort).
+        offers.sort(key=lambda offer: offer[0].in_flight)
+        limits = [lim for _, lim, _ in offers]
         try:
             index = await self.store.try_acquire(token, lane_limit, limits)
         except BaseException:
@@ -260,8 +361,11 @@ class Admission:
             await self._release(token, [lane_limit.key, *(lim.key for lim in limits)], lane.name)
             raise
         if index is None:
+            if lane.lend is not None and own:
+                await self._reserve(lane, token, own)
             return None
-        view = views[index]
+        view, _, lender = offers[index]
+        self._unreserve(token)
         return Grant(
             token=token,
             lane=lane.name,
@@ -269,7 +373,61 @@ class Admission:
             url=view.url,
             keys=(lane_limit.key, limits[index].key),
             queued_s=time.monotonic() - started,
+            lender=lender,
         )
+
+    async def _uses(self, views: Sequence[EngineView]) -> list[EndpointUse]:
+        """What the borrowing rules see of endpoints: their own slots, borrowers, reservation."""
+        own = [endpoint_key(v.cluster, v.url) for v in views]
+        lent = [borrow_key(v.cluster, v.url) for v in views]
+        used = await self.store.in_use([*own, *lent])
+        return [
+            EndpointUse(used[o], used[b], o in self._reserved)
+            for o, b in zip(own, lent, strict=True)
+        ]
+
+    async def _protected(
+        self, lane: LaneSettings, token: str, views: Sequence[EngineView], limits: list[Limit]
+    ) -> list[Limit]:
+        """The lender's own endpoint limits, closed where borrowers have not drained yet."""
+        assert lane.lend is not None
+        now = time.monotonic()
+        out = []
+        for limit, use in zip(limits, await self._uses(views), strict=True):
+            holder, since = self._reserved.get(limit.key, ("", now))
+            waited = now - since if holder == token else 0.0
+            open_ = owner_may_enter(lane.lend, use, waited)
+            out.append(limit if open_ else Limit(limit.key, 0))
+        return out
+
+    async def _reserve(self, lane: LaneSettings, token: str, views: Sequence[EngineView]) -> None:
+        if any(holder == token for holder, _ in self._reserved.values()):
+            return
+        uses = await self._uses(views)
+        free = {
+            endpoint_key(v.cluster, v.url): u
+            for v, u in zip(views, uses, strict=True)
+            if not u.reserved
+        }
+        chosen = to_reserve(free, lane.slots.per_endpoint)
+        if chosen is not None:
+            self._reserved[chosen] = (token, time.monotonic())
+            self._log.info("borrow.reserved", lane=lane.name, endpoint=chosen)
+
+    async def _loans(
+        self, lent: Sequence[tuple[EngineView, Loan]]
+    ) -> list[tuple[EngineView, Limit, str | None]]:
+        """Lenders' endpoints with room for one more borrower, as (view, borrow limit, lender)."""
+        if not lent:
+            return []
+        uses = await self._uses([v for v, _ in lent])
+        offers: list[tuple[EngineView, Limit, str | None]] = []
+        for (view, loan), use in zip(lent, uses, strict=True):
+            room = borrow_room(loan.rule, use) if view.state.routable else 0
+            if room > 0:
+                key = borrow_key(view.cluster, view.url)
+                offers.append((view, Limit(key, use.borrowers + room), loan.lender))
+        return offers
 
     async def _release(self, token: str, keys: Sequence[str], lane: str) -> None:
         with anyio.CancelScope(shield=True):
@@ -289,9 +447,10 @@ class Admission:
         self._wake_all()
 
     def _wake_all(self) -> None:
-        for queue in self._queues.values():
-            if queue:
-                queue[0].wake.set()
+        for lane in self._queues:
+            head = self._head(lane)
+            if head is not None:
+                head.wake.set()
 
     def _queue_changed(self, lane: str) -> None:
         queue = self._queues.get(lane, deque())
@@ -300,3 +459,34 @@ class Admission:
     def oldest_wait_s(self, lane: str) -> float:
         queue = self._queues.get(lane)
         return time.monotonic() - queue[0].since if queue else 0.0
+
+
+def borrowing_state(admission: Admission, lane: LaneSettings) -> dict[str, object]:
+    """A lane's borrowing as admin state and the dashboard show it: whom it lends to and on
+    what terms, what it borrows now (by lender), what others borrow from it, and its endpoints
+    reserved for its own waiting requests."""
+    rule = lane.lend
+    return {
+        "lends": None
+        if rule is None
+        else {
+            "to": list(rule.to),
+            "max_prompt_tokens": rule.max_prompt_tokens,
+            "max_tokens": rule.max_tokens,
+            "per_endpoint": rule.per_endpoint,
+            "max_drain_s": rule.max_drain_s,
+        },
+        "borrowing": {
+            lender: n for (name, lender), n in admission.borrowing.items() if name == lane.name
+        },
+        "lent": {
+            borrower: n
+            for (borrower, lender), n in admission.borrowing.items()
+            if lender == lane.name
+        },
+        "reserved_endpoints": {
+            key: waited
+            for key, waited in admission.reserved().items()
+            if any(key.startswith(f"ep:{c}:") for c in lane.clusters)
+        },
+    }

@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.routing import Route
 
+from gateway.admission import borrowing_state
 from gateway.config_check import parse_policy
 from gateway.dashboard.routes import add_dashboard_routes
 from gateway.errors import GatewayError, Unauthorized, anthropic_error_body, error_body
@@ -125,6 +126,7 @@ async def admin_state(gateway: Gateway) -> dict[str, Any]:
                 "oldest_wait_s": round(gateway.admission.oldest_wait_s(lane.name), 3),
                 "clusters": list(lane.clusters),
                 "emergency_clusters": list(lane.emergency_clusters),
+                **borrowing_state(gateway.admission, lane),
             }
         )
     clusters = []

@@ -23,7 +23,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import anyio
@@ -31,8 +31,10 @@ import anyio
 from engine_pool.cluster import EngineView
 from engine_pool.picker import order_endpoints
 from engine_pool.registry import EnginePool
-from gateway.admission import Admission, Grant
+from gateway.admission import Admission, Grant, Want
 from gateway.auth import ClientAuth
+from gateway.borrowing import Loan, loans_for
+from gateway.classes import UnknownClass, bearer_digest, class_of
 from gateway.errors import (
     BadRequest,
     EngineUnreachable,
@@ -296,7 +298,10 @@ class Pipeline:
             )
             decision = choose_lane(count.tokens, settings.lanes, healthy)
         decision, pinned = await self._pin(request, decision, settings.lanes)
-        self.recorder.decided(record, Routed.of(request, count, decision, healthy))
+        want = self._want(policy, scope, decision, count.tokens, request, model.name)
+        self.recorder.decided(
+            record, replace(Routed.of(request, count, decision, healthy), priority=want.priority)
+        )
         if decision.lane is None:
             raise PromptTooLong(no_lane_message(count.tokens, settings.lanes), param="input_tokens")
         if not decision.clusters:
@@ -333,7 +338,7 @@ class Pipeline:
         )
         # The slot token is ours, never the client's request id: two requests sharing an id
         # must not share (and free) one slot.
-        async with self.admission.slot(lane, candidates, uuid.uuid4().hex, limit_of) as held:
+        async with self.admission.slot(lane, candidates, uuid.uuid4().hex, limit_of, want) as held:
             self.recorder.admitted(record, held.grant)
             try:
                 while True:
@@ -381,6 +386,43 @@ class Pipeline:
             self.recorder.engine_counted(record, model.name, model.tokenizer.chat_template)
             if engine_down.cancelled_caught and not out.finished:
                 raise UpstreamError(f"engine was marked down mid-request: {engine.evidence}")
+
+    def _want(
+        self,
+        policy: Policy,
+        scope: Scope,
+        decision: Decision,
+        tokens: int,
+        request: RoutedRequest,
+        model: str,
+    ) -> Want:
+        """The request's priority class (API key, lowered by its header) and the loans open to
+        it: lending lanes' routable endpoints, for a short request routed by its count."""
+        classes = policy.settings.classes
+        asked = header(scope, classes.header.encode())
+        try:
+            priority = class_of(
+                classes,
+                bearer_digest(header(scope, b"authorization")),
+                asked.decode("latin-1") if asked is not None else None,
+            )
+        except UnknownClass as exc:
+            raise BadRequest(str(exc), param=classes.header) from None
+        lane = decision.lane
+        if lane is None or decision.reason != "in_range":
+            return Want(priority, classes)
+        loans = loans_for(lane, policy.settings.lanes, tokens, request.max_tokens)
+
+        def lent() -> list[tuple[EngineView, Loan]]:
+            return [
+                (view, loan)
+                for loan in loans
+                for cluster in loan.clusters
+                if policy.serves(cluster, model)
+                for view in order_endpoints(self.pool.views(cluster))
+            ]
+
+        return Want(priority, classes, loans, lent)
 
     async def _pin(
         self, request: RoutedRequest, decision: Decision, lanes: Sequence[LaneSettings]

@@ -43,6 +43,11 @@ def endpoint_key(cluster: str, url: str) -> str:
     return f"ep:{cluster}:{url}"
 
 
+def borrow_key(cluster: str, url: str) -> str:
+    """Another lane's requests borrowing the endpoint (gateway/borrowing.py)."""
+    return f"borrow:{cluster}:{url}"
+
+
 class SlotStore(Protocol):
     # True when other processes share the store, so waiters must also poll for their releases.
     shared: bool
