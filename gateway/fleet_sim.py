@@ -234,7 +234,7 @@ class FleetSim:
                 rule = owner.lend if owner is not None else None
                 mine = e.reserved_by in (None, ticket.key)
                 waited = now - e.reserved_at if e.reserved_by == ticket.key else 0.0
-                if len(e.running) < ticket.lane.slots.per_endpoint and (
+                if self._use(e).owners < ticket.lane.slots.per_endpoint and (
                     rule is None or (mine and owner_may_enter(rule, self._use(e), waited))
                 ):
                     offers[(e.cluster, e.url)] = (e, None)
