@@ -158,7 +158,10 @@ class Policy:
 
     def __post_init__(self) -> None:
         lanes = self.settings.lanes
-        object.__setattr__(self, "exact_above", exact_count_above(lanes))
+        # A bound decides the lane alone, but a loan needs a count under its budget: past the
+        # smallest budget, count exactly (gateway/borrowing.py).
+        budgets = [lane.lend.max_prompt_tokens for lane in lanes if lane.lend is not None]
+        object.__setattr__(self, "exact_above", min([exact_count_above(lanes), *budgets]))
         limits = {
             (lane.name, c.name): endpoint_limit(lanes, lane, c.name)
             for lane in lanes

@@ -15,6 +15,7 @@ SUITES: tuple[str, ...] = (
     "gateway.bench.count",
     "gateway.bench.overhead",
     "gateway.bench.lanes",
+    "gateway.bench.borrow",
     "gateway.bench.memory",
     "gateway.bench.encoder",
     "gateway.bench.every",  # shapegate bench all
