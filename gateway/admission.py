@@ -30,9 +30,9 @@ Contract:
   ``borrow:`` slot on the lender's endpoint (``Grant.lender`` names the lender). A lane that
   lends enters its own endpoints only once their borrowers drained (or after ``max_drain_s``);
   its waiter that is blocked by borrowers reserves the endpoint with the fewest, and no
-  borrower enters a reserved endpoint or one where the lender's own requests run. These rules
-  read the store's counts between two calls and are exact only for a store in one process
-  (the memory store); settings refuse ``lend`` with Redis.
+  borrower enters a reserved endpoint or one where the lender's own requests run. The
+  exclusion is the store's (``Limit.guards``, checked in the same atomic step as the take, and
+  the reservation a lease in the store): exact across replicas with Redis too.
 - ``move`` fails a granted request over to another endpoint: the old endpoint slot is given up
   and a new one taken in one store step, the lane slot kept, so it never holds two; it waits
   for room up to ``queue.max_wait_s`` (renewing its lane lease meanwhile) and returns False if
@@ -57,7 +57,7 @@ from gateway.errors import Overloaded, QueueTimeout
 from gateway.log import Logger, swallowed
 from gateway.metrics import Metrics
 from gateway.settings import ClassSettings, LaneSettings
-from gateway.slots import Limit, SlotStore, borrow_key, endpoint_key, lane_key
+from gateway.slots import Limit, SlotStore, borrow_key, endpoint_key, lane_key, reserve_key
 
 # Without a shared store, local releases wake waiters; this only bounds a missed health change.
 LOCAL_POLL_S = 0.25
@@ -154,8 +154,9 @@ class Admission:
         self._queues: dict[str, deque[_Waiter]] = {}
         self._starvation_s: dict[str, float] = {}
         self._drain: dict[str, DrainMeter] = {}
-        # Endpoint key -> (token, since) of the lender's waiter that reserved it.
-        self._reserved: dict[str, tuple[str, float]] = {}
+        # Endpoint key -> (token, since, reserve key) of this replica's lender waiter that
+        # reserved it (the store holds the reservation itself, for every replica to see).
+        self._reserved: dict[str, tuple[str, float, str]] = {}
         # Borrowed grants in flight: (lane, lender) -> count (admin state and dashboard).
         self.borrowing: dict[tuple[str, str], int] = {}
 
@@ -165,7 +166,7 @@ class Admission:
     def reserved(self) -> dict[str, float]:
         """Endpoints reserved by a lender's waiter for its borrowers to drain: key -> seconds."""
         now = time.monotonic()
-        return {key: round(now - since, 3) for key, (_, since) in self._reserved.items()}
+        return {key: round(now - since, 3) for key, (_, since, _) in self._reserved.items()}
 
     def drain_rate(self, lane: str) -> float:
         """Grants a second in ``lane`` over the last minute (what Retry-After is computed from)."""
@@ -307,7 +308,7 @@ class Admission:
             ) from None
         finally:
             queue.remove(waiter)
-            self._unreserve(token)
+            await self._unreserve(token, lane.name)
             self._queue_changed(lane.name)
             head = self._head(lane.name)
             if head is not None:
@@ -323,10 +324,11 @@ class Admission:
         starvation = self._starvation_s.get(lane, NO_CLASSES.starvation_s)
         return queue[next_waiter(waiting, time.monotonic(), starvation)]
 
-    def _unreserve(self, token: str) -> None:
-        for key in [k for k, (holder, _) in self._reserved.items() if holder == token]:
-            del self._reserved[key]
-            self._wake_all()  # borrowers may enter it again
+    async def _unreserve(self, token: str, lane: str) -> None:
+        for key, (holder, _, reserved) in list(self._reserved.items()):
+            if holder == token:
+                del self._reserved[key]
+                await self._release(token, [reserved], lane)  # wakes borrowers: it lends again
 
     async def _try(
         self,
@@ -346,7 +348,7 @@ class Admission:
         )
         own_limits = [self._endpoint_limit(v, limit_of) for v in own]
         if lane.lend is not None:
-            own_limits = await self._protected(lane, token, own, own_limits)
+            own_limits = self._protected(lane, token, own, own_limits)
         offers: list[tuple[EngineView, Limit, str | None]] = [
             (v, lim, None) for v, lim in zip(own, own_limits, strict=True)
         ]
@@ -365,7 +367,7 @@ class Admission:
                 await self._reserve(lane, token, own)
             return None
         view, _, lender = offers[index]
-        self._unreserve(token)
+        await self._unreserve(token, lane.name)
         return Grant(
             token=token,
             lane=lane.name,
@@ -377,42 +379,49 @@ class Admission:
         )
 
     async def _uses(self, views: Sequence[EngineView]) -> list[EndpointUse]:
-        """What the borrowing rules see of endpoints: their own slots, borrowers, reservation."""
+        """What the borrowing rules see of endpoints (every replica's, with a shared store):
+        their own lane's slots, borrowers, and whether a waiter reserved them."""
         own = [endpoint_key(v.cluster, v.url) for v in views]
         lent = [borrow_key(v.cluster, v.url) for v in views]
-        used = await self.store.in_use([*own, *lent])
+        held = [reserve_key(v.cluster, v.url) for v in views]
+        used = await self.store.in_use([*own, *lent, *held])
         return [
-            EndpointUse(used[o], used[b], o in self._reserved)
-            for o, b in zip(own, lent, strict=True)
+            EndpointUse(used[o], used[b], used[r] > 0)
+            for o, b, r in zip(own, lent, held, strict=True)
         ]
 
-    async def _protected(
+    def _protected(
         self, lane: LaneSettings, token: str, views: Sequence[EngineView], limits: list[Limit]
     ) -> list[Limit]:
-        """The lender's own endpoint limits, closed where borrowers have not drained yet."""
+        """The lender's own endpoint limits, each guarded by the endpoint's borrowers (the store
+        takes it only while none is there), but for the endpoint this waiter reserved once it
+        has waited ``max_drain_s`` for them."""
         assert lane.lend is not None
         now = time.monotonic()
         out = []
-        for limit, use in zip(limits, await self._uses(views), strict=True):
-            holder, since = self._reserved.get(limit.key, ("", now))
+        for view, limit in zip(views, limits, strict=True):
+            holder, since, _ = self._reserved.get(limit.key, ("", now, ""))
             waited = now - since if holder == token else 0.0
-            open_ = owner_may_enter(lane.lend, use, waited)
-            out.append(limit if open_ else Limit(limit.key, 0))
+            drained = owner_may_enter(lane.lend, EndpointUse(0, 1), waited)
+            guards = () if drained else (borrow_key(view.cluster, view.url),)
+            out.append(Limit(limit.key, limit.limit, guards))
         return out
 
     async def _reserve(self, lane: LaneSettings, token: str, views: Sequence[EngineView]) -> None:
-        if any(holder == token for holder, _ in self._reserved.values()):
+        """Reserve (or keep reserving: the store's lease is renewed on every try) the endpoint
+        with the fewest borrowers, when borrowers are what keeps this waiter out."""
+        mine = [r for holder, _, r in self._reserved.values() if holder == token]
+        if mine:
+            await self.store.reserve(token, mine[0])
             return
         uses = await self._uses(views)
-        free = {
-            endpoint_key(v.cluster, v.url): u
-            for v, u in zip(views, uses, strict=True)
-            if not u.reserved
-        }
+        free = {(v.cluster, v.url): u for v, u in zip(views, uses, strict=True) if not u.reserved}
         chosen = to_reserve(free, lane.slots.per_endpoint)
         if chosen is not None:
-            self._reserved[chosen] = (token, time.monotonic())
-            self._log.info("borrow.reserved", lane=lane.name, endpoint=chosen)
+            key = reserve_key(*chosen)
+            await self.store.reserve(token, key)
+            self._reserved[endpoint_key(*chosen)] = (token, time.monotonic(), key)
+            self._log.info("borrow.reserved", lane=lane.name, endpoint=chosen[1])
 
     async def _loans(
         self, lent: Sequence[tuple[EngineView, Loan]]
@@ -423,10 +432,11 @@ class Admission:
         uses = await self._uses([v for v, _ in lent])
         offers: list[tuple[EngineView, Limit, str | None]] = []
         for (view, loan), use in zip(lent, uses, strict=True):
-            room = borrow_room(loan.rule, use) if view.state.routable else 0
-            if room > 0:
-                key = borrow_key(view.cluster, view.url)
-                offers.append((view, Limit(key, use.borrowers + room), loan.lender))
+            # The counts are a moment old (other replicas): the guards decide, atomically.
+            if view.state.routable and borrow_room(loan.rule, use) > 0:
+                guards = (endpoint_key(view.cluster, view.url), reserve_key(view.cluster, view.url))
+                limit = Limit(borrow_key(view.cluster, view.url), loan.rule.per_endpoint, guards)
+                offers.append((view, limit, loan.lender))
         return offers
 
     async def _release(self, token: str, keys: Sequence[str], lane: str) -> None:

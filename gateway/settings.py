@@ -523,19 +523,12 @@ def policy_problems(settings: Settings) -> list[Problem]:
 
 def lending_problems(settings: Settings) -> Iterable[Problem]:
     """``lanes[].lend``: to known lanes below the lender's range (a lane never lends to one that
-    takes longer prompts: a monster never enters a fast engine), a prompt budget inside the
-    borrower's range, and a memory slot store (the exclusion between a lender's own requests and
-    its borrowers is exact in one process only; Redis leases do not carry it)."""
+    takes longer prompts: a monster never enters a fast engine), and a prompt budget inside the
+    borrower's range."""
     names = {lane.name: lane for lane in settings.lanes}
     for index, lane in enumerate(settings.lanes):
         if lane.lend is None:
             continue
-        if settings.state.backend != "memory":
-            yield Problem(
-                ("lanes", index, "lend"),
-                "borrowing needs state.backend: memory (with Redis leases a replica cannot see "
-                "another's borrowers and reservations atomically, so the lender is not protected)",
-            )
         for position, name in enumerate(lane.lend.to):
             other = names.get(name)
             where = ("lanes", index, "lend", "to", position)

@@ -99,11 +99,26 @@ def test_the_fast_lane_never_lends_to_the_heavy_lane() -> None:
         parse_settings(raw, {})
 
 
-def test_borrowing_is_refused_with_redis_leases() -> None:
-    raw = demo_raw()
-    raw["state"] = {"backend": "redis"}
-    with pytest.raises(ConfigError, match="borrowing needs state.backend: memory"):
-        parse_settings(raw, {})
+def test_guards_make_borrowers_and_the_lenders_own_requests_exclude_each_other() -> None:
+    import asyncio
+
+    from gateway.slots import Limit, MemorySlotStore
+
+    async def scenario() -> None:
+        store = MemorySlotStore()
+        lane = Limit("lane:x", 10)
+        borrower = Limit("borrow:h", 4, guards=("ep:h", "reserve:h"))
+        owner = Limit("ep:h", 4, guards=("borrow:h",))
+        assert await store.try_acquire("b1", lane, [borrower]) == 0
+        assert await store.try_acquire("m1", lane, [owner]) is None  # a borrower is there
+        await store.reserve("m1", "reserve:h")
+        assert await store.try_acquire("b2", lane, [borrower]) is None  # reserved
+        await store.release("b1", ["lane:x", "borrow:h"])
+        assert await store.try_acquire("m1", lane, [owner]) == 0
+        await store.release("m1", ["reserve:h"])
+        assert await store.try_acquire("b2", lane, [borrower]) is None  # the owner runs
+
+    asyncio.run(scenario())
 
 
 def test_check_config_explains_the_lending_rule() -> None:
