@@ -191,7 +191,7 @@ class FleetSim:
         lane = decision.lane
         queue = self._queues[lane.name]
         classes = self.settings.classes
-        priority = record.priority if record.priority in classes.names else classes.default
+        priority = self._priority(record)
         loans = loans_for(lane, self.settings.lanes, record.prompt_tokens, record.output_tokens)
         ticket = _Ticket(
             key, record, lane, decision.clusters, priority, rank(classes, priority), loans
@@ -205,9 +205,12 @@ class FleetSim:
             queue.remove(ticket)
             self._reject(key, record, lane.name, now, "lane_full")
 
-    def _reject(self, key: str, record: TraceRecord, lane: str, now: float, why: str) -> None:
+    def _priority(self, record: TraceRecord) -> str:
+        """The trace's class for the request, or the policy's default for an unknown one."""
         classes = self.settings.classes
-        priority = record.priority if record.priority in classes.names else classes.default
+        return record.priority if record.priority in classes.names else classes.default
+
+    def _reject(self, key: str, record: TraceRecord, lane: str, now: float, why: str) -> None:
         self._done.append(
             Outcome(
                 key,
@@ -216,7 +219,7 @@ class FleetSim:
                 lane,
                 record.t,
                 rejected=why,
-                priority=priority,
+                priority=self._priority(record),
             )
         )
 

@@ -187,6 +187,18 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def ratio_text(ratio: dict[str, Any]) -> str:
+    """One policy's ratios against shared, median [min-max] over seeds."""
+    p50, p99 = ratio["small_ttft_p50_vs_shared"], ratio["small_ttft_p99_x_better"]
+    mon = ratio["monster_e2e_p50_vs_shared"]
+    return (
+        f"small-request TTFT p50 {p50['median']:.2f}x shared's [{p50['min']:.2f}-"
+        f"{p50['max']:.2f}], p99 {p99['median']:.1f}x better [{p99['min']:.1f}-"
+        f"{p99['max']:.1f}]; monster completion {mon['median']:.2f}x shared's "
+        f"[{mon['min']:.2f}-{mon['max']:.2f}]"
+    )
+
+
 ROWS = (
     ("small TTFT p50 s", "small_ttft_p50_s"),
     ("small TTFT p95 s", "small_ttft_p95_s"),
@@ -226,12 +238,5 @@ def table(result: dict[str, Any]) -> str:
                 label = f"{name} {key[:8].replace('_', ' ')}"
                 lines.append(f"{label:>22} " + " ".join(f"{c:>{width}}" for c in cells))
         for name, r in result["ratios"][kind].items():
-            p50, p99 = r["small_ttft_p50_vs_shared"], r["small_ttft_p99_x_better"]
-            mon = r["monster_e2e_p50_vs_shared"]
-            lines.append(
-                f"  {name}: small p50 {p50['median']:.2f}x shared [{p50['min']:.2f}-"
-                f"{p50['max']:.2f}]; p99 {p99['median']:.1f}x better [{p99['min']:.1f}-"
-                f"{p99['max']:.1f}]; monster done {mon['median']:.2f}x [{mon['min']:.2f}-"
-                f"{mon['max']:.2f}]"
-            )
+            lines.append(f"  {name}: {ratio_text(r)}")
     return with_targets(lines, result["targets"])

@@ -173,7 +173,7 @@ def _count(r: dict[str, Any], plots: Path) -> list[str]:
 
 
 def _borrow(r: dict[str, Any], plots: Path) -> list[str]:
-    from gateway.bench.borrow import POLICIES, ROWS
+    from gateway.bench.borrow import POLICIES, ROWS, ratio_text
 
     lines = [
         "### Lanes that lend (`shapegate bench borrow`)",
@@ -214,14 +214,7 @@ def _borrow(r: dict[str, Any], plots: Path) -> list[str]:
                 lines.append(f"| {name} TTFT {key[5:8]} s | " + " | ".join(cells) + " |")
         lines.append("")
         for name, ratio in r["ratios"][kind].items():
-            p50, p99 = ratio["small_ttft_p50_vs_shared"], ratio["small_ttft_p99_x_better"]
-            mon = ratio["monster_e2e_p50_vs_shared"]
-            lines.append(
-                f"- `{name}`: small-request TTFT p50 {p50['median']:.2f}x shared's "
-                f"[{p50['min']:.2f}-{p50['max']:.2f}], p99 {p99['median']:.1f}x better "
-                f"[{p99['min']:.1f}-{p99['max']:.1f}]; monster completion {mon['median']:.2f}x "
-                f"shared's [{mon['min']:.2f}-{mon['max']:.2f}]"
-            )
+            lines.append(f"- `{name}`: {ratio_text(ratio)}")
     lines += ["", *_targets(r), "", f"![borrow]({(plots / 'borrow.png').as_posix()})", ""]
     return lines
 
