@@ -491,7 +491,9 @@
     const tok = row.count_method === 'bound' ? `≤ ${num(row.prompt_tokens_bound)}` : num(known);
     if (!lane) return `${tok} tok: ${row.reason}`;
     const range = `[${num(lane.min_prompt_tokens)}, ${num(lane.max_prompt_tokens)})`;
-    return `${tok} ∈ ${range}${row.reason && row.reason !== 'in_range' ? ` · ${row.reason}` : ''}`;
+    const reason = row.reason === 'borrowed' ? `borrowed from ${row.lender}` : row.reason;
+    const cls = row.priority && row.priority !== 'standard' ? ` · ${row.priority}` : '';
+    return `${tok} ∈ ${range}${reason && reason !== 'in_range' ? ` · ${reason}` : ''}${cls}`;
   }
   function renderDecisions(d) {
     const lanes = [...new Set([...d.lanes.map((l) => l.name), ...d.decisions.map((r) => r.lane || 'none')])];
