@@ -265,6 +265,21 @@ class Admission:
         limit_of: LimitOf,
         want: Want,
     ) -> Grant:
+        try:
+            return await self._wait(lane, candidates, token, limit_of, want)
+        finally:
+            # Granted, refused, timed out or cancelled: a reservation never outlives the wait.
+            if any(holder == token for holder, _, _ in self._reserved.values()):
+                await self._unreserve(token, lane.name)
+
+    async def _wait(
+        self,
+        lane: LaneSettings,
+        candidates: Callable[[], Sequence[EngineView]],
+        token: str,
+        limit_of: LimitOf,
+        want: Want,
+    ) -> Grant:
         started = time.monotonic()
         queue = self._queues.setdefault(lane.name, deque())
         self._starvation_s[lane.name] = want.classes.starvation_s
