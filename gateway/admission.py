@@ -200,10 +200,10 @@ class Admission:
         finally:
             await held._stack.aclose()
             self._metrics.slots_in_use.labels(lane=held.lane, cluster=held.cluster).dec()
+            await self._release(held.token, held.keys, lane=held.lane)
             if lender is not None:
                 self._metrics.borrowers_in_flight.labels(lane=held.lane, lender=lender).dec()
                 self.borrowing[(held.lane, lender)] -= 1
-            await self._release(held.token, held.keys, lane=held.lane)
 
     async def move(
         self,

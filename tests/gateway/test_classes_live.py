@@ -1,11 +1,13 @@
 """Priority classes end to end, through sockets: a gateway in front of a simulated fast engine,
-flooded by batch-class requests (``x-shapegate-class: batch``); a standard-class request sent
-into the flood gets its first token within 2x of its time alone, because the queue lets it
-ahead and the slots reserved for the classes above batch leave the engine room for it."""
+flooded by batch-class requests (``x-shapegate-class: batch``); standard-class requests sent
+into the flood get their first token (median of five) within 2x of their time alone: the
+queue lets them ahead, and the slots reserved for the classes above batch leave the engine room
+for them."""
 
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from typing import Any
 
@@ -54,14 +56,22 @@ async def test_a_standard_request_keeps_its_ttft_under_a_batch_flood(
         config["lanes"][0]["timeouts"] = {"connect_s": 2, "first_byte_s": 60, "total_s": 120}
         config["classes"] = {"reserved": {"standard": 0.75}, "starvation_s": 30}
         async with gateway_at(config) as (url, _):
-            alone = await first_token_s(client, url, "standard", 4)
+            alone = statistics.median(
+                [await first_token_s(client, url, "standard", 4) for _ in range(5)]
+            )
             flood = [
                 asyncio.create_task(first_token_s(client, url, "batch", 100)) for _ in range(30)
             ]
             await wait_for(lambda: len(fast.requests()) >= 5, 30, what="the flood running")
-            mixed = await first_token_s(client, url, "standard", 4)
+            # Five probes one after another into the flood: the median, since one may land in
+            # the engine step where a batch request's prefill runs (the engine's own FCFS).
+            probes = [await first_token_s(client, url, "standard", 4) for _ in range(5)]
+            mixed = statistics.median(probes)
             batch = await asyncio.gather(*flood)
-    print(f"standard TTFT alone {alone:.3f}s, under the batch flood {mixed:.3f}s")
+    print(
+        f"standard TTFT median alone {alone:.3f}s, under the batch flood {mixed:.3f}s "
+        f"(probes {', '.join(f'{p:.3f}' for p in probes)})"
+    )
     # The flood queued (30 requests, 2 slots for batch): its later requests waited seconds.
     assert max(batch) > 5 * alone
     # 0.1 s of slack for a loaded test machine on a ~0.2 s first token.
