@@ -79,6 +79,14 @@ async def burst_then_monster(
             await wait_for(lambda: len(heavy.requests()) == 4, 30, what="four borrowers")
             state = (await client.get(url + "/admin/state")).json()
             monster = asyncio.create_task(stream(client, url, " hello" * 100_000, "monster", 4))
+
+            async def reserved() -> dict[str, Any] | None:
+                now = (await client.get(url + "/admin/state")).json()
+                heavy_lane = next(lane for lane in now["lanes"] if lane["name"] == "heavy")
+                return now if heavy_lane["reserved_endpoints"] else None
+
+            # The monster found the borrowers there and reserved the engine.
+            blocked = await wait_for(reserved, 30, what="the monster's reservation")
             answered = await asyncio.gather(*smalls)
             monster_headers, monster_sent = await monster
             metrics = (await client.get(url + "/metrics")).text
@@ -90,6 +98,7 @@ async def burst_then_monster(
             "monster_sent": monster_sent,
             "engine": heavy.requests(),
             "state": state,
+            "blocked": blocked,
             "metrics": metrics,
         }
 
@@ -97,7 +106,7 @@ async def burst_then_monster(
 async def test_borrowers_drain_before_the_monster_prefills_on_the_lent_engine(
     counter: TokenCounter, gateway_at: Any
 ) -> None:
-    seen = await burst_then_monster(counter, gateway_at, max_drain_s=60, max_tokens=200)
+    seen = await burst_then_monster(counter, gateway_at, max_drain_s=60, max_tokens=300)
     borrowed = [h for h in seen["small"] if h["x-shapegate-cluster"] == "heavy"]
     assert len(borrowed) == 4 and {h["x-shapegate-lane"] for h in borrowed} == {"fast"}
     assert seen["monster"]["x-shapegate-cluster"] == "heavy"
@@ -111,6 +120,7 @@ async def test_borrowers_drain_before_the_monster_prefills_on_the_lent_engine(
     # on the engine (its prefill and up to max_tokens), far under max_drain_s.
     waited = seen["decisions"]["monster"]["queue_wait_s"]
     budget = max(r.finished_wall - r.arrived_wall for r in borrowers if r.finished_wall)
+    print(f"monster waited {waited:.3f}s in the gateway; longest borrower {budget:.3f}s")
     assert 0 < waited <= budget, (waited, budget)
     reasons = [seen["decisions"][f"s{i}"]["reason"] for i in range(6)]
     assert reasons.count("borrowed") == 4
@@ -120,6 +130,9 @@ async def test_borrowers_drain_before_the_monster_prefills_on_the_lent_engine(
     heavy_lane = next(lane for lane in seen["state"]["lanes"] if lane["name"] == "heavy")
     assert fast_lane["borrowing"] == {"heavy": 4} and heavy_lane["lent"] == {"fast": 4}
     assert heavy_lane["lends"]["to"] == ["fast"]
+    blocked = next(lane for lane in seen["blocked"]["lanes"] if lane["name"] == "heavy")
+    assert len(blocked["reserved_endpoints"]) == 1
+    assert blocked["queue_depth"] == 1
     assert 'shapegate_borrowed_total{lane="fast",lender="heavy"} 4.0' in seen["metrics"]
     assert 'reason="borrowed"' in seen["metrics"]
 
@@ -133,6 +146,7 @@ async def test_a_monster_waits_no_longer_than_max_drain_s_for_long_borrowers(
     (monster,) = [r for r in seen["engine"] if r.request_id == "monster"]
     borrowers = [r for r in seen["engine"] if r.request_id != "monster"]
     waited = seen["decisions"]["monster"]["queue_wait_s"]
+    print(f"monster waited {waited:.3f}s for borrowers with max_drain_s 0.3")
     assert 0.3 <= waited <= 0.3 + 0.3, waited
     assert any(
         r.finished_wall is not None and r.finished_wall > monster.arrived_wall for r in borrowers
