@@ -314,7 +314,7 @@ class Admission:
                                 meter.granted(time.monotonic())
                                 return grant
                         waiter.wake = anyio.Event()
-                        with anyio.move_on_after(self._poll_s):
+                        with anyio.move_on_after(self._sleep_s(lane, token)):
                             await waiter.wake.wait()
         except TimeoutError:
             raise QueueTimeout(
@@ -328,6 +328,17 @@ class Admission:
             head = self._head(lane.name)
             if head is not None:
                 head.wake.set()
+
+    def _sleep_s(self, lane: LaneSettings, token: str) -> float:
+        """How long a waiter sleeps unless woken: the poll interval, or less when its drain
+        limit on a reserved endpoint runs out sooner (``max_drain_s`` is kept to the moment)."""
+        if lane.lend is None:
+            return self._poll_s
+        now, ends = time.monotonic(), [self._poll_s]
+        for holder, since, _ in self._reserved.values():
+            if holder == token:
+                ends.append(max(0.0, since + lane.lend.max_drain_s - now) + 0.001)
+        return min(ends)
 
     def _head(self, lane: str) -> _Waiter | None:
         """The waiter that tries the store next: class, then arrival, within the starvation

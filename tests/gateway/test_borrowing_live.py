@@ -147,7 +147,7 @@ async def test_a_monster_waits_no_longer_than_max_drain_s_for_long_borrowers(
     borrowers = [r for r in seen["engine"] if r.request_id != "monster"]
     waited = seen["decisions"]["monster"]["queue_wait_s"]
     print(f"monster waited {waited:.3f}s for borrowers with max_drain_s 0.3")
-    assert 0.3 <= waited <= 0.3 + 0.3, waited
+    assert 0.3 <= waited <= 0.3 + 0.15, waited
     assert any(
         r.finished_wall is not None and r.finished_wall > monster.arrived_wall for r in borrowers
     )
