@@ -17,7 +17,7 @@ from gateway.tokens import TokenCounter
 from tests.conftest import lanes_config
 from tests.support.waiting import wait_for
 
-SCALE = 0.1
+SCALE = 0.2
 
 
 def chat(content: str, max_tokens: int) -> dict[str, Any]:
