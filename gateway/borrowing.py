@@ -76,11 +76,6 @@ def loans_for(
     )
 
 
-def lender_rule(lane: LaneSettings) -> LendSettings | None:
-    """The rule protecting ``lane``'s own requests on its endpoints, if it lends."""
-    return lane.lend
-
-
 def borrow_room(rule: LendSettings, use: EndpointUse) -> int:
     if use.owners > 0 or use.reserved:
         return 0
@@ -101,15 +96,6 @@ def to_reserve(uses: Mapping[K, EndpointUse], owner_limit: int) -> K | None:
         if use.borrowers > 0 and use.owners < owner_limit
     ]
     return min(blocked)[2] if blocked else None
-
-
-def drain_budget_s(
-    rule: LendSettings, prefill_tokens_per_s: float, decode_tokens_per_s: float
-) -> float:
-    """The longest a borrower within budget runs alone on an engine of the given speed: its
-    whole prompt prefilled, then every token of ``max_tokens`` decoded (what check-config
-    shows next to ``max_drain_s``)."""
-    return rule.max_prompt_tokens / prefill_tokens_per_s + rule.max_tokens / decode_tokens_per_s
 
 
 def explain(lane: LaneSettings) -> list[str]:
