@@ -187,7 +187,12 @@ class Admission:
     ) -> AsyncIterator[Held]:
         limit_of = limit_of or (lambda _: lane.slots.per_endpoint)
         want = want or Want()
-        held = Held(await self._acquire(lane, candidates, token, limit_of, want))
+        try:
+            held = Held(await self._acquire(lane, candidates, token, limit_of, want))
+        finally:
+            # Granted, refused, timed out or cancelled: a reservation never outlives the wait.
+            if any(holder == token for holder, _, _ in self._reserved.values()):
+                await self._unreserve(token, lane.name)
         lender = held.grant.lender
         self._metrics.slots_in_use.labels(lane=held.lane, cluster=held.cluster).inc()
         if lender is not None:
@@ -258,21 +263,6 @@ class Admission:
         return Limit(endpoint_key(view.cluster, view.url), ramped_limit(limit_of(view), view.ramp))
 
     async def _acquire(
-        self,
-        lane: LaneSettings,
-        candidates: Callable[[], Sequence[EngineView]],
-        token: str,
-        limit_of: LimitOf,
-        want: Want,
-    ) -> Grant:
-        try:
-            return await self._wait(lane, candidates, token, limit_of, want)
-        finally:
-            # Granted, refused, timed out or cancelled: a reservation never outlives the wait.
-            if any(holder == token for holder, _, _ in self._reserved.values()):
-                await self._unreserve(token, lane.name)
-
-    async def _wait(
         self,
         lane: LaneSettings,
         candidates: Callable[[], Sequence[EngineView]],
