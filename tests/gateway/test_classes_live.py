@@ -76,3 +76,40 @@ async def test_a_standard_request_keeps_its_ttft_under_a_batch_flood(
     assert max(batch) > 5 * alone
     # 0.1 s of slack for a loaded test machine on a ~0.2 s first token.
     assert mixed <= 2 * alone + 0.1, (mixed, alone)
+
+
+async def test_the_class_comes_from_the_key_lowered_by_the_header_and_bad_names_are_400(
+    sims: Any, gateway_at: Any
+) -> None:
+    import hashlib
+
+    fast, heavy = sims
+    config = lanes_config([fast.url], [heavy.url])
+    gold = hashlib.sha256(b"gold-key").hexdigest()
+    config["classes"] = {"api_keys": {gold: "interactive"}}
+    body = {"model": "qwen3.6", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with gateway_at(config) as (url, _), httpx.AsyncClient(base_url=url) as client:
+        sent = [
+            ("k-gold", {"authorization": "Bearer gold-key"}),
+            ("k-gold-batch", {"authorization": "Bearer gold-key", "x-shapegate-class": "batch"}),
+            ("k-other-up", {"authorization": "Bearer other", "x-shapegate-class": "interactive"}),
+        ]
+        for rid, headers in sent:
+            r = await client.post(
+                "/v1/chat/completions", json=body, headers={**headers, "x-request-id": rid}
+            )
+            assert r.status_code == 200
+        bad = await client.post(
+            "/v1/chat/completions", json=body, headers={"x-shapegate-class": "vip"}
+        )
+        decisions = {
+            d["request_id"]: d for d in (await client.get("/admin/state")).json()["decisions"]
+        }
+    assert decisions["k-gold"]["priority"] == "interactive"
+    assert decisions["k-gold-batch"]["priority"] == "batch"
+    assert decisions["k-other-up"]["priority"] == "standard"  # the header cannot raise it
+    assert bad.status_code == 400
+    error = bad.json()["error"]
+    assert (
+        error["param"] == "x-shapegate-class" and "unknown priority class 'vip'" in error["message"]
+    )
