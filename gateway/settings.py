@@ -258,6 +258,25 @@ class RetrySettings(_Frozen):
     max_retries: int = Field(2, ge=0, le=16)
 
 
+class LendSettings(_Frozen):
+    """This lane's engines serve other lanes' short requests while idle (``lanes[].lend``).
+
+    An endpoint of the lending lane takes borrowers only while no request of its own lane runs
+    there or waits for it; a borrower must be short: its prompt below ``max_prompt_tokens`` and
+    a ``max_tokens`` of at most ``max_tokens`` (a request without one never borrows). A request
+    of the lending lane that finds borrowers on every endpoint reserves the one with the fewest
+    (no new borrower enters it) and waits for them to finish, at most ``max_drain_s``; then it
+    enters beside them. Rules between lanes: gateway/request/borrowing.py.
+    """
+
+    to: tuple[str, ...] = Field(min_length=1)
+    max_prompt_tokens: int = Field(8192, ge=1)
+    max_tokens: int = Field(128, ge=1)
+    # Borrowers on one endpoint at once (keep it at most the engine's max_num_seqs).
+    per_endpoint: int = Field(4, ge=1)
+    max_drain_s: float = Field(10.0, ge=0)
+
+
 class LaneSettings(_Frozen):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     # The lane takes prompts with min_prompt_tokens <= tokens < max_prompt_tokens.
@@ -277,6 +296,8 @@ class LaneSettings(_Frozen):
     # affinity_prefix_bytes) to the same endpoint, where the engine has it cached.
     prefix_affinity: bool = False
     affinity_prefix_bytes: int = Field(4096, ge=64)
+    # Lend this lane's idle engines to other lanes' short requests (gateway/request/borrowing.py).
+    lend: LendSettings | None = None
 
     @model_validator(mode="after")
     def _range(self) -> LaneSettings:
@@ -313,6 +334,45 @@ class RouteSettings(_Frozen):
         return self
 
 
+class ClassSettings(_Frozen):
+    """Priority classes inside every lane's queue (gateway/request/classes.py).
+
+    A request's class comes from its API key (``api_keys``: SHA-256 hex digest of the key ->
+    class; any other key, or none, gets ``default``) and may be lowered, never raised, by the
+    ``header``. The queue serves the highest class first, arrival order within a class, but a
+    request waiting ``starvation_s`` or longer goes before any class. ``reserved``: a share of
+    each lane's slots that only that class and the classes above it may take.
+    """
+
+    # Highest first.
+    names: tuple[str, ...] = Field(("interactive", "standard", "batch"), min_length=1)
+    default: str = "standard"
+    header: str = Field("x-shapegate-class", pattern=r"^[a-z0-9-]+$")
+    api_keys: dict[str, str] = Field(default_factory=dict)
+    starvation_s: float = Field(30.0, gt=0)
+    reserved: dict[str, float] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _known(self) -> ClassSettings:
+        known = set(self.names)
+        if len(known) != len(self.names):
+            raise ValueError("class names must be unique")
+        named = [self.default, *self.api_keys.values(), *self.reserved]
+        unknown = sorted({name for name in named if name not in known})
+        if unknown:
+            raise ValueError(
+                f"unknown class {', '.join(map(repr, unknown))} (classes: {', '.join(self.names)})"
+            )
+        for digest in self.api_keys:
+            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                raise ValueError(f"api_keys entry {digest[:12]}... is not a SHA-256 hex digest")
+        if any(not 0 < share < 1 for share in self.reserved.values()):
+            raise ValueError("a reserved share is above 0 and below 1")
+        if sum(self.reserved.values()) >= 1:
+            raise ValueError("reserved shares add up to 1 or more: the lowest class gets nothing")
+        return self
+
+
 class StateSettings(_Frozen):
     backend: Literal["memory", "redis"] = "memory"
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -341,6 +401,7 @@ class Settings(_Frozen):
     state: StateSettings = StateSettings()
     auth: AuthSettings = AuthSettings()
     routes: RouteSettings = RouteSettings()
+    classes: ClassSettings = ClassSettings()
 
     @model_validator(mode="after")
     def _cross_references(self, info: ValidationInfo) -> Settings:
@@ -452,7 +513,42 @@ def policy_problems(settings: Settings) -> list[Problem]:
     # The other rules look clusters and models up by name: only once every name resolves.
     if names:
         return names
-    return [*_coverage(settings), *_slot_limits(settings), *_emergencies(settings)]
+    return [
+        *_coverage(settings),
+        *_slot_limits(settings),
+        *_emergencies(settings),
+        *lending_problems(settings),
+    ]
+
+
+def lending_problems(settings: Settings) -> Iterable[Problem]:
+    """``lanes[].lend``: to known lanes below the lender's range (a lane never lends to one that
+    takes longer prompts: a monster never enters a fast engine), and a prompt budget inside the
+    borrower's range."""
+    names = {lane.name: lane for lane in settings.lanes}
+    for index, lane in enumerate(settings.lanes):
+        if lane.lend is None:
+            continue
+        for position, name in enumerate(lane.lend.to):
+            other = names.get(name)
+            where = ("lanes", index, "lend", "to", position)
+            if other is None:
+                yield Problem(where, f"unknown lane {name!r} (lanes: {', '.join(sorted(names))})")
+            elif other is lane:
+                yield Problem(where, "a lane cannot lend to itself")
+            elif other.max_prompt_tokens > lane.min_prompt_tokens:
+                yield Problem(
+                    where,
+                    f"lane {lane.name!r} may lend only to lanes of shorter prompts; {name!r} "
+                    f"takes prompts up to {other.max_prompt_tokens - 1} tokens, {lane.name!r} "
+                    f"starts at {lane.min_prompt_tokens}",
+                )
+            elif lane.lend.max_prompt_tokens > other.max_prompt_tokens:
+                yield Problem(
+                    ("lanes", index, "lend", "max_prompt_tokens"),
+                    f"{lane.lend.max_prompt_tokens} is above lane {name!r}'s range (it ends below "
+                    f"{other.max_prompt_tokens}): the budget must fit the borrower's prompts",
+                )
 
 
 def _duplicates(values: Iterable[str]) -> list[int]:

@@ -38,6 +38,7 @@ from gateway.edge.reload import reload_policy
 from gateway.edge.services import Gateway
 from gateway.errors import GatewayError, Unauthorized, anthropic_error_body, error_body
 from gateway.observe.dashboard.routes import add_dashboard_routes
+from gateway.request.admission import borrowing_state
 from gateway.request.routes import ENGINE_ROUTES, EngineRoute
 from gateway.settings import ConfigError
 from gateway.slots.store import endpoint_key, lane_key
@@ -126,6 +127,7 @@ async def admin_state(gateway: Gateway) -> dict[str, Any]:
                 "oldest_wait_s": round(gateway.admission.oldest_wait_s(lane.name), 3),
                 "clusters": list(lane.clusters),
                 "emergency_clusters": list(lane.emergency_clusters),
+                **borrowing_state(gateway.admission, lane),
             }
         )
     clusters = []

@@ -137,6 +137,18 @@ class Metrics:
         self.queue_depth = Gauge(
             "shapegate_queue_depth", "Requests waiting for a slot.", ["lane"], registry=r
         )
+        self.borrowed = Counter(
+            "shapegate_borrowed",
+            "Requests granted a slot on another lane's idle engine (gateway/request/borrowing.py).",
+            ["lane", "lender"],
+            registry=r,
+        )
+        self.borrowers_in_flight = Gauge(
+            "shapegate_borrowers_in_flight",
+            "Borrowed requests running on a lending lane's engines.",
+            ["lane", "lender"],
+            registry=r,
+        )
         self.queue_wait = Histogram(
             "shapegate_queue_wait_seconds",
             "Time spent waiting for a slot.",

@@ -66,6 +66,8 @@ class Routed:
     reason: Reason
     cluster_health: dict[str, bool]
     route: Endpoint  # the engine route (gateway/request/routes.py) the request came by
+    priority: str | None = None  # its class inside the lane (gateway/request/classes.py)
+    lender: str | None = None  # the lane whose engine it borrowed (reason ``borrowed``)
 
     @classmethod
     def of(
@@ -101,6 +103,8 @@ class Routed:
         "lane",
         "reason",
         "cluster_health",
+        "priority",
+        "lender",
     )
 
     def log_fields(self) -> dict[str, Any]:
@@ -125,6 +129,8 @@ class Routed:
             "lane": self.lane,
             "reason": self.reason,
             "cluster_health": self.cluster_health,
+            "priority": self.priority,
+            "lender": self.lender,
         }
 
 
@@ -239,6 +245,8 @@ class Recorder:
         record.grant = grant
         routed = record.routed
         assert routed is not None, "admitted before the lane was decided"
+        if grant.lender is not None:
+            routed = record.routed = replace(routed, reason="borrowed", lender=grant.lender)
         self.log.info(
             "route.decision",
             request_id=record.request_id,

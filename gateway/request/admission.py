@@ -22,6 +22,19 @@ Contract:
   gateway/request/lanes.py ``endpoint_limit``); by default the lane's ``per_endpoint``. Either way
   it is
   scaled down while the endpoint slow-starts (``EngineView.ramp``).
+- Priority classes (gateway/request/classes.py): the waiter that tries the store is the one
+  ``next_waiter`` picks (class, then arrival, starvation bound), not always the first in; a
+  class may fill only the lane slots not reserved for the classes above it. 429 and 503 answers
+  carry a ``Retry-After`` from the lane's measured drain rate (grants over the last minute).
+- Borrowing (gateway/request/borrowing.py): ``Want.loans`` are lending lanes whose idle endpoints
+the
+  request may take (``lent()`` gives their views); such a grant holds its own lane's slot and a
+  ``borrow:`` slot on the lender's endpoint (``Grant.lender`` names the lender). A lane that
+  lends enters its own endpoints only once their borrowers drained (or after ``max_drain_s``);
+  its waiter that is blocked by borrowers reserves the endpoint with the fewest, and no
+  borrower enters a reserved endpoint or one where the lender's own requests run. The
+  exclusion is the store's (``Limit.guards``, checked in the same atomic step as the take, and
+  the reservation a lease in the store): exact across replicas with Redis too.
 - ``move`` fails a granted request over to another endpoint: the old endpoint slot is given up
   and a new one taken in one store step, the lane slot kept, so it never holds two; it waits
   for room up to ``queue.max_wait_s`` (renewing its lane lease meanwhile) and returns False if
@@ -43,8 +56,10 @@ from engine_pool.outlier import ramped_limit
 from gateway.errors import Overloaded, QueueTimeout
 from gateway.observe.log import Logger, swallowed
 from gateway.observe.metrics import Metrics
-from gateway.settings import LaneSettings
-from gateway.slots.store import Limit, SlotStore, endpoint_key, lane_key
+from gateway.request.borrowing import EndpointUse, Loan, borrow_room, owner_may_enter, to_reserve
+from gateway.request.classes import DrainMeter, class_lane_limit, next_waiter, retry_after_s
+from gateway.settings import ClassSettings, LaneSettings
+from gateway.slots.store import Limit, SlotStore, borrow_key, endpoint_key, lane_key, reserve_key
 
 # Without a shared store, local releases wake waiters; this only bounds a missed health change.
 LOCAL_POLL_S = 0.25
@@ -58,9 +73,27 @@ class Grant:
     url: str
     keys: tuple[str, ...]
     queued_s: float
+    # The lane whose idle engine this request borrowed (decision reason ``borrowed``).
+    lender: str | None = None
 
 
 LimitOf = Callable[[EngineView], int]
+NO_CLASSES = ClassSettings()
+
+
+@dataclass(frozen=True, slots=True)
+class Want:
+    """What a request brings to admission besides its lane: its class and the loans open to it
+    (``lent()`` lists the lenders' endpoints as (view, loan), asked on every try)."""
+
+    priority: str = NO_CLASSES.default
+    classes: ClassSettings = NO_CLASSES
+    loans: tuple[Loan, ...] = ()
+    lent: Callable[[], Sequence[tuple[EngineView, Loan]]] = lambda: ()
+
+    @property
+    def rank(self) -> int:
+        return self.classes.names.index(self.priority)
 
 
 class Held:
@@ -101,6 +134,7 @@ class Held:
 @dataclass(eq=False, slots=True)
 class _Waiter:
     token: str
+    rank: int = 0
     since: float = field(default_factory=time.monotonic)
     wake: anyio.Event = field(default_factory=anyio.Event)
 
@@ -120,9 +154,29 @@ class Admission:
         self._poll_s = poll_interval_s if store.shared else LOCAL_POLL_S
         self._release_timeout_s = release_timeout_s
         self._queues: dict[str, deque[_Waiter]] = {}
+        self._starvation_s: dict[str, float] = {}
+        self._drain: dict[str, DrainMeter] = {}
+        # Endpoint key -> (token, since, reserve key) of this replica's lender waiter that
+        # reserved it (the store holds the reservation itself, for every replica to see).
+        self._reserved: dict[str, tuple[str, float, str]] = {}
+        # Borrowed grants in flight: (lane, lender) -> count (admin state and dashboard).
+        self.borrowing: dict[tuple[str, str], int] = {}
 
     def queue_depth(self, lane: str) -> int:
         return len(self._queues.get(lane, ()))
+
+    def reserved(self) -> dict[str, float]:
+        """Endpoints reserved by a lender's waiter for its borrowers to drain: key -> seconds."""
+        now = time.monotonic()
+        return {key: round(now - since, 3) for key, (_, since, _) in self._reserved.items()}
+
+    def drain_rate(self, lane: str) -> float:
+        """Grants a second in ``lane`` over the last minute (what Retry-After is computed from)."""
+        meter = self._drain.get(lane)
+        return meter.rate(time.monotonic()) if meter is not None else 0.0
+
+    def _retry_after(self, lane: LaneSettings, depth: int) -> float:
+        return retry_after_s(depth, self.drain_rate(lane.name), lane.queue.max_wait_s)
 
     @asynccontextmanager
     async def slot(
@@ -131,10 +185,22 @@ class Admission:
         candidates: Callable[[], Sequence[EngineView]],
         token: str,
         limit_of: LimitOf | None = None,
+        want: Want | None = None,
     ) -> AsyncIterator[Held]:
         limit_of = limit_of or (lambda _: lane.slots.per_endpoint)
-        held = Held(await self._acquire(lane, candidates, token, limit_of))
+        want = want or Want()
+        try:
+            held = Held(await self._acquire(lane, candidates, token, limit_of, want))
+        finally:
+            # Granted, refused, timed out or cancelled: a reservation never outlives the wait.
+            if any(holder == token for holder, _, _ in self._reserved.values()):
+                await self._unreserve(token, lane.name)
+        lender = held.grant.lender
         self._metrics.slots_in_use.labels(lane=held.lane, cluster=held.cluster).inc()
+        if lender is not None:
+            self._metrics.borrowed.labels(lane=held.lane, lender=lender).inc()
+            self._metrics.borrowers_in_flight.labels(lane=held.lane, lender=lender).inc()
+            self.borrowing[(held.lane, lender)] = self.borrowing.get((held.lane, lender), 0) + 1
         try:
             await held._stack.enter_async_context(self.store.hold(held.token, held.keys))
             yield held
@@ -142,6 +208,9 @@ class Admission:
             await held._stack.aclose()
             self._metrics.slots_in_use.labels(lane=held.lane, cluster=held.cluster).dec()
             await self._release(held.token, held.keys, lane=held.lane)
+            if lender is not None:
+                self._metrics.borrowers_in_flight.labels(lane=held.lane, lender=lender).dec()
+                self.borrowing[(held.lane, lender)] -= 1
 
     async def move(
         self,
@@ -201,21 +270,27 @@ class Admission:
         candidates: Callable[[], Sequence[EngineView]],
         token: str,
         limit_of: LimitOf,
+        want: Want,
     ) -> Grant:
         started = time.monotonic()
         queue = self._queues.setdefault(lane.name, deque())
+        self._starvation_s[lane.name] = want.classes.starvation_s
+        meter = self._drain.setdefault(lane.name, DrainMeter())
         if not queue:
-            grant = await self._try(lane, candidates, token, started, limit_of)
+            grant = await self._try(lane, candidates, token, started, limit_of, want)
             if grant is not None:
+                meter.granted(time.monotonic())
                 return grant
         if lane.on_full == "reject":
-            raise Overloaded(f"lane '{lane.name}' is full", retry_after_s=1)
+            raise Overloaded(
+                f"lane '{lane.name}' is full", retry_after_s=self._retry_after(lane, 0)
+            )
         if len(queue) >= lane.queue.depth:
             raise Overloaded(
                 f"lane '{lane.name}' queue is full ({lane.queue.depth} waiting)",
-                retry_after_s=max(1.0, lane.queue.max_wait_s / 4),
+                retry_after_s=self._retry_after(lane, len(queue)),
             )
-        waiter = _Waiter(token)
+        waiter = _Waiter(token, want.rank)
         queue.append(waiter)
         self._queue_changed(lane.name)
         try:
@@ -223,23 +298,55 @@ class Admission:
                 # A shared store keeps the place in a queue shared by every replica.
                 async with self.store.waiting(token, lane_key(lane.name)):
                     while True:
-                        if queue[0] is waiter:
-                            grant = await self._try(lane, candidates, token, started, limit_of)
+                        if self._head(lane.name) is waiter:
+                            grant = await self._try(
+                                lane, candidates, token, started, limit_of, want
+                            )
                             if grant is not None:
+                                meter.granted(time.monotonic())
                                 return grant
                         waiter.wake = anyio.Event()
-                        with anyio.move_on_after(self._poll_s):
+                        with anyio.move_on_after(self._sleep_s(lane, token)):
                             await waiter.wake.wait()
         except TimeoutError:
             raise QueueTimeout(
                 f"no slot in lane '{lane.name}' within {lane.queue.max_wait_s:g}s",
-                retry_after_s=max(1.0, lane.queue.max_wait_s / 4),
+                retry_after_s=self._retry_after(lane, len(queue)),
             ) from None
         finally:
             queue.remove(waiter)
+            await self._unreserve(token, lane.name)
             self._queue_changed(lane.name)
-            if queue:
-                queue[0].wake.set()
+            head = self._head(lane.name)
+            if head is not None:
+                head.wake.set()
+
+    def _sleep_s(self, lane: LaneSettings, token: str) -> float:
+        """How long a waiter sleeps unless woken: the poll interval, or less when its drain
+        limit on a reserved endpoint runs out sooner (``max_drain_s`` is kept to the moment)."""
+        if lane.lend is None:
+            return self._poll_s
+        now, ends = time.monotonic(), [self._poll_s]
+        for holder, since, _ in self._reserved.values():
+            if holder == token:
+                ends.append(max(0.0, since + lane.lend.max_drain_s - now) + 0.001)
+        return min(ends)
+
+    def _head(self, lane: str) -> _Waiter | None:
+        """The waiter that tries the store next: class, then arrival, within the starvation
+        bound (gateway/request/classes.py)."""
+        queue = self._queues.get(lane)
+        if not queue:
+            return None
+        waiting = [(w.rank, w.since) for w in queue]
+        starvation = self._starvation_s.get(lane, NO_CLASSES.starvation_s)
+        return queue[next_waiter(waiting, time.monotonic(), starvation)]
+
+    async def _unreserve(self, token: str, lane: str) -> None:
+        for key, (holder, _, reserved) in list(self._reserved.items()):
+            if holder == token:
+                del self._reserved[key]
+                await self._release(token, [reserved], lane)  # wakes borrowers: it lends again
 
     async def _try(
         self,
@@ -248,12 +355,25 @@ class Admission:
         token: str,
         started: float,
         limit_of: LimitOf,
+        want: Want,
     ) -> Grant | None:
-        views = list(candidates())
-        if not views:
+        own = list(candidates())
+        lent = list(want.lent()) if want.loans else []
+        if not own and not lent:
             return None
-        lane_limit = Limit(lane_key(lane.name), lane.slots.lane)
-        limits = [self._endpoint_limit(v, limit_of) for v in views]
+        lane_limit = Limit(
+            lane_key(lane.name), class_lane_limit(want.classes, want.priority, lane.slots.lane)
+        )
+        own_limits = [self._endpoint_limit(v, limit_of) for v in own]
+        if lane.lend is not None:
+            own_limits = self._protected(lane, token, own, own_limits)
+        offers: list[tuple[EngineView, Limit, str | None]] = [
+            (v, lim, None) for v, lim in zip(own, own_limits, strict=True)
+        ]
+        offers += await self._loans(lent)
+        # Least loaded first, own endpoints before lent ones on a tie (a stable sort).
+        offers.sort(key=lambda offer: offer[0].in_flight)
+        limits = [lim for _, lim, _ in offers]
         try:
             index = await self.store.try_acquire(token, lane_limit, limits)
         except BaseException:
@@ -261,8 +381,11 @@ class Admission:
             await self._release(token, [lane_limit.key, *(lim.key for lim in limits)], lane.name)
             raise
         if index is None:
+            if lane.lend is not None and own:
+                await self._reserve(lane, token, own)
             return None
-        view = views[index]
+        view, _, lender = offers[index]
+        await self._unreserve(token, lane.name)
         return Grant(
             token=token,
             lane=lane.name,
@@ -270,7 +393,69 @@ class Admission:
             url=view.url,
             keys=(lane_limit.key, limits[index].key),
             queued_s=time.monotonic() - started,
+            lender=lender,
         )
+
+    async def _uses(self, views: Sequence[EngineView]) -> list[EndpointUse]:
+        """What the borrowing rules see of endpoints (every replica's, with a shared store):
+        their own lane's slots, borrowers, and whether a waiter reserved them."""
+        own = [endpoint_key(v.cluster, v.url) for v in views]
+        lent = [borrow_key(v.cluster, v.url) for v in views]
+        held = [reserve_key(v.cluster, v.url) for v in views]
+        used = await self.store.in_use([*own, *lent, *held])
+        return [
+            EndpointUse(used[o], used[b], used[r] > 0)
+            for o, b, r in zip(own, lent, held, strict=True)
+        ]
+
+    def _protected(
+        self, lane: LaneSettings, token: str, views: Sequence[EngineView], limits: list[Limit]
+    ) -> list[Limit]:
+        """The lender's own endpoint limits, each guarded by the endpoint's borrowers (the store
+        takes it only while none is there), but for the endpoint this waiter reserved once it
+        has waited ``max_drain_s`` for them."""
+        assert lane.lend is not None
+        now = time.monotonic()
+        out = []
+        for view, limit in zip(views, limits, strict=True):
+            holder, since, _ = self._reserved.get(limit.key, ("", now, ""))
+            waited = now - since if holder == token else 0.0
+            drained = owner_may_enter(lane.lend, EndpointUse(0, 1), waited)
+            guards = () if drained else (borrow_key(view.cluster, view.url),)
+            out.append(Limit(limit.key, limit.limit, guards))
+        return out
+
+    async def _reserve(self, lane: LaneSettings, token: str, views: Sequence[EngineView]) -> None:
+        """Reserve (or keep reserving: the store's lease is renewed on every try) the endpoint
+        with the fewest borrowers, when borrowers are what keeps this waiter out."""
+        mine = [r for holder, _, r in self._reserved.values() if holder == token]
+        if mine:
+            await self.store.reserve(token, mine[0])
+            return
+        uses = await self._uses(views)
+        free = {(v.cluster, v.url): u for v, u in zip(views, uses, strict=True) if not u.reserved}
+        chosen = to_reserve(free, lane.slots.per_endpoint)
+        if chosen is not None:
+            key = reserve_key(*chosen)
+            await self.store.reserve(token, key)
+            self._reserved[endpoint_key(*chosen)] = (token, time.monotonic(), key)
+            self._log.info("borrow.reserved", lane=lane.name, endpoint=chosen[1])
+
+    async def _loans(
+        self, lent: Sequence[tuple[EngineView, Loan]]
+    ) -> list[tuple[EngineView, Limit, str | None]]:
+        """Lenders' endpoints with room for one more borrower, as (view, borrow limit, lender)."""
+        if not lent:
+            return []
+        uses = await self._uses([v for v, _ in lent])
+        offers: list[tuple[EngineView, Limit, str | None]] = []
+        for (view, loan), use in zip(lent, uses, strict=True):
+            # The counts are a moment old (other replicas): the guards decide, atomically.
+            if view.state.routable and borrow_room(loan.rule, use) > 0:
+                guards = (endpoint_key(view.cluster, view.url), reserve_key(view.cluster, view.url))
+                limit = Limit(borrow_key(view.cluster, view.url), loan.rule.per_endpoint, guards)
+                offers.append((view, limit, loan.lender))
+        return offers
 
     async def _release(self, token: str, keys: Sequence[str], lane: str) -> None:
         with anyio.CancelScope(shield=True):
@@ -290,9 +475,10 @@ class Admission:
         self._wake_all()
 
     def _wake_all(self) -> None:
-        for queue in self._queues.values():
-            if queue:
-                queue[0].wake.set()
+        for lane in self._queues:
+            head = self._head(lane)
+            if head is not None:
+                head.wake.set()
 
     def _queue_changed(self, lane: str) -> None:
         queue = self._queues.get(lane, deque())
@@ -301,3 +487,34 @@ class Admission:
     def oldest_wait_s(self, lane: str) -> float:
         queue = self._queues.get(lane)
         return time.monotonic() - queue[0].since if queue else 0.0
+
+
+def borrowing_state(admission: Admission, lane: LaneSettings) -> dict[str, object]:
+    """A lane's borrowing as admin state and the dashboard show it: whom it lends to and on
+    what terms, what it borrows now (by lender), what others borrow from it, and its endpoints
+    reserved for its own waiting requests."""
+    rule = lane.lend
+    return {
+        "lends": None
+        if rule is None
+        else {
+            "to": list(rule.to),
+            "max_prompt_tokens": rule.max_prompt_tokens,
+            "max_tokens": rule.max_tokens,
+            "per_endpoint": rule.per_endpoint,
+            "max_drain_s": rule.max_drain_s,
+        },
+        "borrowing": {
+            lender: n for (name, lender), n in admission.borrowing.items() if name == lane.name
+        },
+        "lent": {
+            borrower: n
+            for (borrower, lender), n in admission.borrowing.items()
+            if lender == lane.name
+        },
+        "reserved_endpoints": {
+            key: waited
+            for key, waited in admission.reserved().items()
+            if any(key.startswith(f"ep:{c}:") for c in lane.clusters)
+        },
+    }

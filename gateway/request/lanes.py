@@ -31,7 +31,13 @@ from typing import Literal
 from gateway.settings import LaneSettings
 
 Reason = Literal[
-    "in_range", "primary_unhealthy", "no_lane", "no_healthy_cluster", "response_affinity"
+    "in_range",
+    "primary_unhealthy",
+    "no_lane",
+    "no_healthy_cluster",
+    "response_affinity",
+    # Granted on another lane's idle engine (gateway/request/borrowing.py); set at admission.
+    "borrowed",
 ]
 
 

@@ -23,7 +23,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import anyio
@@ -58,7 +58,9 @@ from gateway.errors import (
 from gateway.observe.log import Logger, swallowed
 from gateway.observe.metrics import Metrics
 from gateway.observe.record import Record, Recorder, Routed
-from gateway.request.admission import Admission, Grant
+from gateway.request.admission import Admission, Grant, Want
+from gateway.request.borrowing import Loan, loans_for
+from gateway.request.classes import UnknownClass, bearer_digest, class_of
 from gateway.request.lanes import (
     Decision,
     choose_lane,
@@ -156,7 +158,10 @@ class Policy:
 
     def __post_init__(self) -> None:
         lanes = self.settings.lanes
-        object.__setattr__(self, "exact_above", exact_count_above(lanes))
+        # A bound decides the lane alone, but a loan needs a count under its budget: past the
+        # smallest budget, count exactly (gateway/request/borrowing.py).
+        budgets = [lane.lend.max_prompt_tokens for lane in lanes if lane.lend is not None]
+        object.__setattr__(self, "exact_above", min([exact_count_above(lanes), *budgets]))
         limits = {
             (lane.name, c.name): endpoint_limit(lanes, lane, c.name)
             for lane in lanes
@@ -296,7 +301,10 @@ class Pipeline:
             )
             decision = choose_lane(count.tokens, settings.lanes, healthy)
         decision, pinned = await self._pin(request, decision, settings.lanes)
-        self.recorder.decided(record, Routed.of(request, count, decision, healthy))
+        want = self._want(policy, scope, decision, count.tokens, request, model.name)
+        self.recorder.decided(
+            record, replace(Routed.of(request, count, decision, healthy), priority=want.priority)
+        )
         if decision.lane is None:
             raise PromptTooLong(no_lane_message(count.tokens, settings.lanes), param="input_tokens")
         if not decision.clusters:
@@ -333,7 +341,7 @@ class Pipeline:
         )
         # The slot token is ours, never the client's request id: two requests sharing an id
         # must not share (and free) one slot.
-        async with self.admission.slot(lane, candidates, uuid.uuid4().hex, limit_of) as held:
+        async with self.admission.slot(lane, candidates, uuid.uuid4().hex, limit_of, want) as held:
             self.recorder.admitted(record, held.grant)
             try:
                 while True:
@@ -382,6 +390,43 @@ class Pipeline:
             self.recorder.engine_counted(record, model.name, model.tokenizer.chat_template)
             if engine_down.cancelled_caught and not out.finished:
                 raise UpstreamError(f"engine was marked down mid-request: {engine.evidence}")
+
+    def _want(
+        self,
+        policy: Policy,
+        scope: Scope,
+        decision: Decision,
+        tokens: int,
+        request: RoutedRequest,
+        model: str,
+    ) -> Want:
+        """The request's priority class (API key, lowered by its header) and the loans open to
+        it: lending lanes' routable endpoints, for a short request routed by its count."""
+        classes = policy.settings.classes
+        asked = header(scope, classes.header.encode())
+        try:
+            priority = class_of(
+                classes,
+                bearer_digest(header(scope, b"authorization")),
+                asked.decode("latin-1") if asked is not None else None,
+            )
+        except UnknownClass as exc:
+            raise BadRequest(str(exc), param=classes.header) from None
+        lane = decision.lane
+        if lane is None or decision.reason != "in_range":
+            return Want(priority, classes)
+        loans = loans_for(lane, policy.settings.lanes, tokens, request.max_tokens)
+
+        def lent() -> list[tuple[EngineView, Loan]]:
+            return [
+                (view, loan)
+                for loan in loans
+                for cluster in loan.clusters
+                if policy.serves(cluster, model)
+                for view in order_endpoints(self.pool.views(cluster))
+            ]
+
+        return Want(priority, classes, loans, lent)
 
     async def _pin(
         self, request: RoutedRequest, decision: Decision, lanes: Sequence[LaneSettings]

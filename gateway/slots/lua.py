@@ -49,6 +49,7 @@ _DECISIONS = {
     "leave": "left_to_queue_ttl",
     "renew": "retry_next_renewal",
     "refresh": "retry_next_refresh",
+    "reserve": "borrowers_not_held_off",
 }
 
 
@@ -181,16 +182,21 @@ local function epoch_of(ekey, rkey, known, proposal, grace)
 end
 """
 
-# KEYS: lane, queue, queue liveness, ticket counter, epoch, recovery marker, candidate endpoints...
+# KEYS: lane, queue, queue liveness, ticket counter, epoch, recovery marker, candidate endpoints
+#       (n of them), then the guard keys the candidates name.
 # ARGV: token, ttl_ms, lane limit, the token's waiting-list member ("replica|token"), "1" when it
 #       is a waiter, the replica's known epoch ('' if none), a new epoch should none exist, the
-#       recovery grace in ms, candidate limits... (ARGV[i + 2] is the limit of KEYS[i], i >= 7)
+#       recovery grace in ms, candidate limits... (ARGV[i + 2] is the limit of KEYS[i], i >= 7),
+#       then one guard list per candidate (ARGV[n + i + 2] for KEYS[i]): '' or KEYS indices
+#       "a,b" of keys where no other token may hold a live lease for KEYS[i] to be taken.
 # Returns {index, epoch}: the 0-based index of the candidate taken, or -1: nothing taken.
 ACQUIRE = Script(
     _PRELUDE
     + """
 local token, ttl, me = ARGV[1], tonumber(ARGV[2]), ARGV[4]
 local lane, queue, live, tickets = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local n = (#ARGV - 8) / 2
+local last = 6 + n
 local epoch = epoch_of(KEYS[5], KEYS[6], ARGV[6], ARGV[7], tonumber(ARGV[8]))
 redis.call('ZREMRANGEBYSCORE', lane, '-inf', now)
 for i = 7, #KEYS do redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now) end
@@ -211,7 +217,7 @@ end
 local function decide()
 if redis.call('ZSCORE', lane, token) then
   -- A retried acquire: report what this token already holds, never take a second slot.
-  for i = 7, #KEYS do
+  for i = 7, last do
     if redis.call('ZSCORE', KEYS[i], token) then return i - 7 end
   end
   return -1
@@ -237,9 +243,19 @@ if span >= free then
   end
 end
 
+local function unguarded(i)
+  for index in string.gmatch(ARGV[n + i + 2], '[^,]+') do
+    local key = KEYS[tonumber(index)]
+    local others = redis.call('ZCARD', key)
+    if redis.call('ZSCORE', key, token) then others = others - 1 end
+    if others > 0 then return false end
+  end
+  return true
+end
+
 local chosen = nil
-for i = 7, #KEYS do
-  if redis.call('ZCARD', KEYS[i]) < tonumber(ARGV[i + 2]) then
+for i = 7, last do
+  if redis.call('ZCARD', KEYS[i]) < tonumber(ARGV[i + 2]) and unguarded(i) then
     chosen = i
     break
   end
@@ -326,6 +342,19 @@ for i = 3, #KEYS do
   extend(KEYS[i], 3 * ttl)
 end
 return {1, epoch}
+"""
+)
+
+# KEYS: the reserved key. ARGV: token, ttl_ms. A lease on the key for the token, taken or
+# renewed (a waiter reserving an endpoint; guards naming the key keep others out meanwhile).
+RESERVE = Script(
+    _PRELUDE
+    + """
+local ttl = tonumber(ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
+extend(KEYS[1], 3 * ttl)
+return 1
 """
 )
 

@@ -121,10 +121,14 @@ class RedisSlotStore:
             raise _unavailable()
         keys = [*self._keys([lane.key]), *self._queue_keys(lane.key), *self._epoch_keys()]
         keys += self._keys([c.key for c in candidates])
+        guards = list(dict.fromkeys(g for c in candidates for g in c.guards))
+        position = {g: len(keys) + 1 + i for i, g in enumerate(guards)}  # 1-based, as in Lua
+        keys += self._keys(guards)
         waiter = int(token in self._queued)
         args: list[str | int] = [token, self._ttl_ms, lane.limit, self._member(token), waiter]
         args += self._epoch_args(self._epoch)
         args += [c.limit for c in candidates]
+        args += [",".join(str(position[g]) for g in c.guards) for c in candidates]
         reply = await self._redis.call("acquire", slots_lua.ACQUIRE, keys, args, gated=True)
         if reply is slots_lua.DOWN:
             if not self._fail_open:
@@ -139,7 +143,7 @@ class RedisSlotStore:
 
     async def _try_local(self, token: str, lane: Limit, candidates: Sequence[Limit]) -> int | None:
         def share(limit: Limit) -> Limit:
-            return Limit(limit.key, max(1, limit.limit // self._state.replicas))
+            return Limit(limit.key, max(1, limit.limit // self._state.replicas), limit.guards)
 
         index = await self._local.try_acquire(token, share(lane), [share(c) for c in candidates])
         if index is not None:
@@ -183,6 +187,15 @@ class RedisSlotStore:
         full = self._keys(keys)
         # DOWN is already logged (decision left_to_lease_ttl): the TTL reclaims the lease.
         await self._redis.call("release", slots_lua.RELEASE, full, [token])
+
+    async def reserve(self, token: str, key: str) -> None:
+        """A lease on ``key`` for a waiter, renewed by calling again (admission does on every
+        try); with Redis unreachable, held locally (fail_open_local) or not at all."""
+        reply = await self._redis.call(
+            "reserve", slots_lua.RESERVE, self._keys([key]), [token, self._ttl_ms], gated=True
+        )
+        if reply is slots_lua.DOWN and self._fail_open:
+            await self._local.reserve(token, key)
 
     @asynccontextmanager
     async def hold(self, token: str, keys: Sequence[str]) -> AsyncIterator[None]:

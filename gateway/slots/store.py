@@ -14,6 +14,12 @@ endpoint slot ``release`` and takes the first candidate with room, keeping the l
 step (never two endpoint slots at once); None when no candidate has room (the token then holds
 the lane slot only).
 
+A candidate ``Limit`` may carry ``guards``: keys in which no other token may hold a slot for the
+candidate to be taken, checked in the same atomic step (gateway/request/borrowing.py: borrowers and
+the lender's own requests exclude each other on an endpoint). ``reserve(token, key)`` holds (or
+renews) a lease on ``key`` for a waiter, so that guards naming ``key`` keep others out; it is
+given up with ``release``.
+
 ``hold(token, keys)`` is the context a grant lives in: nothing to do in memory, lease renewal
 for Redis. ``waiting(token, lane_key)`` is the context a queued request waits in: nothing in
 memory; for Redis, a place in the lane's waiting list shared by every replica, which
@@ -33,6 +39,9 @@ from typing import Protocol
 class Limit:
     key: str
     limit: int
+    # Keys that must hold no other token's slot for this one to be taken (checked in the same
+    # atomic step): a lender's own requests and its borrowers exclude each other this way.
+    guards: tuple[str, ...] = ()
 
 
 def lane_key(lane: str) -> str:
@@ -41,6 +50,16 @@ def lane_key(lane: str) -> str:
 
 def endpoint_key(cluster: str, url: str) -> str:
     return f"ep:{cluster}:{url}"
+
+
+def borrow_key(cluster: str, url: str) -> str:
+    """Another lane's requests borrowing the endpoint (gateway/request/borrowing.py)."""
+    return f"borrow:{cluster}:{url}"
+
+
+def reserve_key(cluster: str, url: str) -> str:
+    """The lender's waiter that reserved the endpoint for its borrowers to drain."""
+    return f"reserve:{cluster}:{url}"
 
 
 class SlotStore(Protocol):
@@ -56,6 +75,8 @@ class SlotStore(Protocol):
     ) -> int | None: ...
 
     async def release(self, token: str, keys: Sequence[str]) -> None: ...
+
+    async def reserve(self, token: str, key: str) -> None: ...
 
     def hold(self, token: str, keys: Sequence[str]) -> AbstractAsyncContextManager[None]: ...
 
@@ -76,6 +97,8 @@ class MemorySlotStore:
 
     def _room(self, limit: Limit, token: str) -> bool:
         holders = self._held.get(limit.key, set())
+        if any(self._held.get(guard, set()) - {token} for guard in limit.guards):
+            return False
         return token in holders or len(holders) < limit.limit
 
     async def try_acquire(self, token: str, lane: Limit, candidates: Sequence[Limit]) -> int | None:
@@ -101,6 +124,9 @@ class MemorySlotStore:
     async def release(self, token: str, keys: Sequence[str]) -> None:
         for key in keys:
             self._held.get(key, set()).discard(token)
+
+    async def reserve(self, token: str, key: str) -> None:
+        self._held.setdefault(key, set()).add(token)
 
     @asynccontextmanager
     async def hold(self, token: str, keys: Sequence[str]) -> AsyncIterator[None]:

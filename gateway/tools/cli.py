@@ -16,6 +16,7 @@ from typing import Any
 
 from engine_pool.launch import policy_warnings
 from gateway.config_check import load_policy
+from gateway.request import borrowing, classes
 from gateway.settings import ConfigError, Settings
 from gateway.shipped import policy_names, resolve_policy
 from gateway.tools.extras import MissingExtra
@@ -90,6 +91,8 @@ def describe_policy(settings: Settings) -> str:
             f"+ {t.first_byte_per_1k_tokens_s:g}s/1k tokens, idle {t.idle_s:g}s, "
             f"total {t.total_s:g}s"
         )
+        lines.extend(borrowing.explain(lane))
+    lines.extend(classes.explain(settings.classes))
     state = settings.state
     where = f" at {state.redis_url}" if state.backend == "redis" else ""
     lines.append(f"state: {state.backend}{where}, on redis down: {state.on_redis_down}")

@@ -14,6 +14,13 @@ tokens), to show what a character threshold does.
 A request longer than its engine's ``max_model_len`` is refused by the engine (vLLM's 400),
 which is what happens to JSON-dense prompts a character threshold sends to the fast lane.
 
+Borrowing and priority classes are the live gateway's own pure rules (gateway/request/borrowing.py,
+gateway/request/classes.py): a short request may take a lending lane's idle endpoint
+(``Outcome.lender`` names it); a lender's own request waits for borrowers to drain, reserving the
+endpoint; each lane's queue goes by class then arrival with the starvation bound. A trace has no
+``max_tokens``: a request's real output length stands in for it (the budget it declared is at least
+that).
+
 What it leaves out, on purpose: HTTP and the network (microseconds next to engine steps),
 health changes and faults (a replay is about policy under load, not failure).
 """
@@ -31,6 +38,15 @@ from engine_pool.cluster import EngineState, EngineView
 from engine_pool.picker import order_endpoints
 from engine_pool.sim.profile import EngineProfile
 from engine_pool.sim.scheduler import Scheduler, StepResult
+from gateway.request.borrowing import (
+    EndpointUse,
+    Loan,
+    borrow_room,
+    loans_for,
+    owner_may_enter,
+    to_reserve,
+)
+from gateway.request.classes import class_lane_limit, next_waiter, rank
 from gateway.request.lanes import choose_lane
 from gateway.settings import LaneSettings, Settings
 from gateway.tuning.trace import TraceRecord
@@ -50,6 +66,9 @@ class Outcome:
     first_token: float | None = None
     finished: float | None = None
     rejected: str | None = None
+    # The lane whose engine served the request when it borrowed one; its priority class.
+    lender: str | None = None
+    priority: str = "standard"
 
     @property
     def ttft(self) -> float | None:
@@ -79,6 +98,9 @@ class _Engine:
     url: str
     scheduler: Scheduler
     running: set[str] = field(default_factory=set)
+    borrowers: set[str] = field(default_factory=set)
+    reserved_by: str | None = None
+    reserved_at: float = 0.0
     busy: bool = False
     step: StepResult | None = None
 
@@ -87,6 +109,7 @@ class _Engine:
 class _Admitted:
     admitted: float
     cluster: str
+    lender: str | None = None
     first_token: float | None = None
 
 
@@ -96,6 +119,9 @@ class _Ticket:
     record: TraceRecord
     lane: LaneSettings
     clusters: tuple[str, ...]
+    priority: str
+    rank: int
+    loans: tuple[Loan, ...]
 
 
 class FleetSim:
@@ -123,6 +149,10 @@ class FleetSim:
         self._done: list[Outcome] = []
         self._occupancy: list[tuple[float, str, int]] = []
         self._tickets: dict[str, tuple[_Ticket, _Engine]] = {}
+        # cluster -> the lane owning it, for clusters of lanes that lend.
+        self._lender_of = {
+            c: lane for lane in settings.lanes if lane.lend is not None for c in lane.clusters
+        }
 
     def _routing_count(self, record: TraceRecord) -> int:
         return record.prompt_tokens if self.count_by == "tokens" else record.chars // 4
@@ -144,6 +174,8 @@ class FleetSim:
                 handled += 1
                 if progress is not None and handled % 500 == 0:
                     progress(handled / total)
+            elif kind == "wake":
+                self._admit(cast(str, payload), clock)
             else:
                 self._step_done(cast(_Engine, payload), clock)
         if progress is not None:
@@ -159,7 +191,12 @@ class FleetSim:
             return
         lane = decision.lane
         queue = self._queues[lane.name]
-        ticket = _Ticket(key, record, lane, decision.clusters)
+        classes = self.settings.classes
+        priority = self._priority(record)
+        loans = loans_for(lane, self.settings.lanes, record.prompt_tokens, record.output_tokens)
+        ticket = _Ticket(
+            key, record, lane, decision.clusters, priority, rank(classes, priority), loans
+        )
         if queue and (lane.on_full == "reject" or len(queue) >= lane.queue.depth):
             self._reject(key, record, lane.name, now, "lane_full")
             return
@@ -169,45 +206,106 @@ class FleetSim:
             queue.remove(ticket)
             self._reject(key, record, lane.name, now, "lane_full")
 
+    def _priority(self, record: TraceRecord) -> str:
+        """The trace's class for the request, or the policy's default for an unknown one."""
+        classes = self.settings.classes
+        return record.priority if record.priority in classes.names else classes.default
+
     def _reject(self, key: str, record: TraceRecord, lane: str, now: float, why: str) -> None:
         self._done.append(
-            Outcome(key, record.prompt_tokens, record.output_tokens, lane, record.t, rejected=why)
+            Outcome(
+                key,
+                record.prompt_tokens,
+                record.output_tokens,
+                lane,
+                record.t,
+                rejected=why,
+                priority=self._priority(record),
+            )
         )
 
-    def _candidates(self, ticket: _Ticket) -> list[_Engine]:
-        engines = {(e.cluster, e.url): e for c in ticket.clusters for e in self.engines[c]}
+    def _use(self, engine: _Engine) -> EndpointUse:
+        owners = len(engine.running) - len(engine.borrowers)
+        return EndpointUse(owners, len(engine.borrowers), engine.reserved_by is not None)
+
+    def _candidates(self, ticket: _Ticket, now: float) -> list[tuple[_Engine, Loan | None]]:
+        """Endpoints with room for the ticket, least loaded first: its own lane's, then (mixed
+        in by load) the idle endpoints of lanes that lend to it."""
+        offers: dict[tuple[str, str], tuple[_Engine, Loan | None]] = {}
+        for cluster in ticket.clusters:
+            for e in self.engines[cluster]:
+                owner = self._lender_of.get(cluster)
+                rule = owner.lend if owner is not None else None
+                mine = e.reserved_by in (None, ticket.key)
+                waited = now - e.reserved_at if e.reserved_by == ticket.key else 0.0
+                if self._use(e).owners < ticket.lane.slots.per_endpoint and (
+                    rule is None or (mine and owner_may_enter(rule, self._use(e), waited))
+                ):
+                    offers[(e.cluster, e.url)] = (e, None)
+        for loan in ticket.loans:
+            for cluster in loan.clusters:
+                for e in self.engines[cluster]:
+                    if borrow_room(loan.rule, self._use(e)) > 0:
+                        offers.setdefault((e.cluster, e.url), (e, loan))
         views = [
-            EngineView(e.cluster, e.url, EngineState.UP, len(e.running))
-            for c in ticket.clusters
-            for e in self.engines[c]
+            EngineView(e.cluster, e.url, EngineState.UP, len(e.running)) for e, _ in offers.values()
         ]
-        ordered = [engines[(v.cluster, v.url)] for v in order_endpoints(views)]
-        return [e for e in ordered if len(e.running) < ticket.lane.slots.per_endpoint]
+        return [offers[(v.cluster, v.url)] for v in order_endpoints(views)]
+
+    def _reserve(self, ticket: _Ticket, now: float) -> None:
+        """A lender's own request blocked by borrowers reserves an endpoint and is woken when
+        its drain limit runs out (borrowers leaving wake it sooner)."""
+        rule = ticket.lane.lend
+        if rule is None or any(e.reserved_by == ticket.key for e in self._own(ticket)):
+            return
+        uses = {e: self._use(e) for e in self._own(ticket) if e.reserved_by is None}
+        chosen = to_reserve(uses, ticket.lane.slots.per_endpoint)
+        if chosen is not None:
+            chosen.reserved_by, chosen.reserved_at = ticket.key, now
+            self._push(now + rule.max_drain_s, "wake", ticket.lane.name)
+
+    def _own(self, ticket: _Ticket) -> list[_Engine]:
+        return [e for c in ticket.clusters for e in self.engines[c]]
+
+    def _unreserve(self, ticket: _Ticket) -> None:
+        for e in self._own(ticket):
+            if e.reserved_by == ticket.key:
+                e.reserved_by = None
 
     def _admit(self, lane: str, now: float) -> None:
         queue = self._queues[lane]
+        classes = self.settings.classes
         while queue:
-            ticket = queue[0]
-            if now - ticket.record.t > ticket.lane.queue.max_wait_s:
-                queue.popleft()
-                self._reject(ticket.key, ticket.record, lane, now, "queue_timeout")
-                continue
-            if self._lane_used[lane] >= ticket.lane.slots.lane:
+            for late in [t for t in queue if now - t.record.t > t.lane.queue.max_wait_s]:
+                queue.remove(late)
+                self._unreserve(late)
+                self._reject(late.key, late.record, lane, now, "queue_timeout")
+            if not queue:
                 return
-            candidates = self._candidates(ticket)
+            waiting = [(t.rank, t.record.t) for t in queue]
+            ticket = queue[next_waiter(waiting, now, classes.starvation_s)]
+            limit = class_lane_limit(classes, ticket.priority, ticket.lane.slots.lane)
+            if self._lane_used[lane] >= limit:
+                return
+            candidates = self._candidates(ticket, now)
             if not candidates:
+                self._reserve(ticket, now)
                 return
-            queue.popleft()
-            engine = candidates[0]
+            queue.remove(ticket)
+            self._unreserve(ticket)
+            engine, loan = candidates[0]
             record = ticket.record
             if record.prompt_tokens + record.output_tokens > self._max_len[engine.cluster]:
                 # The engine answers 400 (context length exceeded), as vLLM does.
                 self._reject(ticket.key, record, lane, now, "engine_context_exceeded")
                 continue
             engine.running.add(ticket.key)
+            if loan is not None:
+                engine.borrowers.add(ticket.key)
             self._lane_used[lane] += 1
             self._occupancy.append((now, lane, self._lane_used[lane]))
-            self._open[ticket.key] = _Admitted(now, engine.cluster)
+            lender = loan.lender if loan is not None else None
+            self._open[ticket.key] = _Admitted(now, engine.cluster, lender)
             self._tickets[ticket.key] = (ticket, engine)
             engine.scheduler.add(
                 ticket.key, record.prompt_tokens, max(1, record.output_tokens), now
@@ -236,6 +334,7 @@ class FleetSim:
     def _finish(self, key: str, now: float) -> None:
         ticket, engine = self._tickets.pop(key)
         engine.running.discard(key)
+        engine.borrowers.discard(key)
         lane = ticket.lane.name
         self._lane_used[lane] -= 1
         self._occupancy.append((now, lane, self._lane_used[lane]))
@@ -252,5 +351,7 @@ class FleetSim:
                 admitted=info.admitted,
                 first_token=info.first_token if info.first_token is not None else now,
                 finished=now,
+                lender=info.lender,
+                priority=ticket.priority,
             )
         )

@@ -190,10 +190,34 @@ def simulate(
         "large_requests": _stats(large, result.makespan),
         "small_below": small_below,
         "large_in_light_lane": sum(1 for o in large if light is not None and o.lane == light.name),
+        # Monsters that ran on an engine of the light lane (borrowing never sends them there).
+        "large_on_light_engines": sum(
+            1 for o in large if light is not None and o.cluster in light.clusters
+        ),
+        "borrowing": _borrowing(result.outcomes),
+        "by_class": {
+            name: _stats([o for o in result.outcomes if o.priority == name], result.makespan)
+            for name in sorted({o.priority for o in result.outcomes})
+        },
         "all": _stats(result.outcomes, result.makespan),
         "slot_occupancy": peaks,
     }
     return SimReport(name, result, summary)
+
+
+def _borrowing(outcomes: Sequence[Outcome]) -> dict[str, Any]:
+    """How many served requests ran on another lane's engine, by lender."""
+    served = [o for o in outcomes if o.rejected is None]
+    lenders: dict[str, int] = {}
+    for o in served:
+        if o.lender is not None:
+            lenders[o.lender] = lenders.get(o.lender, 0) + 1
+    borrowed = sum(lenders.values())
+    return {
+        "borrowed": borrowed,
+        "share": round(borrowed / len(served), 4) if served else 0.0,
+        "by_lender": lenders,
+    }
 
 
 def _fmt(value: float) -> str:
@@ -211,6 +235,23 @@ def render(reports: Sequence[SimReport]) -> str:
                 (f"{group.split('_')[0]} {key}", *(_fmt(r.summary[group][key]) for r in reports))
             )
     rows.append(("large in light lane", *(str(r.summary["large_in_light_lane"]) for r in reports)))
+    rows.append(
+        ("large on light engines", *(str(r.summary["large_on_light_engines"]) for r in reports))
+    )
+    rows.append(("large e2e_p50", *(_fmt(r.summary["large_requests"]["e2e_p50"]) for r in reports)))
+    rows.append(("borrowed share", *(f"{r.summary['borrowing']['share']:.1%}" for r in reports)))
+    classes = sorted({name for r in reports for name in r.summary["by_class"]})
+    for name in classes if len(classes) > 1 else ():
+        for key in ("ttft_p50", "ttft_p99"):
+            rows.append(
+                (
+                    f"class {name} {key}",
+                    *(
+                        _fmt(r.summary["by_class"].get(name, {}).get(key, math.nan))
+                        for r in reports
+                    ),
+                )
+            )
     rows.append(("output tok/s", *(_fmt(r.summary["all"]["output_tokens_per_s"]) for r in reports)))
     rows.append(("prompt tok/s", *(_fmt(r.summary["all"]["prompt_tokens_per_s"]) for r in reports)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

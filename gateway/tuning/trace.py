@@ -12,7 +12,8 @@ A trace is JSON lines, one request each::
   requests over three hours, p50 prompt 3,000 tokens with 37 output tokens, nine monsters of
   100k to 720k tokens with ~124 output tokens, a dozen 40k-90k-token JSON tool results; content
   mixed prose/code/JSON so characters per token vary) or ``burst-32k`` (40 requests of ~32k
-  tokens within seconds). Same seed, same trace.
+  tokens within seconds) or ``agent-storm`` (a second burst shape, below). Same seed, same
+  trace.
 - ``TraceWriter`` records live traffic (``state.trace_file``): ``record`` only appends to a
   bounded buffer on the request path (past the bound, lines are dropped: memory stays flat when
   the disk stalls); ``run`` writes it out once a second off the event loop.
@@ -24,15 +25,15 @@ import math
 import random
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Literal
 
 import anyio
 import orjson
 
-SynthKind = Literal["production-burst", "burst-32k"]
-SYNTH_KINDS: tuple[str, ...] = ("production-burst", "burst-32k")
+SynthKind = Literal["production-burst", "burst-32k", "agent-storm"]
+SYNTH_KINDS: tuple[str, ...] = ("production-burst", "burst-32k", "agent-storm")
 # Characters per Qwen3 token by content (shared/FACTS.md): prose ~5, code ~4.5, dense JSON ~2.1.
 CHARS_PER_TOKEN = {"prose": 4.9, "code": 4.4, "json": 2.1}
 
@@ -47,6 +48,8 @@ class TraceRecord:
     stream: bool = True
     prompt_chars: int | None = None
     prefix: str | None = None
+    # The request's priority class (gateway/request/classes.py); None: the policy's default.
+    priority: str | None = None
 
     @property
     def chars(self) -> int:
@@ -129,6 +132,32 @@ def _production_burst(rng: random.Random, model: str) -> Iterator[TraceRecord]:
         yield _shape(rng, at, tokens, output, model, None)
 
 
+def _agent_storm(rng: random.Random, model: str) -> Iterator[TraceRecord]:
+    """A second burst shape: two hours, eight storms of 80-165 agent calls landing within three
+    seconds (batch class: background agents), short chat turns trickling in all along
+    (interactive class: a person waiting), and ten monsters of 150k-600k tokens, most of them
+    arriving one to five seconds before a storm, the rest anywhere. Prompts are shorter than
+    production-burst's (p50 ~1,500 tokens) and answers longer (p50 ~60 tokens)."""
+    duration = 2 * 3600.0
+    storms = sorted(rng.uniform(120, duration - 120) for _ in range(8))
+    for start in storms:
+        for _ in range(rng.randint(80, 165)):
+            tokens = min(24_000, max(100, int(rng.lognormvariate(math.log(1500), 0.8))))
+            output = min(1000, max(1, int(rng.lognormvariate(math.log(60), 0.5))))
+            record = _shape(rng, start + rng.uniform(0, 3), tokens, output, model, "storm")
+            yield replace(record, priority="batch")
+    for _ in range(300):
+        tokens = min(16_000, max(50, int(rng.lognormvariate(math.log(800), 0.7))))
+        output = min(600, max(1, int(rng.lognormvariate(math.log(50), 0.5))))
+        record = _shape(rng, rng.uniform(0, duration), tokens, output, model, None)
+        yield replace(record, priority="interactive")
+    before = rng.sample(storms, 6)
+    for i in range(10):
+        at = before[i] - rng.uniform(1, 5) if i < len(before) else rng.uniform(0, duration)
+        tokens = int(math.exp(rng.uniform(math.log(150_000), math.log(600_000))))
+        yield _shape(rng, at, tokens, max(16, int(rng.gauss(150, 40))), model, None)
+
+
 def _burst_32k(rng: random.Random, model: str) -> Iterator[TraceRecord]:
     for _ in range(40):
         tokens = int(rng.uniform(30_500, 33_500))
@@ -141,6 +170,8 @@ def synthesize(kind: str, seed: int = 0, model: str = "qwen3.6") -> list[TraceRe
         records = list(_production_burst(rng, model))
     elif kind == "burst-32k":
         records = list(_burst_32k(rng, model))
+    elif kind == "agent-storm":
+        records = list(_agent_storm(rng, model))
     else:
         raise ValueError(f"unknown trace kind {kind!r}; known: {', '.join(SYNTH_KINDS)}")
     return sorted(records, key=lambda r: r.t)

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_one_copy_the_repository_link_points_at_the_package() -> None:
     assert (ROOT / "configs").resolve() == configs_dir().resolve()
     assert policy_names() == ("demo", "production-two-lanes", "shared-pool")
-    assert profile_names() == ("h100-fast", "h100-heavy", "h100-shared")
+    assert profile_names() == ("h100-fast", "h100-heavy", "h100-heavy-lending", "h100-shared")
 
 
 def test_documented_paths_and_names_resolve_anywhere(

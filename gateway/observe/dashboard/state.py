@@ -27,6 +27,7 @@ from prometheus_client import Metric
 
 from gateway.errors import GatewayError
 from gateway.observe.log import swallowed
+from gateway.request.admission import borrowing_state
 from gateway.slots.store import endpoint_key, lane_key
 
 if TYPE_CHECKING:
@@ -56,6 +57,8 @@ DECISION_FIELDS = (
     "max_tokens",
     "lane",
     "reason",
+    "lender",
+    "priority",
     "cluster",
     "endpoint",
     "queue_wait_s",
@@ -155,6 +158,7 @@ async def build_state(gateway: Gateway, watch: StoreWatch | None = None) -> dict
                 "queue_max_wait_s": lane.queue.max_wait_s,
                 "oldest_wait_s": round(gateway.admission.oldest_wait_s(lane.name), 3),
                 "clusters": clusters,
+                **borrowing_state(gateway.admission, lane),
                 **window.lane_json(lane.name, mono_now),
             }
         )

@@ -15,6 +15,7 @@ SUITES: tuple[str, ...] = (
     "gateway.tools.bench.count",
     "gateway.tools.bench.overhead",
     "gateway.tools.bench.lanes",
+    "gateway.tools.bench.borrow",
     "gateway.tools.bench.memory",
     "gateway.tools.bench.encoder",
     "gateway.tools.bench.every",  # shapegate bench all

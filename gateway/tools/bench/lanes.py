@@ -114,7 +114,8 @@ def measure(*, seeds: int, smoke: bool) -> tuple[dict[str, Any], list[SimReport]
         "seeds": seeds,
         "heavy_threshold_tokens": heavy,
         "capacity": "4 x H100 each way: shared = 4 x h100-shared; lanes = 2 x h100-fast + "
-        "2 x h100-heavy",
+        "2 x h100-heavy-lending (configs/demo.yaml: the heavy lane lends idle seats to short "
+        "fast-lane requests)",
         "simulated_in_s": round(time.perf_counter() - started, 2),
         "per_seed": per_seed,
         "spread": _spread(per_seed),

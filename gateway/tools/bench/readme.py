@@ -1,11 +1,12 @@
 """``shapegate bench readme [README]``: the README's performance section, from the JSON results.
 
-Reads ``OUT/{overhead,count,lanes,memory,encoder}.json`` (``--out``, default ``bench-results``; a
-missing suite is said to be missing, not invented) and replaces everything between the lines
-``<!-- bench:start -->`` and ``<!-- bench:end -->`` of the README (default ``README.md``) with
-tables built from them: the machine each ran on (CPU, cores, load average at start), the
-figures, each target met or missed, and links to the PNG plots (relative to the README). The
-figures are never typed by hand; ``--check`` exits 1 when the section is out of date.
+Reads ``OUT/{overhead,count,lanes,borrow,memory,encoder}.json`` (``--out``, default
+``bench-results``; a missing suite is said to be missing, not invented) and replaces
+everything between the lines ``<!-- bench:start -->`` and ``<!-- bench:end -->`` of the
+README (default ``README.md``) with tables built from them: the machine each ran on (CPU,
+cores, load average at start), the figures, each target met or missed, and links to the PNG
+plots (relative to the README). The figures are never typed by hand; ``--check`` exits 1
+when the section is out of date.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import orjson
 
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
-SUITES = ("overhead", "count", "lanes", "memory", "encoder")
+SUITES = ("overhead", "count", "lanes", "borrow", "memory", "encoder")
 
 
 def register(suites: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -93,6 +94,7 @@ def render(results: dict[str, dict[str, Any]], plots: Path) -> str:
         ("overhead", _overhead),
         ("count", _count),
         ("lanes", _lanes),
+        ("borrow", _borrow),
         ("memory", _memory),
         ("encoder", _encoder),
     ):
@@ -167,6 +169,53 @@ def _count(r: dict[str, Any], plots: Path) -> list[str]:
         *_targets(r),
         "",
     ]
+    return lines
+
+
+def _borrow(r: dict[str, Any], plots: Path) -> list[str]:
+    from gateway.tools.bench.borrow import POLICIES, ROWS, ratio_text
+
+    lines = [
+        "### Lanes that lend (`shapegate bench borrow`)",
+        "",
+        f"Machine: {_machine(r)}. Two trace shapes, seeds 1-{r['seeds']} each, replayed by "
+        f"the discrete-event simulator on equal capacity ({r['capacity']}); monsters are "
+        f"prompts of {r['heavy_threshold_tokens']} tokens or more. `shared`: one pool "
+        "(configs/shared-pool.yaml); `lanes`: configs/demo.yaml without its `lend` rule; "
+        "`borrow`: configs/demo.yaml, the heavy lane lending idle seats to short fast-lane "
+        "requests. Median over seeds [min-max]; class rows: `standard` is the monsters "
+        "(no class given), `interactive` the chat turns, `batch` the agent storms.",
+        *_smoke(r),
+    ]
+    for kind, rows in r["per_trace"].items():
+        lines += [
+            "",
+            f"`{kind}`:",
+            "",
+            "| | " + " | ".join(POLICIES) + " |",
+            "| --- |" + " ---: |" * len(POLICIES),
+        ]
+
+        def cell(values: list[float]) -> str:
+            ordered = sorted(values)
+            mid = ordered[len(ordered) // 2]
+            return f"{mid:.2f} [{ordered[0]:.2f}-{ordered[-1]:.2f}]"
+
+        for label, key in ROWS:
+            cells = [cell([s["policies"][n][key] for s in rows]) for n in POLICIES]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        classes = sorted(rows[0]["policies"]["borrow"]["by_class"])
+        for name in classes if len(classes) > 1 else ():
+            for key in ("ttft_p50_s", "ttft_p99_s"):
+                cells = [
+                    cell([s["policies"][n]["by_class"].get(name, {}).get(key, 0.0) for s in rows])
+                    for n in POLICIES
+                ]
+                lines.append(f"| {name} TTFT {key[5:8]} s | " + " | ".join(cells) + " |")
+        lines.append("")
+        for name, ratio in r["ratios"][kind].items():
+            lines.append(f"- `{name}`: {ratio_text(ratio)}")
+    lines += ["", *_targets(r), "", f"![borrow]({(plots / 'borrow.png').as_posix()})", ""]
     return lines
 
 

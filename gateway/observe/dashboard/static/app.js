@@ -325,6 +325,16 @@
       h('span', { text: 'p50' }), h('span', { text: 'p95' }), h('span', { text: 'p99' }),
       h('b', { text: dur(p.p50) }), h('b', { text: dur(p.p95) }), h('b', { text: dur(p.p99) }));
   }
+  // Borrowing (gateway/request/borrowing.py): what the lane borrows now, lends now, and holds back.
+  function borrowLine(lane) {
+    const parts = [];
+    for (const [lender, n] of Object.entries(lane.borrowing || {})) if (n) parts.push(`borrowing ${n} on ${lender}`);
+    for (const [borrower, n] of Object.entries(lane.lent || {})) if (n) parts.push(`lending ${n} to ${borrower}`);
+    const reserved = Object.keys(lane.reserved_endpoints || {}).length;
+    if (reserved) parts.push(`${reserved} engine(s) draining borrowers`);
+    if (!parts.length && lane.lends) parts.push(`lends idle engines to ${lane.lends.to.join(', ')}`);
+    return parts.length ? ` · ${parts.join(' · ')}` : '';
+  }
   function renderLanes(d) {
     const root = $('lanes');
     const seen = new Set();
@@ -344,6 +354,7 @@
       c.slots.sub.textContent = lane.clusters
         .map((cl) => `${cl.name}${cl.emergency ? ' (emergency)' : ''} ${num(cl.slots_in_use)}/${num(cl.slot_limit)}`)
         .join(' · ') + (d.slots_known ? '' : ' · shared store unreachable');
+      c.slots.sub.textContent += borrowLine(lane);
       const qlv = lane.queue_depth > 0 ? (lane.slots_in_use >= lane.slot_limit ? 'bad' : 'warn') : '';
       c.queue.v.className = `v ${qlv}`;
       c.queue.v.replaceChildren(num(lane.queue_depth), h('small', { text: ` / ${num(lane.queue_limit)}` }));
@@ -480,7 +491,9 @@
     const tok = row.count_method === 'bound' ? `≤ ${num(row.prompt_tokens_bound)}` : num(known);
     if (!lane) return `${tok} tok: ${row.reason}`;
     const range = `[${num(lane.min_prompt_tokens)}, ${num(lane.max_prompt_tokens)})`;
-    return `${tok} ∈ ${range}${row.reason && row.reason !== 'in_range' ? ` · ${row.reason}` : ''}`;
+    const reason = row.reason === 'borrowed' ? `borrowed from ${row.lender}` : row.reason;
+    const cls = row.priority && row.priority !== 'standard' ? ` · ${row.priority}` : '';
+    return `${tok} ∈ ${range}${reason && reason !== 'in_range' ? ` · ${reason}` : ''}${cls}`;
   }
   function renderDecisions(d) {
     const lanes = [...new Set([...d.lanes.map((l) => l.name), ...d.decisions.map((r) => r.lane || 'none')])];
