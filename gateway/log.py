@@ -36,8 +36,14 @@ def _dumps(obj: Any, default: Any = None) -> str:
     return orjson.dumps(obj, default=default or str).decode()
 
 
-def configure_logging(level: str = "info", json_output: bool = True) -> None:
-    """Configure structlog for the process: JSON lines to stdout, or a console renderer."""
+def configure_logging(
+    level: str = "info", json_output: bool = True, *, cache: bool = False
+) -> None:
+    """Configure structlog for the process: JSON lines to stdout, or a console renderer.
+
+    ``cache=True`` (``shapegate serve``: configured once per process) lets each logger keep
+    what it assembled on first use instead of binding a new one at every event, two of them per
+    request; tests reconfigure between cases and keep the default."""
     renderer: Any = (
         structlog.processors.JSONRenderer(serializer=_dumps)
         if json_output
@@ -52,7 +58,7 @@ def configure_logging(level: str = "info", json_output: bool = True) -> None:
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
         logger_factory=structlog.WriteLoggerFactory(file=sys.stdout),
-        cache_logger_on_first_use=False,
+        cache_logger_on_first_use=cache,
     )
 
 
