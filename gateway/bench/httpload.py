@@ -186,6 +186,15 @@ class LoadResult:
         self.errors += 1
         self.error_kinds[kind] = self.error_kinds.get(kind, 0) + 1
 
+    def answered(self, status: int, sent_at: float, first_at: float, done: float) -> None:
+        """One response: its times if it was a 200, else an error of its status."""
+        if status == 200:
+            self.ok += 1
+            self.ttfb.append(first_at - sent_at)
+            self.total.append(done - sent_at)
+        else:
+            self.error(f"status_{status}")
+
 
 class _Client(asyncio.Protocol):
     """One keep-alive client connection; one request at a time."""
@@ -298,14 +307,8 @@ class _Generator:
 
     def finished(self, client: _Client, status: int, done: float) -> None:
         self.in_flight.pop(client, None)
-        result = self.result
-        if result is not None:
-            if status == 200:
-                result.ok += 1
-                result.ttfb.append(client.first_at - client.sent_at)
-                result.total.append(done - client.sent_at)
-            else:
-                result.error(f"status_{status}")
+        if self.result is not None:
+            self.result.answered(status, client.sent_at, client.first_at, done)
         self._settle_count()
         if client.keep_alive and client.transport is not None:
             self._ready(client)
@@ -422,14 +425,8 @@ class _LoopClient(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         now = time.perf_counter()
-        result = self._result
         status = self._parser.get_status_code()
-        if status == 200:
-            result.ok += 1
-            result.ttfb.append(self._first_at - self._sent_at)
-            result.total.append(now - self._sent_at)
-        else:
-            result.error(f"status_{status}")
+        self._result.answered(status, self._sent_at, self._first_at, now)
         if now < self._stop_at and self._parser.should_keep_alive():
             self._send()
         else:
