@@ -16,6 +16,7 @@ blocks routing; the picker simply has no load figure for that endpoint.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from engine_pool.cluster import EngineKind
@@ -45,31 +46,49 @@ class Load:
     tokens_total: float | None
 
 
-def _samples(text: str) -> dict[str, float]:
+def _line_starts(text: str, name: str) -> Iterator[int]:
+    """Where the lines beginning with ``name`` start (C-speed ``find``, no split of the text)."""
+    at = 0 if text.startswith(name) else -1
+    if at < 0:
+        found = text.find("\n" + name)
+        at = found + 1 if found >= 0 else -1
+    while at >= 0:
+        yield at
+        found = text.find("\n" + name, at)
+        at = found + 1 if found >= 0 else -1
+
+
+def _samples(text: str, names: Iterable[str]) -> dict[str, float]:
+    """The sum over label sets of each series in ``names``. Only those lines are read: an
+    engine's /metrics holds thousands of histogram lines (a vLLM's: ~2,600 lines, 10 ms to
+    split and parse whole on a loaded core, every scrape interval, on the event loop), and the
+    load needs five series."""
     sums: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        brace = line.find("{")
-        if brace >= 0:
-            name = line[:brace]
-            value_part = line[line.rfind("}") + 1 :].split()
-        else:
-            name, *value_part = line.split()
-        if not value_part:
-            continue
-        try:
-            value = float(value_part[0])
-        except ValueError:
-            continue
-        if math.isfinite(value):
-            sums[name] = sums.get(name, 0.0) + value
+    for name in names:
+        for at in _line_starts(text, name):
+            end = text.find("\n", at)
+            line = text[at : end if end >= 0 else len(text)]
+            rest = line[len(name) :]
+            if rest[:1] == "{":
+                value_part = rest[rest.rfind("}") + 1 :].split()
+            elif rest[:1] in (" ", "\t"):
+                value_part = rest.split()
+            else:
+                continue  # a longer name that starts with this one
+            if not value_part:
+                continue
+            try:
+                value = float(value_part[0])
+            except ValueError:
+                continue
+            if math.isfinite(value):
+                sums[name] = sums.get(name, 0.0) + value
     return sums
 
 
 def parse_load(kind: EngineKind, text: str) -> Load:
-    sums = _samples(text)
     names = NAMES[kind]
+    sums = _samples(text, (n for series in names.values() for n in series))
 
     def first(what: str) -> float | None:
         return next((sums[n] for n in names[what] if n in sums), None)

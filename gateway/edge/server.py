@@ -3,10 +3,19 @@
 uvicorn handles SIGTERM and SIGINT: it stops accepting connections, waits for open ones up to
 ``server.drain_timeout_s``, then runs the app's lifespan shutdown, which drains the pipeline and
 closes every client. The exit code is 0 after a clean drain.
+
+Before serving, ``settle_heap()`` collects once and freezes what start-up left alive
+(``gc.freeze``): the policy, the tokenizers' tables, FastAPI, pydantic and the imported modules,
+about 100,000 objects. Without it each full (generation 2) collection walked all of them again,
+tens of milliseconds during which the event loop answered nothing: the periodic tail stall of
+issue 21 (p99 9x p50 at a steady 100 requests/s). Objects made while serving are collected as
+before; frozen ones are still freed by reference counting, only a cycle among them waits for
+``gc.unfreeze``.
 """
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import math
 import signal
@@ -38,9 +47,19 @@ def uvicorn_config(settings: Settings, config_path: Path | None = None) -> uvico
     )
 
 
+def settle_heap() -> int:
+    """Collect, then freeze every object alive now out of the cyclic collector's walks; the
+    number of frozen objects."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def serve(settings: Settings, config_path: Path | None = None) -> int:
-    configure_logging(settings.logging.level, settings.logging.json_output)
+    # One process, configured once: its loggers may keep what they assembled on first use.
+    configure_logging(settings.logging.level, settings.logging.json_output, cache=True)
     server = uvicorn.Server(uvicorn_config(settings, config_path))
+    settle_heap()  # after the app, its policy and its tokenizers are built
     # uvicorn re-raises the signal that stopped it once it has drained; a drained shutdown is a
     # clean exit, so the re-raised SIGTERM/SIGINT lands on a handler that lets us return 0.
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
+from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -36,8 +38,37 @@ def _dumps(obj: Any, default: Any = None) -> str:
     return orjson.dumps(obj, default=default or str).decode()
 
 
-def configure_logging(level: str = "info", json_output: bool = True) -> None:
-    """Configure structlog for the process: JSON lines to stdout, or a console renderer."""
+class UtcStamper:
+    """``timestamp``: UTC ISO 8601 with microseconds and a ``Z``, as structlog's
+    ``TimeStamper(fmt="iso", utc=True)`` writes it, at a fifth of its cost (two events a request):
+    the date and time of day are formatted once a second, the microseconds appended."""
+
+    __slots__ = ("_prefix", "_second")
+
+    def __init__(self) -> None:
+        self._second = -1
+        self._prefix = ""
+
+    def __call__(
+        self, logger: Any, method: str, event: MutableMapping[str, Any]
+    ) -> MutableMapping[str, Any]:
+        now = time.time()
+        second = int(now)
+        if second != self._second:
+            self._prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+            self._second = second
+        event["timestamp"] = f"{self._prefix}.{int((now - second) * 1_000_000):06d}Z"
+        return event
+
+
+def configure_logging(
+    level: str = "info", json_output: bool = True, *, cache: bool = False
+) -> None:
+    """Configure structlog for the process: JSON lines to stdout, or a console renderer.
+
+    ``cache=True`` (``shapegate serve``: configured once per process) lets each logger keep
+    what it assembled on first use instead of binding a new one at every event, two of them per
+    request; tests reconfigure between cases and keep the default."""
     renderer: Any = (
         structlog.processors.JSONRenderer(serializer=_dumps)
         if json_output
@@ -47,12 +78,12 @@ def configure_logging(level: str = "info", json_output: bool = True) -> None:
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            UtcStamper(),
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
         logger_factory=structlog.WriteLoggerFactory(file=sys.stdout),
-        cache_logger_on_first_use=False,
+        cache_logger_on_first_use=cache,
     )
 
 

@@ -5,11 +5,16 @@
   file; ``cpu_s()`` and ``rss_mb()`` read ``/proc/PID/stat`` and ``/proc/PID/statm`` (the
   whole process, every thread; RSS with its children: the tokenizer child); ``stop()`` sends
   SIGINT, then kills after a grace period.
-- ``start_upstream(port, cpus)``: the fixed fast upstream of ``httpload``.
+- ``start_upstream(folder, cpus, chunks)``: the fixed fast upstream of ``httpload``.
+- ``start_smg(upstream_port, folder, cpus)``: SGLang's Rust model gateway (PyPI ``smg``, the
+  bench extra) in front of the same upstream, as ``smg launch --policy round_robin`` with the
+  upstream as its one worker; returns once it routes a chat request (it discovers the model from
+  the upstream's ``/v1/models``), or None when ``smg`` is not installed.
 - ``start_gateway(config, folder, cpus)``: ``shapegate serve`` on a policy written to
   ``folder/gateway.yaml``; returns once ``/readyz`` answers 200 (the boot probe passed).
-- ``gateway_rig(pin)``: both of them in a temporary folder, on their own CPUs when pinned (this
-  process on the upstream's); everything stopped and unpinned when the block ends.
+- ``gateway_rig(pin, chunks=..., smg=False)``: both of them (and smg beside the gateway, on the
+  gateway's CPU, when asked and installed) in a temporary folder, on their own CPUs when pinned
+  (this process on the upstream's); everything stopped and unpinned when the block ends.
 - ``write_json(out, name, result)``: ``out/name.json``, indented; ``publish`` adds the plot and
   prints the table.
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import signal
 import socket
 import subprocess
@@ -111,11 +117,19 @@ class Child:
     @classmethod
     def start(cls, name: str, argv: list[str], log_path: Path, cpus: set[int] | None) -> Child:
         log = log_path.open("wb")
-        process = subprocess.Popen(  # noqa: S603 - our own interpreter and module
-            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+
+        def pin() -> None:  # in the child, before exec: a runtime sizing its thread pool by
+            if cpus is not None:  # the CPUs it may use (tokio, smg's) sees the pinned set
+                os.sched_setaffinity(0, cpus)
+
+        # pin() makes one system call and takes no lock: safe between fork and exec.
+        process = subprocess.Popen(  # noqa: S603 - our own interpreter and module, or smg
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=pin,  # noqa: PLW1509
         )
-        if cpus is not None:
-            os.sched_setaffinity(process.pid, cpus)  # before it starts any thread
         return cls(name, process, log_path, log)
 
     @property
@@ -146,11 +160,51 @@ class Child:
         return self.process.returncode
 
 
-def start_upstream(folder: Path, cpus: set[int] | None) -> tuple[Child, int]:
+def start_upstream(folder: Path, cpus: set[int] | None, chunks: int = 100) -> tuple[Child, int]:
     port = free_port()
     argv = [sys.executable, "-m", "gateway.tools.bench.httpload", "upstream", "--port", str(port)]
+    argv += ["--chunks", str(chunks)]
     child = Child.start("upstream", argv, folder / "upstream.log", cpus)
     _wait_http(f"http://127.0.0.1:{port}/health", child, 20.0)
+    return child, port
+
+
+def smg_command() -> str | None:
+    """The ``smg`` launcher of this interpreter's environment, else one on PATH, else None."""
+    beside = Path(sys.executable).parent / "smg"
+    return str(beside) if beside.is_file() else shutil.which("smg")
+
+
+SMG_PROBE = b'{"model":"qwen3.6","max_tokens":1,"messages":[{"role":"user","content":"ready?"}]}'
+
+
+def start_smg(upstream_port: int, folder: Path, cpus: set[int] | None) -> tuple[Child, int] | None:
+    command = smg_command()
+    if command is None:
+        return None
+    port = free_port()
+    argv = [
+        command,
+        "launch",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        f"http://127.0.0.1:{upstream_port}",
+        "--policy",
+        "round_robin",
+        # Its Prometheus listener defaults to 0.0.0.0:29000: a second smg on the machine (or a
+        # second run) would fail to start on it.
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(free_port()),
+    ]
+    child = Child.start("smg", argv, folder / "smg.log", cpus)
+    # Ready once a chat request is routed: it registers the worker and discovers its model in
+    # the background after it starts listening.
+    _wait_http(f"http://127.0.0.1:{port}/v1/chat/completions", child, 60.0, SMG_PROBE)
     return child, port
 
 
@@ -207,22 +261,36 @@ class Rig:
     gateway_port: int
     gateway_cpus: set[int] | None
     load_cpus: set[int] | None
+    smg: Child | None = None
+    smg_port: int = 0
 
 
 @contextmanager
-def gateway_rig(pin: bool) -> Iterator[Rig]:
+def gateway_rig(pin: bool, *, chunks: int = 100, smg: bool = False) -> Iterator[Rig]:
     gateway_cpus, load_cpus = two_core_plan(pin)
     restore = pin_self(load_cpus)
     try:
         with tempfile.TemporaryDirectory(prefix="shapegate-bench-") as tmp:
             folder = Path(tmp)
-            upstream, upstream_port = start_upstream(folder, load_cpus)
+            upstream, upstream_port = start_upstream(folder, load_cpus, chunks)
             gateway: Child | None = None
+            peer: tuple[Child, int] | None = None
             try:
                 port = free_port()
                 gateway = start_gateway(gateway_policy(upstream_port, port), folder, gateway_cpus)
-                yield Rig(folder, upstream_port, gateway, port, gateway_cpus, load_cpus)
+                peer = start_smg(upstream_port, folder, gateway_cpus) if smg else None
+                yield Rig(
+                    folder,
+                    upstream_port,
+                    gateway,
+                    port,
+                    gateway_cpus,
+                    load_cpus,
+                    *(peer or (None, 0)),
+                )
             finally:
+                if peer is not None:
+                    peer[0].stop()
                 if gateway is not None:
                     gateway.stop()
                 upstream.stop()
@@ -230,13 +298,18 @@ def gateway_rig(pin: bool) -> Iterator[Rig]:
         pin_self(restore)
 
 
-def _wait_http(url: str, child: Child, timeout_s: float) -> None:
+def _wait_http(url: str, child: Child, timeout_s: float, post: bytes | None = None) -> None:
+    """Until ``url`` answers 200 (a GET, or a JSON POST of ``post``)."""
     deadline = time.monotonic() + timeout_s
+    headers = {"content-type": "application/json"}
     while time.monotonic() < deadline:
         if not child.alive():
             raise RuntimeError(f"{child.name} exited; see {child.log_path}")
+        request = urllib.request.Request(  # noqa: S310 - a loopback http URL of ours
+            url, data=post, headers=headers if post else {}
+        )
         try:
-            with urllib.request.urlopen(url, timeout=1) as response:  # noqa: S310 - loopback
+            with urllib.request.urlopen(request, timeout=1) as response:  # noqa: S310 - loopback
                 if response.status == 200:
                     return
         except (urllib.error.URLError, OSError):

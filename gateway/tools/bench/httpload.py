@@ -3,13 +3,15 @@
 Used by ``shapegate bench overhead`` and ``shapegate bench memory``; neither goes through any
 HTTP library of the gateway's, so the gateway is the only thing measured twice.
 
-- ``FixedUpstream`` (``python -m gateway.tools.bench.httpload upstream --port P``) answers every
-  ``POST`` with the same OpenAI-shaped chat completion: a JSON body with ``content-length``, or,
-  when the request body says ``"stream": true``, 100 SSE chunks plus a usage chunk and
-  ``[DONE]`` in chunked transfer encoding, written back to back in one ``writelines`` (an engine
-  spaces them by its inter-token latency; here the relay's per-byte cost is what is measured,
-  and at 1,000 requests/s a Python upstream cannot afford 100 writes per response). Every
-  ``GET`` (health, metrics) gets an empty 200. Keep-alive throughout.
+- ``FixedUpstream`` (``python -m gateway.tools.bench.httpload upstream --port P [--chunks N]``)
+  answers every ``POST`` with the same OpenAI-shaped chat completion: a JSON body with
+  ``content-length``, or, when the request body says ``"stream": true``, ``N`` SSE chunks
+  (default 100) plus a usage chunk and ``[DONE]`` in chunked transfer encoding, written back
+  to back in one ``writelines`` (an engine spaces them by its inter-token latency; here the
+  relay's per-byte cost is what is measured, and at 1,000 requests/s a Python upstream cannot
+  afford 100 writes per response). ``GET /v1/models`` lists the one model (a gateway that
+  discovers its workers' models, such as smg, needs it); every other ``GET`` (health, metrics)
+  gets an empty 200. Keep-alive throughout.
 - ``open_loop(host, port, path, body, rate, seconds)`` sends requests on a fixed schedule,
   ``rate`` a second, whether or not earlier ones finished (open loop: queueing in the server
   shows up as latency, not as a lower send rate). A request due when no keep-alive connection
@@ -17,6 +19,9 @@ HTTP library of the gateway's, so the gateway is the only thing measured twice.
   ``lag``). Per request it records the schedule lag (send time minus due time, the generator's
   own lateness), the time to the first response byte and to the last, both from the send, and
   the status; a refused, reset or timed-out request, or any status but 200, is an error.
+- ``closed_loop(host, port, path, body, connections, seconds)``: ``connections`` keep-alive
+  connections, each sending its next request as soon as the last answer ended, for ``seconds``:
+  the throughput a server sustains (requests/s), and its latencies at that concurrency.
 The generator's own ceiling is measured by pointing it at the upstream directly at rising rates
 (``overhead`` does and reports it).
 """
@@ -75,9 +80,9 @@ def _http_chunk(payload: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(payload), payload)
 
 
-def _sse_chunks() -> list[bytes]:
+def _sse_chunks(count: int) -> list[bytes]:
     chunks = []
-    for i in range(STREAM_CHUNKS):
+    for i in range(count):
         event = {
             "id": "chatcmpl-bench",
             "object": "chat.completion.chunk",
@@ -93,20 +98,30 @@ def _sse_chunks() -> list[bytes]:
         "created": 1_700_000_000,
         "model": "qwen3.6",
         "choices": [],
-        "usage": {"prompt_tokens": 12, "completion_tokens": 100, "total_tokens": 112},
+        "usage": {"prompt_tokens": 12, "completion_tokens": count, "total_tokens": 12 + count},
     }
     chunks.append(_http_chunk(b"data: " + orjson.dumps(usage) + b"\n\ndata: [DONE]\n\n"))
     chunks.append(b"0\r\n\r\n")
     return chunks
 
 
-_SSE_CHUNKS = [_SSE_HEAD, *_sse_chunks()]
+_MODELS_BODY = orjson.dumps(
+    {"object": "list", "data": [{"id": "qwen3.6", "object": "model", "owned_by": "bench"}]}
+)
+_MODELS_RESPONSE = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+    + str(len(_MODELS_BODY)).encode()
+    + b"\r\n\r\n"
+    + _MODELS_BODY
+)
 
 
 class FixedUpstream(asyncio.Protocol):
     """One connection of the fixed upstream (httptools parses requests)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sse: Sequence[bytes]) -> None:
+        self._sse = sse
+        self._url = b""
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
         self._body: list[bytes] = []
@@ -122,6 +137,9 @@ class FixedUpstream(asyncio.Protocol):
             assert self._transport is not None
             self._transport.close()
 
+    def on_url(self, url: bytes) -> None:
+        self._url = url
+
     def on_body(self, body: bytes) -> None:
         self._body.append(body)
 
@@ -131,16 +149,19 @@ class FixedUpstream(asyncio.Protocol):
         body = b"".join(self._body)
         self._body.clear()
         if self._parser.get_method() != b"POST":
-            transport.write(_EMPTY_RESPONSE)
+            transport.write(_MODELS_RESPONSE if self._url == b"/v1/models" else _EMPTY_RESPONSE)
         elif b'"stream":true' in body or b'"stream": true' in body:
-            transport.writelines(_SSE_CHUNKS)
+            transport.writelines(self._sse)
         else:
             transport.write(_JSON_RESPONSE)
 
 
-async def serve_upstream(host: str, port: int) -> None:
+async def serve_upstream(host: str, port: int, chunks: int = STREAM_CHUNKS) -> None:
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(FixedUpstream, host, port, backlog=4096, reuse_address=True)
+    sse = [_SSE_HEAD, *_sse_chunks(chunks)]
+    server = await loop.create_server(
+        lambda: FixedUpstream(sse), host, port, backlog=4096, reuse_address=True
+    )
     async with server:
         await server.serve_forever()
 
@@ -164,6 +185,15 @@ class LoadResult:
     def error(self, kind: str) -> None:
         self.errors += 1
         self.error_kinds[kind] = self.error_kinds.get(kind, 0) + 1
+
+    def answered(self, status: int, sent_at: float, first_at: float, done: float) -> None:
+        """One response: its times if it was a 200, else an error of its status."""
+        if status == 200:
+            self.ok += 1
+            self.ttfb.append(first_at - sent_at)
+            self.total.append(done - sent_at)
+        else:
+            self.error(f"status_{status}")
 
 
 class _Client(asyncio.Protocol):
@@ -277,14 +307,8 @@ class _Generator:
 
     def finished(self, client: _Client, status: int, done: float) -> None:
         self.in_flight.pop(client, None)
-        result = self.result
-        if result is not None:
-            if status == 200:
-                result.ok += 1
-                result.ttfb.append(client.first_at - client.sent_at)
-                result.total.append(done - client.sent_at)
-            else:
-                result.error(f"status_{status}")
+        if self.result is not None:
+            self.result.answered(status, client.sent_at, client.first_at, done)
         self._settle_count()
         if client.keep_alive and client.transport is not None:
             self._ready(client)
@@ -365,6 +389,93 @@ async def open_loop(
     return result
 
 
+class _LoopClient(asyncio.Protocol):
+    """One closed-loop connection: the next request goes out as the last answer ends."""
+
+    def __init__(self, request: bytes, result: LoadResult, stop_at: float) -> None:
+        self._request, self._result, self._stop_at = request, result, stop_at
+        self._parser = httptools.HttpResponseParser(self)
+        self._transport: asyncio.Transport | None = None
+        self._sent_at = 0.0
+        self._first_at = 0.0
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._send()
+
+    def _send(self) -> None:
+        assert self._transport is not None
+        self._result.sent += 1
+        self._first_at = 0.0
+        self._sent_at = time.perf_counter()
+        self._transport.write(self._request)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._first_at:
+            self._first_at = time.perf_counter()
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError:
+            self._result.error("bad_response")
+            self._finish()
+
+    def on_message_complete(self) -> None:
+        now = time.perf_counter()
+        status = self._parser.get_status_code()
+        self._result.answered(status, self._sent_at, self._first_at, now)
+        if now < self._stop_at and self._parser.should_keep_alive():
+            self._send()
+        else:
+            self._finish()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self._result.error("reset" if exc else "closed")
+            self.done.set_result(None)
+
+    def _finish(self) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+        if self._transport is not None:
+            self._transport.close()
+
+
+async def closed_loop(
+    host: str, port: int, path: str, body: bytes, connections: int, seconds: float
+) -> LoadResult:
+    """``connections`` connections sending back to back for ``seconds``; ``rate`` in the result
+    is the achieved throughput (answered requests a second)."""
+    loop = asyncio.get_running_loop()
+    request = http_request(host, port, path, body)
+    result = LoadResult(rate=0.0, seconds=seconds, connections=connections)
+    start = time.perf_counter()
+    stop_at = start + seconds
+    clients = []
+    for _ in range(connections):
+        try:
+            _, client = await loop.create_connection(
+                lambda: _LoopClient(request, result, stop_at), host, port
+            )
+        except OSError:
+            result.error("connect_failed")
+            continue
+        clients.append(client)
+    try:
+        await asyncio.wait_for(asyncio.gather(*(c.done for c in clients)), seconds + TIMEOUT_S)
+    except TimeoutError:
+        result.error("timeout")
+    result.elapsed = time.perf_counter() - start
+    result.rate = round(result.ok / result.elapsed, 1) if result.elapsed else 0.0
+    for client in clients:
+        client._finish()
+    await asyncio.sleep(0)
+    return result
+
+
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile; NaN for no values."""
     if not values:
@@ -388,9 +499,10 @@ def main() -> None:
     parser.add_argument("role", choices=["upstream"])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--chunks", type=int, default=STREAM_CHUNKS, help="SSE content chunks")
     args = parser.parse_args()
     with asyncio.Runner(loop_factory=new_event_loop()) as runner:
-        runner.run(serve_upstream(args.host, args.port))
+        runner.run(serve_upstream(args.host, args.port, args.chunks))
 
 
 if __name__ == "__main__":

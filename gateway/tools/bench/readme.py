@@ -107,35 +107,59 @@ def render(results: dict[str, dict[str, Any]], plots: Path) -> str:
 
 def _overhead(r: dict[str, Any], plots: Path) -> list[str]:
     placement = r["placement"]
+    sides = r.get("sides", ["direct", "gateway"])
+    smg = r.get("smg", {})
+    peer = (
+        f"smg {smg.get('version')} (SGLang's Rust model gateway, `{smg.get('command')}`) on the "
+        "same CPU in the same run"
+        if "smg" in sides
+        else "smg not measured (not installed)"
+    )
     lines = [
         "### Gateway overhead (`shapegate bench overhead`)",
         "",
-        f"Machine: {_machine(r)}. A fixed upstream (raw asyncio, one JSON body or 100 SSE "
-        "chunks) hit directly and through `shapegate serve`, open loop (requests sent on "
-        f"schedule whether or not earlier ones finished), {r['seconds_per_run']:g} s per run; "
-        f"gateway on CPUs {placement['gateway_cpus']}, generator and upstream on "
+        f"Machine: {_machine(r)}. A fixed upstream (raw asyncio, one JSON body or "
+        f"{r.get('sse_chunks', 100)} SSE chunks) hit directly, through {peer}, and through "
+        "`shapegate serve`; open loop (requests sent on schedule whether or not earlier ones "
+        f"finished), {r['seconds_per_run']:g} s per run; gateways on CPUs "
+        f"{placement['gateway_cpus']}, generator and upstream on "
         f"{placement['generator_and_upstream_cpus']}. The generator alone against the upstream "
-        f"stays clean up to {r['generator_ceiling']['highest_clean_rps']} requests/s.",
+        f"stays clean up to {r['generator_ceiling']['highest_clean_rps']} requests/s. Latency is "
+        "client-side p50 / p99 to the last byte, ms.",
         *_smoke(r),
         "",
-        "| shape | offered req/s | direct p50 / p99 ms | gateway p50 / p99 ms | added p50 / p99 ms "
-        "| errors | gateway CPU s / 1k req |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| shape | offered req/s | direct | smg | shapegate | shapegate added vs smg's p50 / p99 "
+        "| errors | shapegate CPU s / 1k req |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in r["rows"]:
-        d, g = row["direct"], row["gateway"]
+        d, g, m = row["direct"], row["gateway"], row.get("smg")
+        smg_cell = "-" if m is None else f"{m['p50_ms']:.2f} / {m['p99_ms']:.2f}"
+        vs = (
+            f"{row['added_p50_vs_smg']:g}x / {row['added_p99_vs_smg']:g}x"
+            if "added_p50_vs_smg" in row
+            else "-"
+        )
         lines.append(
             f"| {row['shape']} | {row['offered_rps']} | {d['p50_ms']:.2f} / {d['p99_ms']:.2f} "
-            f"| {g['p50_ms']:.2f} / {g['p99_ms']:.2f} "
-            f"| {row['added_p50_ms']:.2f} / {row['added_p99_ms']:.2f} | {g['errors']} "
+            f"| {smg_cell} | {g['p50_ms']:.2f} / {g['p99_ms']:.2f} | {vs} | {g['errors']} "
             f"| {row['gateway_cpu_s_per_1k']:.3f} |"
         )
-    lines.append("")
-    for shape, s in r["sustained"].items():
-        lines.append(
-            f"Highest rate sustained through the gateway, {shape}: **{s['highest_clean_rps']} "
-            f"requests/s** ({r['sustained_rule']})."
-        )
+    closed = r.get("closed_loop", [])
+    if closed:
+        lines += [
+            "",
+            "| closed loop | connections | direct req/s | smg req/s | shapegate req/s "
+            "| shapegate / smg |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for point in closed:
+            smg_rps = f"{point['smg']['rps']:.0f}" if "smg" in point else "-"
+            share = f"{point['rps_vs_smg']:.0%}" if "rps_vs_smg" in point else "-"
+            lines.append(
+                f"| {point['shape']} | {point['connections']} | {point['direct']['rps']:.0f} "
+                f"| {smg_rps} | {point['gateway']['rps']:.0f} | {share} |"
+            )
     lines += ["", *_targets(r), "", f"![overhead]({(plots / 'overhead.png').as_posix()})", ""]
     return lines
 
