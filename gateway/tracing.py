@@ -1,0 +1,272 @@
+"""OpenTelemetry traces of requests: a server span per request, a client span per engine attempt.
+
+Contract:
+- ``Tracing.from_settings(settings.tracing, metrics, log)`` is None when tracing is off (the
+  default): nothing of OpenTelemetry is imported, no span exists, no header is added; the
+  client's own ``traceparent`` / ``tracestate`` pass to the engine unchanged, as any allowlisted
+  header. On, it needs ``pip install 'shapegate[otel]'`` (``MissingExtra`` naming the extra
+  otherwise) and exports by OTLP (``http/protobuf`` or ``grpc``) from the SDK's batch thread.
+- ``tracing.request(headers, method, path)`` starts the request's SERVER span: a child of the
+  client's W3C ``traceparent`` (its ``tracestate`` kept) when it sent a valid one, else the root
+  of a new trace; sampled parent-based with ``sample_ratio`` for new traces.
+- ``span.attempt(url)`` starts one CLIENT span per try at an engine (a failed-over request has
+  one per endpoint tried) and returns the ``traceparent`` (and ``tracestate``) headers the
+  engine gets for it: same trace id as the client's, the attempt's span as parent.
+  ``span.attempt_failed(reason)`` ends a try that moved elsewhere, with ``error.type`` = reason.
+- ``span.end(attributes, status, error_type)`` ends the open attempt and the server span; the
+  attributes are the routing decision (gateway/record.py's ``Record.span_attributes``), never
+  prompt or completion text.
+- Export never fails or slows a request: spans queue in memory (bounded; dropped when full)
+  and a background thread sends them, each export bounded by ``export_timeout_s``. Every failed
+  export is counted in ``shapegate_swallowed_errors_total{where="tracing.export"}``; one
+  ``error.swallowed`` line is logged at most every ``LOG_EVERY_S`` with how many went unlogged.
+- ``close()`` (blocking: flushes within the export timeout) at shutdown; ``in_use`` counts the
+  request spans not yet ended, so a reload can retire the old exporter after its last span.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from gateway.extras import optional
+from gateway.lifetime import InUse
+from gateway.log import Logger, swallowed
+from gateway.metrics import Metrics
+from gateway.settings import TracingSettings
+
+EXTRA = "otel"
+# A failing collector is logged at most this often (every failure is counted).
+LOG_EVERY_S = 60.0
+# Attribute values: what OpenTelemetry takes (None-valued ones are left out).
+Value = str | bool | int | float
+
+
+class ExportFailed(Exception):
+    """The OTLP exporter reported a failed export (it logs no exception of its own)."""
+
+
+class GuardedExporter:
+    """The OTLP exporter as the batch thread calls it: a failure, raised or returned, is counted
+    every time and logged at most once per ``every_s``."""
+
+    def __init__(
+        self,
+        inner: Any,
+        metrics: Metrics | None,
+        log: Logger,
+        every_s: float = LOG_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._inner = inner
+        self._metrics = metrics
+        self._log = log
+        self._every_s = every_s
+        self._clock = clock
+        self._logged_at: float | None = None
+        self._unlogged = 0
+        self._lock = threading.Lock()
+        self.failures = 0
+        export = optional("opentelemetry.sdk.trace.export", EXTRA)
+        self._success = export.SpanExportResult.SUCCESS
+        self._failure = export.SpanExportResult.FAILURE
+
+    def export(self, spans: Sequence[Any]) -> Any:
+        try:
+            result = self._inner.export(spans)
+        except Exception as exc:  # noqa: BLE001 - the batch thread: counted and logged below
+            self._failed(exc, len(spans))
+            return self._failure
+        if result != self._success:
+            self._failed(ExportFailed(f"OTLP export of {len(spans)} spans failed"), len(spans))
+        return result
+
+    def _failed(self, exc: Exception, spans: int) -> None:
+        with self._lock:
+            self.failures += 1
+            now = self._clock()
+            due = self._logged_at is None or now - self._logged_at >= self._every_s
+            unlogged = self._unlogged
+            if due:
+                self._logged_at, self._unlogged = now, 0
+            else:
+                self._unlogged += 1
+        if due:
+            swallowed(
+                self._log,
+                self._metrics,
+                "tracing.export",
+                exc,
+                "spans_dropped",
+                spans=spans,
+                unlogged_failures=unlogged,
+            )
+        elif self._metrics is not None:
+            self._metrics.swallowed_errors.labels(where="tracing.export").inc()
+
+    def shutdown(self) -> None:
+        self._inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return bool(self._inner.force_flush(timeout_millis))
+
+
+def otlp_exporter(settings: TracingSettings) -> Any:
+    """The OTLP span exporter the settings name (``MissingExtra`` if not installed)."""
+    headers = {name: value.get_secret_value() for name, value in settings.headers.items()}
+    # The exporters log every failed export themselves; GuardedExporter reports them instead,
+    # rate-limited, in the gateway's own log.
+    logging.getLogger("opentelemetry.exporter.otlp").setLevel(logging.CRITICAL)
+    if settings.protocol == "grpc":
+        grpc = optional("opentelemetry.exporter.otlp.proto.grpc.trace_exporter", EXTRA)
+        return grpc.OTLPSpanExporter(
+            endpoint=settings.endpoint,
+            headers=headers,
+            timeout=settings.export_timeout_s,
+            insecure=settings.endpoint.startswith("http://"),
+        )
+    http = optional("opentelemetry.exporter.otlp.proto.http.trace_exporter", EXTRA)
+    return http.OTLPSpanExporter(
+        endpoint=settings.endpoint, headers=headers, timeout=settings.export_timeout_s
+    )
+
+
+class Tracing:
+    """A tracer provider of our own (never the process-global one) and what a request needs."""
+
+    def __init__(self, provider: Any) -> None:
+        self._provider = provider
+        self._tracer = provider.get_tracer("shapegate")
+        trace = optional("opentelemetry.trace", EXTRA)
+        tracecontext = optional("opentelemetry.trace.propagation.tracecontext", EXTRA)
+        self._propagator = tracecontext.TraceContextTextMapPropagator()
+        self._in_context = trace.set_span_in_context
+        self._kind = trace.SpanKind
+        self._status = trace.Status
+        self._error = trace.StatusCode.ERROR
+        self.in_use = InUse()
+
+    @classmethod
+    def from_settings(
+        cls, settings: TracingSettings, metrics: Metrics | None, log: Logger
+    ) -> Tracing | None:
+        if not settings.enabled:
+            return None
+        exporter = GuardedExporter(otlp_exporter(settings), metrics, log)
+        return cls.build(settings, exporter)
+
+    @classmethod
+    def build(cls, settings: TracingSettings, exporter: Any, *, batch: bool = True) -> Tracing:
+        """Spans to ``exporter``: batched in a background thread, or (``batch=False``, for
+        tests with an in-memory exporter) exported as each span ends."""
+        sdk = optional("opentelemetry.sdk.trace", EXTRA)
+        export = optional("opentelemetry.sdk.trace.export", EXTRA)
+        sampling = optional("opentelemetry.sdk.trace.sampling", EXTRA)
+        resources = optional("opentelemetry.sdk.resources", EXTRA)
+        provider = sdk.TracerProvider(
+            resource=resources.Resource.create({"service.name": settings.service_name}),
+            sampler=sampling.ParentBased(sampling.TraceIdRatioBased(settings.sample_ratio)),
+            shutdown_on_exit=False,
+        )
+        processor = (
+            export.BatchSpanProcessor(
+                exporter, export_timeout_millis=int(settings.export_timeout_s * 1000)
+            )
+            if batch
+            else export.SimpleSpanProcessor(exporter)
+        )
+        provider.add_span_processor(processor)
+        return cls(provider)
+
+    def request(
+        self, headers: Iterable[tuple[bytes, bytes]], method: str, path: str
+    ) -> RequestSpan:
+        carrier = {}
+        for name, value in headers:
+            if name in (b"traceparent", b"tracestate"):
+                carrier[name.decode()] = value.decode("latin-1")
+        parent = self._propagator.extract(carrier) if carrier else None
+        span = self._tracer.start_span(
+            f"{method} {path}",
+            context=parent,
+            kind=self._kind.SERVER,
+            attributes={"http.request.method": method, "http.route": path},
+        )
+        self.in_use.enter()
+        return RequestSpan(self, span)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Export what is queued now (blocking, at most ``timeout_s``)."""
+        return bool(self._provider.force_flush(int(timeout_s * 1000)))
+
+    def close(self) -> None:
+        """Flush and stop the export thread (blocking, within the export timeout)."""
+        self._provider.shutdown()
+
+
+class RequestSpan:
+    """One request's server span and its open attempt span."""
+
+    __slots__ = ("_attempt", "_server", "_tracing", "attempts")
+
+    def __init__(self, tracing: Tracing, server: Any) -> None:
+        self._tracing = tracing
+        self._server = server
+        self._attempt: Any = None
+        self.attempts = 0
+
+    def attempt(self, url: str) -> dict[str, str]:
+        """Start a try at ``url``; the trace headers the engine gets for it."""
+        tracing = self._tracing
+        if self._attempt is not None:  # a try that was not ended as failed: ended here
+            self._attempt.end()
+        attributes: dict[str, Value] = {"http.request.method": "POST", "shapegate.endpoint": url}
+        if self.attempts:
+            attributes["http.request.resend_count"] = self.attempts
+        self.attempts += 1
+        self._attempt = tracing._tracer.start_span(
+            "POST",
+            context=tracing._in_context(self._server),
+            kind=tracing._kind.CLIENT,
+            attributes=attributes,
+        )
+        carrier: dict[str, str] = {}
+        tracing._propagator.inject(carrier, context=tracing._in_context(self._attempt))
+        return carrier
+
+    def attempt_failed(self, reason: str) -> None:
+        attempt, self._attempt = self._attempt, None
+        if attempt is not None:
+            attempt.set_attribute("error.type", reason)
+            attempt.set_status(self._tracing._status(self._tracing._error, reason))
+            attempt.end()
+
+    def end(self, attributes: Mapping[str, Value | None], status: int, error: str | None) -> None:
+        """End the open attempt with the engine's status, then the server span."""
+        tracing = self._tracing
+        if self._attempt is not None:
+            if status:
+                self._attempt.set_attribute("http.response.status_code", status)
+            if error is not None:
+                self._attempt.set_attribute("error.type", error)
+                self._attempt.set_status(tracing._status(tracing._error, error))
+            self._attempt.end()
+            self._attempt = None
+        server = self._server
+        server.set_attributes({k: v for k, v in attributes.items() if v is not None})
+        if status:
+            server.set_attribute("http.response.status_code", status)
+        if error is not None:
+            server.set_attribute("error.type", error)
+            server.set_status(tracing._status(tracing._error, error))
+        server.end()
+        tracing.in_use.leave()
+
+    @property
+    def context(self) -> tuple[int, int]:
+        """The server span's (trace id, span id)."""
+        ctx = self._server.get_span_context()
+        return ctx.trace_id, ctx.span_id
