@@ -212,8 +212,10 @@ class Gateway:
         await self.upstream.aclose()
         await self.store.aclose()
         await self.pipeline.affinity.aclose()
-        if self.owns_counter:
-            await anyio.to_thread.run_sync(self.counter.close)
-        tracing = self.recorder.tracing
-        if tracing is not None:
-            await anyio.to_thread.run_sync(tracing.close)
+        # Shielded: the lifespan calls this after cancelling its background tasks' scope.
+        with anyio.CancelScope(shield=True):
+            if self.owns_counter:
+                await anyio.to_thread.run_sync(self.counter.close)
+            tracing = self.recorder.tracing
+            if tracing is not None:
+                await anyio.to_thread.run_sync(tracing.close)
