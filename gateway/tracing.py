@@ -26,6 +26,7 @@ Contract:
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import threading
 import time
@@ -112,6 +113,24 @@ class GuardedExporter:
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
         return bool(self._inner.force_flush(timeout_millis))
+
+
+def missing_extra(
+    settings: TracingSettings, find: Callable[[str], object | None] = importlib.util.find_spec
+) -> str | None:
+    """What check-config says when tracing is on but the packages it needs are not installed."""
+    exporter = "grpc" if settings.protocol == "grpc" else "http"
+    for module in ("opentelemetry.sdk.trace", f"opentelemetry.exporter.otlp.proto.{exporter}"):
+        try:
+            found = find(module)
+        except ModuleNotFoundError:
+            found = None
+        if found is None:
+            return (
+                f"tracing is enabled but {module} is not installed: it comes with shapegate's "
+                f"[{EXTRA}] extra (pip install 'shapegate[{EXTRA}]')"
+            )
+    return None
 
 
 def otlp_exporter(settings: TracingSettings) -> Any:

@@ -250,3 +250,35 @@ async def test_a_replaced_counter_is_closed_after_its_last_request_and_at_shutdo
             assert _alive(new_pid)
         # serve_asgi's exit ran the lifespan's shutdown.
         assert not _alive(new_pid)
+
+
+async def test_a_reload_turns_tracing_on_and_off_for_new_requests(counter: TokenCounter) -> None:
+    """Tracing is hot-reloadable: on, the engine gets a traceparent; off again, the exporter is
+    retired (flushed and shut down after its last span) and no header is added."""
+    engine = FakeEngine()
+    async with serve_asgi(engine) as engine_url:
+        config = lanes_config([engine_url], [engine_url])
+        app = create_app(parse_settings(config, environ={}), counter)
+        async with serve_asgi(app) as url, httpx.AsyncClient(timeout=30) as client:
+
+            async def reload_and_send(tracing: dict[str, Any], rid: str) -> None:
+                policy = {**config, "tracing": tracing}
+                r = await client.post(
+                    url + "/admin/reload", content=yaml.safe_dump(policy), headers=ADMIN
+                )
+                assert r.status_code == 200, r.text
+                answer = await client.post(
+                    url + "/v1/chat/completions",
+                    content=body(),
+                    headers={"x-request-id": rid, **JSON},
+                )
+                assert answer.status_code == 200
+
+            closed_port = free_port()
+            endpoint = f"http://127.0.0.1:{closed_port}/v1/traces"
+            await reload_and_send({"enabled": True, "endpoint": endpoint}, "on")
+            tracing = app.gateway.recorder.tracing
+            assert tracing is not None and "traceparent" in engine.seen["on"].headers
+            await reload_and_send({"enabled": False, "endpoint": endpoint}, "off")
+            assert app.gateway.recorder.tracing is None and tracing.in_use.retired
+            assert "traceparent" not in engine.seen["off"].headers
