@@ -54,7 +54,9 @@ def hexid(value: int, width: int) -> str:
     return format(value, f"0{width}x")
 
 
-def traced(config: dict[str, Any], counter: TokenCounter) -> tuple[ShapegateApp, Any]:
+def traced(
+    config: dict[str, Any], counter: TokenCounter
+) -> tuple[ShapegateApp, InMemorySpanExporter]:
     """A gateway whose spans go to an in-memory exporter as each one ends."""
     config = {**config, "tracing": {"enabled": True}}
     app = create_app(parse_settings(config, environ={}), counter)
@@ -90,19 +92,25 @@ def fast_config(endpoints: list[str], **lane: Any) -> dict[str, Any]:
     return config
 
 
-async def test_a_routed_request_is_a_child_of_the_clients_trace_and_so_is_the_engines(
-    counter: TokenCounter,
-) -> None:
+async def one_traced_request(
+    counter: TokenCounter, headers: dict[str, str], rid: str
+) -> tuple[FakeEngine, str, InMemorySpanExporter, httpx.Response]:
+    """One chat request through a traced gateway to a fake engine; 200 expected."""
     engine = FakeEngine()
     async with serve_asgi(engine) as engine_url:
         app, memory = traced(fast_config([engine_url]), counter)
         async with gateway(app) as (url, client):
             answer = await client.post(
-                url + "/v1/chat/completions",
-                json=chat(),
-                headers={**CLIENT_HEADERS, "x-request-id": "t1"},
+                url + "/v1/chat/completions", json=chat(), headers={**headers, "x-request-id": rid}
             )
             assert answer.status_code == 200
+    return engine, engine_url, memory, answer
+
+
+async def test_a_routed_request_is_a_child_of_the_clients_trace_and_so_is_the_engines(
+    counter: TokenCounter,
+) -> None:
+    engine, engine_url, memory, answer = await one_traced_request(counter, CLIENT_HEADERS, "t1")
     spans = memory.get_finished_spans()
     (server,) = by_kind(spans, SpanKind.SERVER)
     (attempt,) = by_kind(spans, SpanKind.CLIENT)
@@ -137,14 +145,7 @@ async def test_a_routed_request_is_a_child_of_the_clients_trace_and_so_is_the_en
 async def test_without_a_client_traceparent_the_request_starts_a_new_trace(
     counter: TokenCounter,
 ) -> None:
-    engine = FakeEngine()
-    async with serve_asgi(engine) as engine_url:
-        app, memory = traced(fast_config([engine_url]), counter)
-        async with gateway(app) as (url, client):
-            answer = await client.post(
-                url + "/v1/chat/completions", json=chat(), headers={**JSON, "x-request-id": "t2"}
-            )
-            assert answer.status_code == 200
+    engine, _, memory, _ = await one_traced_request(counter, JSON, "t2")
     (server,) = by_kind(memory.get_finished_spans(), SpanKind.SERVER)
     (attempt,) = by_kind(memory.get_finished_spans(), SpanKind.CLIENT)
     assert server.parent is None
