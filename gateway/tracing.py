@@ -42,6 +42,8 @@ from gateway.settings import TracingSettings
 EXTRA = "otel"
 # A failing collector is logged at most this often (every failure is counted).
 LOG_EVERY_S = 60.0
+# Spans waiting for the export thread (the SDK's default): past it, spans are dropped.
+QUEUE_SIZE = 2048
 # Attribute values: what OpenTelemetry takes (None-valued ones are left out).
 Value = str | bool | int | float
 
@@ -178,9 +180,17 @@ class Tracing:
         return cls.build(settings, exporter)
 
     @classmethod
-    def build(cls, settings: TracingSettings, exporter: Any, *, batch: bool = True) -> Tracing:
-        """Spans to ``exporter``: batched in a background thread, or (``batch=False``, for
-        tests with an in-memory exporter) exported as each span ends."""
+    def build(
+        cls,
+        settings: TracingSettings,
+        exporter: Any,
+        *,
+        batch: bool = True,
+        queue_size: int = QUEUE_SIZE,
+    ) -> Tracing:
+        """Spans to ``exporter``: batched in a background thread (at most ``queue_size`` spans
+        wait; more are dropped), or (``batch=False``, for tests with an in-memory exporter)
+        exported as each span ends."""
         sdk = optional("opentelemetry.sdk.trace", EXTRA)
         export = optional("opentelemetry.sdk.trace.export", EXTRA)
         sampling = optional("opentelemetry.sdk.trace.sampling", EXTRA)
@@ -192,7 +202,9 @@ class Tracing:
         )
         processor = (
             export.BatchSpanProcessor(
-                exporter, export_timeout_millis=int(settings.export_timeout_s * 1000)
+                exporter,
+                max_queue_size=queue_size,
+                export_timeout_millis=int(settings.export_timeout_s * 1000),
             )
             if batch
             else export.SimpleSpanProcessor(exporter)
