@@ -257,6 +257,8 @@ async def test_tracing_off_adds_no_header_and_passes_the_clients_unchanged(
                 headers={**CLIENT_HEADERS, "x-request-id": "b"},
             )
             assert plain.status_code == given.status_code == 200
+        recent = list(app.gateway.recorder.recent)
+        assert len(recent) == 2 and all(r.span is None for r in recent)  # no span made
         assert "traceparent" not in engine.seen["a"].headers
         assert engine.seen["b"].headers["traceparent"] == CLIENT_HEADERS["traceparent"]
         assert engine.seen["b"].headers["tracestate"] == CLIENT_HEADERS["tracestate"]
