@@ -1,4 +1,4 @@
-"""OpenTelemetry traces of requests: a server span per request, a client span per engine attempt.
+"""OpenTelemetry traces of requests: one span per request, its engine attempts as events.
 
 Contract:
 - ``Tracing.from_settings(settings.tracing, metrics, log)`` is None when tracing is off (the
@@ -9,13 +9,14 @@ Contract:
 - ``tracing.request(headers, method, path)`` starts the request's SERVER span: a child of the
   client's W3C ``traceparent`` (its ``tracestate`` kept) when it sent a valid one, else the root
   of a new trace; sampled parent-based with ``sample_ratio`` for new traces.
-- ``span.attempt(url)`` starts one CLIENT span per try at an engine (a failed-over request has
-  one per endpoint tried) and returns the ``traceparent`` (and ``tracestate``) headers the
-  engine gets for it: same trace id as the client's, the attempt's span as parent.
-  ``span.attempt_failed(reason)`` ends a try that moved elsewhere, with ``error.type`` = reason.
-- ``span.end(attributes, status, error_type)`` ends the open attempt and the server span; the
-  attributes are the routing decision (gateway/record.py's ``Record.span_attributes``), never
-  prompt or completion text.
+- ``span.attempt(url)`` records a try at an engine (an ``engine.attempt`` event; a failed-over
+  request has one per endpoint tried, and an ``engine.failed_over`` event with ``error.type``
+  = the reason for each move, ``span.attempt_failed(reason)``) and returns the
+  ``traceparent`` (and ``tracestate``) the engine gets: the client's trace id, the request's
+  span as parent, so the engine's own spans nest under it. One span, not a CLIENT span per
+  try: a span costs the SDK as much as the rest of a request's recording (README, "Tracing").
+- ``span.end(attributes, status, error_type)`` ends the span; the attributes are the routing
+  decision (gateway/record.py's ``Record.span_attributes``), never prompt or completion text.
 - Export never fails or slows a request: spans queue in memory (bounded; dropped when full)
   and a background thread sends them, each export bounded by ``export_timeout_s``. Every failed
   export is counted in ``shapegate_swallowed_errors_total{where="tracing.export"}``; one
@@ -165,7 +166,7 @@ class Tracing:
         tracecontext = optional("opentelemetry.trace.propagation.tracecontext", EXTRA)
         self._propagator = tracecontext.TraceContextTextMapPropagator()
         self._in_context = trace.set_span_in_context
-        self._kind = trace.SpanKind
+        self._server_kind = trace.SpanKind.SERVER
         self._status = trace.Status
         self._error = trace.StatusCode.ERROR
         self.in_use = InUse()
@@ -223,7 +224,7 @@ class Tracing:
         span = self._tracer.start_span(
             f"{method} {path}",
             context=parent,
-            kind=self._kind.SERVER,
+            kind=self._server_kind,
             attributes={"http.request.method": method, "http.route": path},
         )
         self.in_use.enter()
@@ -239,54 +240,39 @@ class Tracing:
 
 
 class RequestSpan:
-    """One request's server span and its open attempt span."""
+    """One request's span, and the trace headers its engine attempts carry."""
 
-    __slots__ = ("_attempt", "_server", "_tracing", "attempts")
+    __slots__ = ("_headers", "_server", "_tracing", "attempts")
 
     def __init__(self, tracing: Tracing, server: Any) -> None:
         self._tracing = tracing
         self._server = server
-        self._attempt: Any = None
+        self._headers: dict[str, str] | None = None
         self.attempts = 0
 
     def attempt(self, url: str) -> dict[str, str]:
-        """Start a try at ``url``; the trace headers the engine gets for it."""
-        tracing = self._tracing
-        if self._attempt is not None:  # a try that was not ended as failed: ended here
-            self._attempt.end()
-        attributes: dict[str, Value] = {"http.request.method": "POST", "shapegate.endpoint": url}
-        if self.attempts:
-            attributes["http.request.resend_count"] = self.attempts
+        """A try at ``url`` (an ``engine.attempt`` event on the span); the trace headers the
+        engine gets: the request's span as its parent, the same for every try."""
         self.attempts += 1
-        self._attempt = tracing._tracer.start_span(
-            "POST",
-            context=tracing._in_context(self._server),
-            kind=tracing._kind.CLIENT,
-            attributes=attributes,
+        self._server.add_event(
+            "engine.attempt", {"shapegate.endpoint": url, "shapegate.attempt": self.attempts}
         )
-        carrier: dict[str, str] = {}
-        tracing._propagator.inject(carrier, context=tracing._in_context(self._attempt))
-        return carrier
+        if self._headers is None:
+            carrier: dict[str, str] = {}
+            tracing = self._tracing
+            tracing._propagator.inject(carrier, context=tracing._in_context(self._server))
+            self._headers = carrier
+        return self._headers
 
     def attempt_failed(self, reason: str) -> None:
-        attempt, self._attempt = self._attempt, None
-        if attempt is not None:
-            attempt.set_attribute("error.type", reason)
-            attempt.set_status(self._tracing._status(self._tracing._error, reason))
-            attempt.end()
+        """The try reached no engine and the request moves on (``engine.failed_over``)."""
+        self._server.add_event(
+            "engine.failed_over", {"error.type": reason, "shapegate.attempt": self.attempts}
+        )
 
     def end(self, attributes: Mapping[str, Value | None], status: int, error: str | None) -> None:
-        """End the open attempt with the engine's status, then the server span."""
-        tracing = self._tracing
-        if self._attempt is not None:
-            if status:
-                self._attempt.set_attribute("http.response.status_code", status)
-            if error is not None:
-                self._attempt.set_attribute("error.type", error)
-                self._attempt.set_status(tracing._status(tracing._error, error))
-            self._attempt.end()
-            self._attempt = None
-        server = self._server
+        """Set the decision's attributes and the status, and end the span."""
+        tracing, server = self._tracing, self._server
         server.set_attributes({k: v for k, v in attributes.items() if v is not None})
         if status:
             server.set_attribute("http.response.status_code", status)
@@ -298,6 +284,6 @@ class RequestSpan:
 
     @property
     def context(self) -> tuple[int, int]:
-        """The server span's (trace id, span id)."""
+        """The span's (trace id, span id)."""
         ctx = self._server.get_span_context()
         return ctx.trace_id, ctx.span_id

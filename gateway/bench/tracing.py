@@ -165,7 +165,7 @@ def measure(requests: int, rounds: int) -> dict[str, Any]:
         "added_us_per_request": {mode: round(v - base, 2) for mode, v in us.items()},
         "ratio_to_off": {mode: round(v / base, 3) for mode, v in us.items()},
         "rounds_us": {m: [round(v * 1e6, 2) for v in vs] for m, vs in per_mode.items()},
-        # Two spans a sampled request (the server span, one engine attempt); none dropped.
+        # One span a sampled request; none dropped.
         "spans_exported_last_round": spans,
     }
 

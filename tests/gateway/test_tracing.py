@@ -112,15 +112,14 @@ async def test_a_routed_request_is_a_child_of_the_clients_trace_and_so_is_the_en
 ) -> None:
     engine, engine_url, memory, answer = await one_traced_request(counter, CLIENT_HEADERS, "t1")
     spans = memory.get_finished_spans()
-    (server,) = by_kind(spans, SpanKind.SERVER)
-    (attempt,) = by_kind(spans, SpanKind.CLIENT)
-    # The server span continues the client's trace; the attempt is its child; the engine gets
-    # the attempt's context with the client's trace id and tracestate.
+    (server,) = spans  # one span a request
+    assert server.kind == SpanKind.SERVER
+    # The span continues the client's trace; the engine gets a child context of it: the
+    # client's trace id, our span as parent, the client's tracestate.
     assert hexid(server.context.trace_id, 32) == CLIENT_TRACE
     assert server.parent is not None and hexid(server.parent.span_id, 16) == CLIENT_SPAN
-    assert attempt.parent is not None and attempt.parent.span_id == server.context.span_id
     sent = engine.seen["t1"].headers
-    assert sent["traceparent"] == (f"00-{CLIENT_TRACE}-{hexid(attempt.context.span_id, 16)}-01")
+    assert sent["traceparent"] == (f"00-{CLIENT_TRACE}-{hexid(server.context.span_id, 16)}-01")
     assert sent["tracestate"] == "congo=t61rcWkgMzE"
     attrs = dict(server.attributes or {})
     assert server.name == "POST /v1/chat/completions"
@@ -138,7 +137,9 @@ async def test_a_routed_request_is_a_child_of_the_clients_trace_and_so_is_the_en
     assert attrs["http.response.status_code"] == 200
     assert attrs["shapegate.request_id"] == "t1"
     assert server.status.status_code == StatusCode.UNSET
-    assert dict(attempt.attributes or {})["http.response.status_code"] == 200
+    (tried,) = server.events
+    assert tried.name == "engine.attempt"
+    assert dict(tried.attributes or {})["shapegate.endpoint"] == engine_url
     assert_no_canary(spans)
 
 
@@ -146,13 +147,12 @@ async def test_without_a_client_traceparent_the_request_starts_a_new_trace(
     counter: TokenCounter,
 ) -> None:
     engine, _, memory, _ = await one_traced_request(counter, JSON, "t2")
-    (server,) = by_kind(memory.get_finished_spans(), SpanKind.SERVER)
-    (attempt,) = by_kind(memory.get_finished_spans(), SpanKind.CLIENT)
+    (server,) = memory.get_finished_spans()
     assert server.parent is None
     trace_id = hexid(server.context.trace_id, 32)
     # Sampled (bit 0); a new trace id is random (W3C level 2's bit 1).
     assert engine.seen["t2"].headers["traceparent"] in {
-        f"00-{trace_id}-{hexid(attempt.context.span_id, 16)}-{flags}" for flags in ("01", "03")
+        f"00-{trace_id}-{hexid(server.context.span_id, 16)}-{flags}" for flags in ("01", "03")
     }
     assert "tracestate" not in engine.seen["t2"].headers
 
@@ -193,14 +193,15 @@ async def test_a_request_rejected_for_want_of_a_slot_has_its_span_and_no_attempt
     assert "shapegate.endpoint" not in attrs  # never admitted
     assert rejected.parent is not None and hexid(rejected.parent.span_id, 16) == CLIENT_SPAN
     # Only the admitted request tried an engine.
-    (attempt,) = by_kind(spans, SpanKind.CLIENT)
-    assert attempt.parent is not None
-    assert attempt.parent.span_id == servers["holder"].context.span_id
+    assert rejected.events == ()
+    assert [e.name for e in servers["holder"].events] == ["engine.attempt"]
     assert "refused" not in engine.seen
+    holder_span = hexid(servers["holder"].context.span_id, 16)
+    assert engine.seen["holder"].headers["traceparent"].split("-")[2] == holder_span
     assert_no_canary(spans)
 
 
-async def test_a_failed_over_request_has_one_attempt_span_per_endpoint_tried(
+async def test_a_failed_over_request_records_each_endpoint_tried(
     counter: TokenCounter,
 ) -> None:
     dead_port, live_port = ordered_ports()
@@ -220,22 +221,20 @@ async def test_a_failed_over_request_has_one_attempt_span_per_endpoint_tried(
             )
             assert answer.status_code == 200
     spans = memory.get_finished_spans()
-    (server,) = by_kind(spans, SpanKind.SERVER)
-    first, second = sorted(by_kind(spans, SpanKind.CLIENT), key=lambda s: s.start_time or 0)
-    for attempt in (first, second):
-        assert attempt.parent is not None and attempt.parent.span_id == server.context.span_id
-        assert attempt.context.trace_id == server.context.trace_id
-    assert dict(first.attributes or {})["shapegate.endpoint"] == dead_url
-    assert dict(first.attributes or {})["error.type"] == "refused"
-    assert first.status.status_code == StatusCode.ERROR
-    assert dict(second.attributes or {})["shapegate.endpoint"] == live_url
-    assert dict(second.attributes or {})["http.request.resend_count"] == 1
+    (server,) = spans
+    assert server.parent is not None and hexid(server.parent.span_id, 16) == CLIENT_SPAN
+    events = [(e.name, dict(e.attributes or {})) for e in server.events]
+    assert events == [
+        ("engine.attempt", {"shapegate.endpoint": dead_url, "shapegate.attempt": 1}),
+        ("engine.failed_over", {"error.type": "refused", "shapegate.attempt": 1}),
+        ("engine.attempt", {"shapegate.endpoint": live_url, "shapegate.attempt": 2}),
+    ]
     attrs = dict(server.attributes or {})
     assert attrs["shapegate.retries"] == 1
     assert attrs["shapegate.endpoint"] == live_url
     assert attrs["shapegate.outcome"] == "ok"
     assert live.seen["moved"].headers["traceparent"] == (
-        f"00-{CLIENT_TRACE}-{hexid(second.context.span_id, 16)}-01"
+        f"00-{CLIENT_TRACE}-{hexid(server.context.span_id, 16)}-01"
     )
     assert_no_canary(spans)
 
