@@ -11,7 +11,8 @@ Contract:
   (``settings.policy_problems``: lane ranges from 0 with no gap or overlap,
   ``per_endpoint <= lane``, emergency clusters able to serve the lane's models, names that
   resolve), then every environment variable the policy names
-  (``auth.api_keys_env``, ``clusters[].api_key_env``) set and non-empty.
+  (``auth.api_keys_env``, ``clusters[].api_key_env``) set and non-empty, and the ``[otel]``
+  extra installed when ``tracing.enabled``.
 - ``CheckedPolicy.load_counter()`` loads and warms the tokenizers and chat templates (what boot
   does); a failure is a ``ConfigError`` at the model's ``tokenizer`` line.
 - ``serve``, ``check-config``, ``POST /admin/reload`` and SIGHUP all go through these, so a policy
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from gateway.observe.tracing import missing_extra
 from gateway.settings import (
     ENV_PREFIX,
     ConfigError,
@@ -221,6 +223,9 @@ def _environment(settings: Settings, environ: Mapping[str, str]) -> Iterable[Pro
                 ("clusters", index, "api_key_env"),
                 f"environment variable {cluster.api_key_env} is not set (or empty)",
             )
+    missing = missing_extra(settings.tracing) if settings.tracing.enabled else None
+    if missing is not None:
+        yield Problem(("tracing", "enabled"), missing)
 
 
 def parse_policy(

@@ -391,6 +391,41 @@ class StateSettings(_Frozen):
     redis_timeout_s: float = Field(0.5, gt=0, le=10)
 
 
+class TracingSettings(_Frozen):
+    """OpenTelemetry traces of requests (gateway/observe/tracing.py); off unless ``enabled``.
+
+    One server span per request (the routing decision as attributes, never prompt text) and one
+    client span per attempt to an engine, whose W3C ``traceparent`` the engine receives. Spans
+    go by OTLP to ``endpoint`` from a background thread: an unreachable collector never fails or
+    slows a request. Needs ``pip install 'shapegate[otel]'``. Hot-reloadable: a reload that
+    changes this section starts a new exporter for new requests; requests in flight end their
+    spans in the old one, which is flushed and shut down once the last of them ended.
+    """
+
+    enabled: bool = False
+    # The OTLP collector: http/protobuf wants the full URL of its traces path
+    # (http://collector:4318/v1/traces); grpc wants host:port as a URL (http://collector:4317).
+    endpoint: str = "http://127.0.0.1:4318/v1/traces"
+    protocol: Literal["http/protobuf", "grpc"] = "http/protobuf"
+    service_name: str = Field("shapegate", min_length=1)
+    # The share of traces kept when the client sent no sampled traceparent (a client's sampled
+    # or unsampled decision is followed: parent-based).
+    sample_ratio: float = Field(1.0, ge=0, le=1)
+    # Sent with every export (an API key for a hosted collector); never logged.
+    headers: dict[str, SecretStr] = Field(default_factory=dict)
+    # One export (with the exporter's own retries) gives up after this long.
+    export_timeout_s: float = Field(5.0, gt=0, le=60)
+
+    @model_validator(mode="after")
+    def _endpoint_is_url(self) -> TracingSettings:
+        if not self.endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"tracing.endpoint {self.endpoint!r} is not an http(s) URL")
+        for name in self.headers:
+            if not name or any(not (c.isalnum() or c in "-_") for c in name):
+                raise ValueError(f"tracing.headers: {name!r} is not a header name")
+        return self
+
+
 class Settings(_Frozen):
     server: ServerSettings = ServerSettings()
     logging: LoggingSettings = LoggingSettings()
@@ -402,6 +437,7 @@ class Settings(_Frozen):
     auth: AuthSettings = AuthSettings()
     routes: RouteSettings = RouteSettings()
     classes: ClassSettings = ClassSettings()
+    tracing: TracingSettings = TracingSettings()
 
     @model_validator(mode="after")
     def _cross_references(self, info: ValidationInfo) -> Settings:
@@ -637,7 +673,9 @@ def _slot_limits(settings: Settings) -> Iterable[Problem]:
             )
 
 
-def _served(settings: Settings, cluster: str) -> set[str]:
+def served_models(settings: Settings, cluster: str) -> set[str]:
+    """The models (by their policy name) ``cluster`` serves: its ``models`` list may name a
+    model by an alias; an empty list means every model."""
     names = settings.cluster(cluster).models
     if not names:
         return {m.name for m in settings.models}
@@ -648,8 +686,8 @@ def _emergencies(settings: Settings) -> Iterable[Problem]:
     for index, lane in enumerate(settings.lanes):
         if not lane.emergency_clusters:
             continue
-        needed = set().union(*(_served(settings, c) for c in lane.clusters))
-        covered = set().union(*(_served(settings, c) for c in lane.emergency_clusters))
+        needed = set().union(*(served_models(settings, c) for c in lane.clusters))
+        covered = set().union(*(served_models(settings, c) for c in lane.emergency_clusters))
         missing = sorted(needed - covered)
         if missing:
             yield Problem(

@@ -11,7 +11,8 @@ Contract:
      ``exact_above`` it decides the route and no tokenizer runs on the request's path; it is
      never a token figure (``TokenCount.exact`` is None). ``exact(count)`` (or ``exact_now``,
      inline when it can) finishes it later from the plan the count kept: the pipeline runs it
-     while the engine works.
+     while the engine works, as ``start_exact`` (inline, or the cache looked up and the
+     missing pieces left) then ``finish`` (those pieces in the worker).
   2. ``cache``: every piece of the prompt was counted before. A rendered prompt is cut before each
      ``<|im_start|>`` (one piece a ChatML message); special tokens are split out before any BPE
      runs, so piece counts add up exactly to the whole (tested against the full render). The LRU
@@ -101,6 +102,10 @@ class _Misses:
     keys: list[bytes]
     texts: list[str]
     started: float
+
+
+# A count that needs the worker: what ``TokenCounter.start_exact`` hands to ``finish``.
+Unfinished = _Misses
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,6 +259,12 @@ class TokenCounter:
     def exact_now(self, count: TokenCount) -> TokenCount | None:
         """``exact(count)`` when it can be had inline (the missing pieces small and the encoder
         free), else None: then ``exact`` finishes it in the worker."""
+        step = self.start_exact(count)
+        return step if isinstance(step, TokenCount) else None
+
+    def start_exact(self, count: TokenCount) -> TokenCount | Unfinished:
+        """``exact(count)`` when it can be had inline, else what is left once the cache was
+        looked up: ``finish`` encodes only those pieces (no second lookup, no second plan)."""
         if count.method != "bound" or count.plan is None:
             return count
         direct = self._direct(count.plan)
@@ -263,7 +274,11 @@ class TokenCounter:
         if isinstance(step, TokenCount):
             return step
         found = self._inline(step.plan, step.texts)
-        return None if found is None else self._end(step, found)
+        return step if found is None else self._end(step, found)
+
+    async def finish(self, step: Unfinished) -> TokenCount:
+        """The count ``start_exact`` left unfinished: its missing pieces encoded in the worker."""
+        return await self._finish(step)
 
     def _direct(self, plan: _Plan) -> TokenCount | None:
         """A small prompt counted whole, past the cache (None when large or the encoder busy).
@@ -271,6 +286,8 @@ class TokenCounter:
         same count the cache would assemble."""
         if plan.prompt_bytes > DIRECT_MAX_BYTES:
             return None
+        if self._executor is not None and plan.vocab.encoder.out_of_process:
+            return None  # never inline (see _inline): no use joining the pieces
         found = self._inline(plan, ["".join(plan.pieces[a:b]) for a, b in plan.sequences])
         if found is None:
             return None

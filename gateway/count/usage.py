@@ -96,11 +96,11 @@ class ExactCount:
         start the count in the worker so that it overlaps the engine's work."""
         if self._count.exact is not None or self._pending is not None:
             return
-        found = self._counter.exact_now(self._count)
-        if found is not None:
-            self._count = found
-        else:
-            self._pending = asyncio.get_running_loop().create_task(self._counter.exact(self._count))
+        step = self._counter.start_exact(self._count)
+        if isinstance(step, TokenCount):
+            self._count = step
+        else:  # the cache was looked up: the worker encodes only the missing pieces
+            self._pending = asyncio.get_running_loop().create_task(self._counter.finish(step))
 
     async def tokens(self, wait_s: float) -> int | None:
         """The exact count for the response headers, waiting at most ``wait_s`` for the worker:

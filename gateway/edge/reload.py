@@ -9,7 +9,12 @@ Contract of ``apply_reload(gateway, new_settings)``:
 - New requests see the new policy at once; requests already admitted finish under the policy
   that admitted them (they captured it) and keep their slots. A lowered slot limit admits
   nothing new until usage is under it, because every acquire checks the limit it is given now.
-- Tokenizers are reloaded (off the event loop) only when the models changed.
+- Tokenizers are reloaded (off the event loop) only when the models changed; the replaced
+  counter (its worker thread and tokenizer child process) is closed once the last request
+  admitted under the old policy finished (``gateway/lifetime.py``).
+- ``tracing`` applies to new requests: a changed section starts a new exporter; the old one is
+  flushed and shut down after the last span it holds ended (an extra that is not installed is
+  a ``ConfigError``, and nothing changes).
 - Clusters added start their probers, removed ones stop them (the monitor restarts over the
   reconciled pool); a removed cluster's in-flight requests finish.
 - One ``policy.reloaded`` event with the diff of what changed, and the new version number.
@@ -32,9 +37,12 @@ from gateway.config_check import CheckedPolicy, load_policy
 from gateway.count.tokens import TokenCounter
 from gateway.edge.auth import ClientAuth
 from gateway.edge.services import Gateway, clusters_of
+from gateway.lifetime import in_thread
 from gateway.observe.log import swallowed
+from gateway.observe.tracing import Tracing
 from gateway.request.pipeline import Policy
 from gateway.settings import ConfigError, Settings
+from gateway.tools.extras import MissingExtra
 from gateway.upstream.engines import slow_start
 
 RESTART_ONLY = (
@@ -105,18 +113,35 @@ async def apply_reload(gateway: Gateway, new: Settings) -> ReloadResult:
             "counting": old.counting,
         }
     )
+    keys = gateway.engine_keys_for(effective)
+    auth = ClientAuth.from_settings(effective.auth)
     counter = old_policy.counter
     if effective.models != old.models:
         counter = await anyio.to_thread.run_sync(
             TokenCounter.from_settings, effective, gateway.metrics
         )
-    keys = gateway.engine_keys_for(effective)
-    auth = ClientAuth.from_settings(effective.auth)
+    recorder = gateway.recorder
+    tracing = recorder.tracing
+    if effective.tracing != old.tracing:
+        try:
+            tracing = Tracing.from_settings(effective.tracing, gateway.metrics, gateway.log)
+        except MissingExtra as exc:
+            if counter is not old_policy.counter:
+                in_thread(counter.close, "counter-close")()
+            raise ConfigError(str(exc), ("tracing", "enabled")) from exc
     policy = Policy(effective, counter, keys, auth, version=old_policy.version + 1)
     for engine in gateway.pool.reconcile(clusters_of(effective)):
         if engine.warming_since is not None:
             slow_start(gateway.log, engine.cluster, engine.url, engine.warming_s, "joined")
     gateway.pipeline.policy = policy
+    if counter is not old_policy.counter:
+        if gateway.owns_counter:
+            old_policy.in_use.retire(in_thread(old_policy.counter.close, "counter-close"))
+        gateway.owns_counter = True
+    if tracing is not recorder.tracing:
+        if recorder.tracing is not None:
+            recorder.tracing.in_use.retire(in_thread(recorder.tracing.close, "tracing-close"))
+        recorder.tracing = tracing
     gateway.adopt(effective)
     applied = {k: v for k, v in changed.items() if k not in restart}
     gateway.log.info(

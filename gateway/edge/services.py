@@ -4,7 +4,10 @@ Everything is built here and passed explicitly: no module globals, no ``app.stat
 each test builds a fresh gateway. Tokenizers are loaded and warmed in ``Gateway.build`` (a load
 failure is a start-up error), never on the first request. ``drain`` stops admitting and waits
 for in-flight requests up to ``server.drain_timeout_s``. The routes (api.py, dashboard/) and hot
-reload (reload.py) take a ``Gateway``; the ASGI app and its lifespan are app.py's.
+reload (reload.py) take a ``Gateway``; the ASGI app and its lifespan are app.py's. ``aclose``
+closes what the gateway built: the upstream pool, the slot store, the token counter it loaded
+(its worker thread and tokenizer child process; a counter passed in belongs to the caller) and
+the tracing exporter (flushed within its timeout).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from gateway.edge.auth import ClientAuth
 from gateway.observe.log import Logger, get_logger
 from gateway.observe.metrics import Metrics
 from gateway.observe.record import Recorder
+from gateway.observe.tracing import Tracing
 from gateway.request.admission import Admission
 from gateway.request.lanes import endpoint_limit
 from gateway.request.pipeline import Pipeline, Policy
@@ -92,6 +96,8 @@ class Gateway:
     monitor: EngineMonitor
     probe: BootProbe
     config_path: Path | None = None
+    # Whether the policy's counter was loaded here (closed here) or passed in by the caller.
+    owns_counter: bool = True
     started_at: float = field(default_factory=time.time)
     _monitor_scope: anyio.CancelScope | None = None
 
@@ -104,6 +110,7 @@ class Gateway:
     ) -> Gateway:
         metrics = Metrics(deadlines_of(settings))
         log = get_logger("gateway")
+        owns_counter = counter is None
         counter = counter or TokenCounter.from_settings(settings, metrics)
         pool = EnginePool(clusters_of(settings))
         metrics.watch_in_flight(lambda: ((e.cluster, e.url, e.in_flight) for e in pool.engines()))
@@ -123,6 +130,7 @@ class Gateway:
                 ring_size=settings.server.decision_ring_size,
                 trace_file=settings.state.trace_file,
                 latency=pool.latency,
+                tracing=Tracing.from_settings(settings.tracing, metrics, log),
             ),
             Failover(pool, admission, metrics, log, events),
             build_affinity(settings, log, metrics),
@@ -131,7 +139,17 @@ class Gateway:
         probe = BootProbe(settings, pool, upstream, log, keys)
         _set_limits(metrics, settings)
         return cls(
-            metrics, log, pool, store, admission, upstream, pipeline, monitor, probe, config_path
+            metrics,
+            log,
+            pool,
+            store,
+            admission,
+            upstream,
+            pipeline,
+            monitor,
+            probe,
+            config_path,
+            owns_counter,
         )
 
     @staticmethod
@@ -194,3 +212,10 @@ class Gateway:
         await self.upstream.aclose()
         await self.store.aclose()
         await self.pipeline.affinity.aclose()
+        # Shielded: the lifespan calls this after cancelling its background tasks' scope.
+        with anyio.CancelScope(shield=True):
+            if self.owns_counter:
+                await anyio.to_thread.run_sync(self.counter.close)
+            tracing = self.recorder.tracing
+            if tracing is not None:
+                await anyio.to_thread.run_sync(tracing.close)

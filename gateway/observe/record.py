@@ -20,6 +20,9 @@ Contract:
       finished(record, status)  one ``route.finished`` event; request, e2e, TTFT and output
                                 metrics; the dashboard's rolling window and, for a
                                 deadline, its ``watchdog`` event; the trace
+      received(record, scope)   with tracing on (gateway/observe/tracing.py): the request's span
+      starts attempt(record, url)      the trace headers for one try at an engine (None when off);
+                                ``moved`` ends a failed try's span, ``finished`` the rest
 
   Log field and metric names are part of the interface (tests, dashboards, alert rules).
 - ``Record.as_json()`` is the one JSON view of a record (``/admin/state`` and the dashboard).
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -41,6 +45,7 @@ from gateway.errors import GatewayError
 from gateway.observe.dashboard.stats import RollingWindow
 from gateway.observe.log import Logger
 from gateway.observe.metrics import Metrics, status_class
+from gateway.observe.tracing import RequestSpan, Tracing
 from gateway.request.admission import Grant
 from gateway.request.lanes import Decision, Reason
 from gateway.request.protocol import RoutedRequest
@@ -164,6 +169,8 @@ class Record:
     error: str | None = None
     deadline: Phase | None = None
     in_ring: bool = False
+    # The request's OpenTelemetry span, with tracing on.
+    span: RequestSpan | None = None
 
     @property
     def admitted(self) -> bool:
@@ -180,6 +187,37 @@ class Record:
     @property
     def cluster(self) -> str:
         return self.grant.cluster if self.grant is not None else "none"
+
+    def span_attributes(self) -> dict[str, str | bool | int | float | None]:
+        """The decision as span attributes: the shape and route of the request, never its text
+        (the exact prompt count, and the bound under its own name when the bound decided)."""
+        routed, grant = self.routed, self.grant
+        count = routed.count if routed is not None else None
+        return {
+            "shapegate.request_id": self.request_id,
+            "shapegate.route": self.endpoint,
+            "shapegate.model": routed.model if routed else None,
+            "shapegate.stream": routed.stream if routed else None,
+            "shapegate.lane": self.lane,
+            "shapegate.reason": routed.reason if routed else None,
+            "shapegate.cluster": self.cluster,
+            "shapegate.endpoint": grant.url if grant else None,
+            "shapegate.prompt_tokens": self.prompt_tokens,
+            "shapegate.prompt_tokens_bound": count.tokens
+            if count and count.exact is None
+            else None,
+            "shapegate.prompt_bytes": count.prompt_bytes if count else None,
+            "shapegate.count_method": count.method if count else None,
+            "shapegate.tokenizer": count.tokenizer if count else None,
+            "shapegate.queue_wait_s": round(grant.queued_s, 4) if grant else None,
+            "shapegate.retries": self.retries,
+            "shapegate.outcome": self.outcome,
+            "shapegate.ttft_s": None if self.ttft_s is None else round(self.ttft_s, 4),
+            "shapegate.output_tokens": self.output_tokens,
+            "shapegate.output_tokens_estimate": self.output_tokens_estimate,
+            "shapegate.engine_prompt_tokens": self.engine_prompt_tokens,
+            "shapegate.deadline": self.deadline,
+        }
 
     def as_json(self) -> dict[str, Any]:
         """Everything the decision log says about the request, plus how it ended so far; the
@@ -211,6 +249,10 @@ class Record:
         }
 
 
+# Outcomes that mark a request's span as an error (a 5xx answer does too; a 4xx does not).
+_SPAN_ERRORS = frozenset({"upstream_error", "timeout", "error"})
+
+
 class Recorder:
     """The decision log, the per-request metrics, the ring of recent decisions, the dashboard's
     rolling window and the trace: every report about a request, in one place."""
@@ -222,8 +264,10 @@ class Recorder:
         ring_size: int,
         trace_file: str | None = None,
         latency: LatencyBook | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.metrics = metrics
+        self.tracing = tracing
         self.latency = latency
         self.log = log
         self.recent: deque[Record] = deque(maxlen=ring_size)
@@ -235,6 +279,14 @@ class Recorder:
         if not record.in_ring:
             record.in_ring = True
             self.recent.append(record)
+
+    def received(self, record: Record, scope: Mapping[str, Any]) -> None:
+        if self.tracing is not None:
+            record.span = self.tracing.request(scope["headers"], scope["method"], scope["path"])
+
+    def attempt(self, record: Record, url: str) -> dict[str, str] | None:
+        """The ``traceparent`` (and ``tracestate``) for this try at an engine; None when off."""
+        return None if record.span is None else record.span.attempt(url)
 
     def decided(self, record: Record, routed: Routed) -> None:
         record.routed = routed
@@ -259,11 +311,13 @@ class Recorder:
         m.child(m.route_decisions, grant.lane, routed.reason, routed.count.method).inc()
         m.child(m.queue_wait, grant.lane).observe(grant.queued_s)
 
-    def moved(self, record: Record, grant: Grant) -> None:
+    def moved(self, record: Record, grant: Grant, reason: str = "unreachable") -> None:
         """The request failed over before any answer byte: its slot is now ``grant``'s (the
         ``route.retry`` event itself is gateway/upstream/failover.py's)."""
         record.grant = grant
         record.retries += 1
+        if record.span is not None:
+            record.span.attempt_failed(reason)
 
     def engine_counted(self, record: Record, model: str, template: str) -> None:
         """The engine answered: compare its prompt count with ours when both exist."""
@@ -390,6 +444,11 @@ class Recorder:
         )
         if record.outcome == "timeout":
             self._watchdog_event(record)
+        if record.span is not None:
+            failed = record.outcome in _SPAN_ERRORS or record.status >= 500
+            record.span.end(
+                record.span_attributes(), record.status, record.outcome if failed else None
+            )
 
     def _watchdog_event(self, record: Record) -> None:
         grant = record.grant

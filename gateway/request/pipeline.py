@@ -55,6 +55,7 @@ from gateway.errors import (
     ShuttingDown,
     UpstreamError,
 )
+from gateway.lifetime import InUse
 from gateway.observe.log import Logger, swallowed
 from gateway.observe.metrics import Metrics
 from gateway.observe.record import Record, Recorder, Routed
@@ -75,7 +76,13 @@ from gateway.request.protocols.multipart import parse_multipart
 from gateway.request.response_affinity import MemoryAffinity, ResponseAffinity, response_id_of
 from gateway.request.routes import EngineRoute
 from gateway.request.watchdog import Watch, deadlines_for
-from gateway.settings import ClusterSettings, LaneSettings, ModelSettings, Settings
+from gateway.settings import (
+    ClusterSettings,
+    LaneSettings,
+    ModelSettings,
+    Settings,
+    served_models,
+)
 from gateway.upstream.failover import Attempts, Failover
 from gateway.upstream.proxy import Upstream, response_headers, upstream_headers
 
@@ -156,10 +163,15 @@ class Policy:
     engine_keys: dict[str, str]
     auth: ClientAuth
     version: int = 1
+    # The requests running under this policy: a reload closes a replaced counter after them.
+    in_use: InUse = field(default_factory=InUse, compare=False)
     exact_above: int = field(init=False)
     # (lane, cluster) -> the slot limit of one of the cluster's endpoints for that lane.
     endpoint_limits: dict[tuple[str, str], int] = field(init=False)
     forward_headers: frozenset[str] = field(init=False)
+    # cluster -> the models it serves by their policy names (aliases in clusters[].models
+    # resolved: requests are matched by the model's own name).
+    served: dict[str, frozenset[str]] = field(init=False)
 
     def __post_init__(self) -> None:
         lanes = self.settings.lanes
@@ -175,10 +187,14 @@ class Policy:
         object.__setattr__(self, "endpoint_limits", limits)
         extra = frozenset(name.lower() for name in self.settings.routes.forward_headers)
         object.__setattr__(self, "forward_headers", extra)
+        served = {
+            c.name: frozenset(served_models(self.settings, c.name)) for c in self.settings.clusters
+        }
+        object.__setattr__(self, "served", served)
 
     def serves(self, cluster: str, model: str) -> bool:
-        models = self.settings.cluster(cluster).models
-        return not models or model in models
+        """Whether ``cluster`` serves ``model`` (the policy's name of the model)."""
+        return model in self.served[cluster]
 
     def limit_of(self, lane: LaneSettings) -> Callable[[EngineView], int]:
         """The slot limit of an endpoint for this lane's requests (gateway/request/lanes.py)."""
@@ -234,7 +250,9 @@ class Pipeline:
         record = Record(request_id=request_id_from(scope), endpoint=route.endpoint)
         out = Outbound(send, route.errors)
         ids = [(b"x-request-id", record.request_id.encode())]
+        self.recorder.received(record, scope)
         self.in_flight += 1
+        policy.in_use.enter()
         try:
             if not self.accepting:
                 raise ShuttingDown("gateway is shutting down", retry_after_s=1)
@@ -284,6 +302,7 @@ class Pipeline:
         finally:
             self.in_flight -= 1
             self.recorder.finished(record, out.status)
+            policy.in_use.leave()
 
     async def _route(
         self,
@@ -380,7 +399,7 @@ class Pipeline:
                             record.request_id, held, exc, attempts, target.cluster
                         ):
                             raise
-                        self.recorder.moved(record, held.grant)
+                        self.recorder.moved(record, held.grant, exc.reason)
             finally:
                 record.prompt_tokens = exact.settle()
                 if exact.error is not None:
@@ -470,6 +489,7 @@ class Pipeline:
             forward_auth=target.cluster.forward_client_auth,
             engine_key=target.engine_key,
             extra=target.forward_headers,
+            trace=self.recorder.attempt(record, grant.url),
         )
         ours = {
             "x-request-id": record.request_id,

@@ -1,4 +1,6 @@
-"""Optional dependencies: numpy and matplotlib come with the ``bench`` extra, never with serve.
+"""Optional dependencies: numpy and matplotlib come with the ``bench`` extra, never with serve;
+OpenTelemetry (gateway/observe/tracing.py) with the ``otel`` extra, imported only when tracing is
+on.
 
 ``pip install shapegate`` installs what the gateway needs to serve; the benchmarks' adversarial
 inputs (numpy) and every plot (matplotlib: ``shapegate bench``, ``shapegate replay --plot``)
@@ -20,20 +22,20 @@ EXTRA = "bench"
 class MissingExtra(Exception):
     """An optional dependency is not installed; the message says which extra brings it."""
 
-    def __init__(self, module: str) -> None:
+    def __init__(self, module: str, extra: str = EXTRA) -> None:
         super().__init__(
-            f"{module} is not installed: it comes with shapegate's [{EXTRA}] extra "
-            f"(pip install 'shapegate[{EXTRA}]')"
+            f"{module} is not installed: it comes with shapegate's [{extra}] extra "
+            f"(pip install 'shapegate[{extra}]')"
         )
 
 
-def optional(module: str) -> ModuleType:
+def optional(module: str, extra: str = EXTRA) -> ModuleType:
     """``import module``, or ``MissingExtra`` when the extra that brings it is not installed."""
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as exc:
         if exc.name is not None and exc.name.split(".")[0] == module.split(".", maxsplit=1)[0]:
-            raise MissingExtra(module) from exc
+            raise MissingExtra(module, extra) from exc
         raise
 
 

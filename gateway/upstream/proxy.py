@@ -78,9 +78,11 @@ def upstream_headers(
     forward_auth: bool,
     engine_key: str | None,
     extra: frozenset[str] = frozenset(),
+    trace: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The headers the engine gets: an allowlist of the client's (the built-in one plus the
-    policy's ``routes.forward_headers``), our request id, the key."""
+    policy's ``routes.forward_headers``), our request id, the key; with tracing on, ``trace``
+    (gateway/observe/tracing.py) replaces the client's ``traceparent`` and ``tracestate``."""
     out: dict[str, str] = {}
     for raw_name, raw_value in client_headers:
         name = raw_name.decode("latin-1").lower()
@@ -91,6 +93,9 @@ def upstream_headers(
         ):
             out[name] = raw_value.decode("latin-1")
     out["x-request-id"] = request_id
+    if trace is not None:
+        out.pop("tracestate", None)  # kept inside ``trace`` when the traceparent was valid
+        out.update(trace)
     if engine_key:
         out["authorization"] = f"Bearer {engine_key}"
     return out

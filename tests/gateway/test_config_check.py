@@ -89,6 +89,21 @@ BAD: dict[str, tuple[Callable[[str], str], str, str]] = {
         "per_endpoint: 4",
         "lanes.1.slots.per_endpoint: 4 is above the lane's limit (slots.lane) of 2",
     ),
+    "tracing protocol": (
+        lambda t: t + "tracing:\n  enabled: true\n  protocol: zipkin\n",
+        "protocol: zipkin",
+        "tracing.protocol: Input should be 'http/protobuf' or 'grpc'",
+    ),
+    "tracing sample ratio": (
+        lambda t: t + "tracing:\n  sample_ratio: 1.5\n",
+        "sample_ratio: 1.5",
+        "tracing.sample_ratio: Input should be less than or equal to 1",
+    ),
+    "tracing unknown key": (
+        lambda t: t + "tracing:\n  sample_rate: 0.5\n",
+        "sample_rate: 0.5",
+        "tracing.sample_rate: unknown key (did you mean 'sample_ratio'?)",
+    ),
     "multipart lane that is no lane": (
         lambda t: t + "routes:\n  multipart_lane: audio\n",
         "multipart_lane: audio",
@@ -122,6 +137,25 @@ def test_the_good_policy_passes(tmp_path: Path, capsys: pytest.CaptureFixture[st
     path.write_text(GOOD)
     assert main(["check-config", str(path)]) == 0
     assert "heavy: 4096 <= prompt tokens < 1048576" in capsys.readouterr().out
+
+
+def test_a_tracing_section_passes_and_needs_the_otel_extra(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gateway.observe.tracing import missing_extra
+
+    traced = GOOD + (
+        "tracing:\n  enabled: true\n  protocol: grpc\n  endpoint: http://collector:4317\n"
+        "  service_name: gw-eu\n  sample_ratio: 0.1\n  headers: {api-key: k}\n"
+    )
+    path = tmp_path / "policy.yaml"
+    path.write_text(traced)
+    assert main(["check-config", str(path)]) == 0, capsys.readouterr().err
+    settings = parse_policy(traced, "p.yaml", environ={}).settings.tracing
+    assert missing_extra(settings) is None  # installed with [dev]
+    gone = missing_extra(settings, find=lambda name: None if "grpc" in name else object())
+    assert gone is not None and "pip install 'shapegate[otel]'" in gone
+    assert "opentelemetry.exporter.otlp.proto.grpc" in gone
 
 
 def test_a_bad_model_entry_is_one_problem_not_two() -> None:

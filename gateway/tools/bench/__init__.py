@@ -15,12 +15,12 @@ SUITES: tuple[str, ...] = (
     "gateway.tools.bench.count",
     "gateway.tools.bench.overhead",
     "gateway.tools.bench.lanes",
-    "gateway.tools.bench.borrow",
     "gateway.tools.bench.memory",
     "gateway.tools.bench.encoder",
     "gateway.tools.bench.every",  # shapegate bench all
     "gateway.tools.bench.readme",  # shapegate bench readme
     "gateway.tools.bench.soak",  # shapegate bench soak
+    "gateway.tools.bench.tracing",  # shapegate bench tracing
     # one module path a line
 )
 

@@ -151,3 +151,39 @@ async def test_with_the_child_the_event_loop_never_waits_for_a_count() -> None:
         assert threads and threading.main_thread().name not in threads
     finally:
         counter.close()
+
+
+async def test_a_bound_finished_in_the_worker_looks_the_cache_up_once() -> None:
+    """The request's exact count after a bound decided the lane, with the encoder in its child:
+    ``meanwhile`` looks each piece up in the cache, and the worker encodes only the misses
+    (before: the worker's ``exact`` planned and looked every piece up a second time)."""
+    from gateway.count.tokenizers.cache import CountCache
+    from gateway.count.usage import ExactCount
+    from gateway.request.protocol import ChatPrompt
+
+    config = lanes_config(["http://127.0.0.1:9"], ["http://127.0.0.1:9"])
+    counter = TokenCounter.from_settings(parse_settings(config, environ={}))
+    lookups: list[bytes] = []
+
+    class Spy(CountCache):
+        def get(self, digest: bytes) -> int | None:
+            lookups.append(digest)
+            return super().get(digest)
+
+    counter._cache = Spy(1000)
+    try:
+        messages = (
+            {"role": "system", "content": "be brief " * 50},
+            {"role": "user", "content": "a fresh miss " * 900},  # past DIRECT_MAX_BYTES
+        )
+        prompt = ChatPrompt(messages=messages)
+        bound = await counter.count("qwen3.6", prompt, exact_above=10**9)
+        assert bound.method == "bound" and lookups == []
+        exact = ExactCount(counter, bound)
+        exact.meanwhile()
+        tokens = await exact.tokens(wait_s=30)
+        pieces = len(bound.plan.pieces) if bound.plan else 0
+        assert pieces >= 2 and len(lookups) == pieces  # once each, not twice
+        assert tokens == counter.count_sync("qwen3.6", prompt, exact_above=0).tokens
+    finally:
+        counter.close()

@@ -152,7 +152,10 @@ class CongestedCounter:
     def exact_now(self, count: TokenCount) -> TokenCount | None:
         return None
 
-    async def exact(self, count: TokenCount) -> TokenCount:
+    def start_exact(self, count: TokenCount) -> object:
+        return object()  # what is left for the worker
+
+    async def finish(self, step: object) -> TokenCount:
         await asyncio.sleep(self.delay_s)
         return self.result
 

@@ -204,3 +204,81 @@ async def _until_version(client: httpx.AsyncClient, url: str, version: int) -> N
         return bool(state["policy_version"] >= version)
 
     await wait_for(arrived, 10, interval=0.05, what=f"policy version {version}")
+
+
+def _child_pid(app: Any) -> int:
+    encoder = app.gateway.counter._model("qwen3.6").vocab.encoder
+    pid: int = encoder.pid
+    return pid
+
+
+def _alive(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists()
+
+
+async def test_a_replaced_counter_is_closed_after_its_last_request_and_at_shutdown() -> None:
+    """The gateway's own counter (gigatoken in a child process): a reload that changes the
+    models loads a new one; the old one's child lives while a request admitted under it runs
+    and is stopped once that request finished; shutdown stops the new one's."""
+    engine = FakeEngine()
+    async with serve_asgi(engine) as engine_url:
+        config = lanes_config([engine_url], [engine_url])
+        app = create_app(parse_settings(config, environ={}))  # loads its own counter
+        old_pid = _child_pid(app)
+        async with serve_asgi(app) as url, httpx.AsyncClient(timeout=30) as client:
+            running = asyncio.create_task(
+                client.post(
+                    url + "/v1/chat/completions",
+                    content=body(delay=1.5, content="x " * 3000),  # counted in the worker
+                    headers={"x-request-id": "old", **JSON},
+                )
+            )
+            await wait_for(lambda: "old" in engine.seen, 10, what="the request at the engine")
+            changed = lanes_config([engine_url], [engine_url])
+            changed["models"][0] = {**changed["models"][0], "max_model_len": 500_000}
+            r = await client.post(
+                url + "/admin/reload", content=yaml.safe_dump(changed), headers=ADMIN
+            )
+            assert r.status_code == 200, r.text
+            new_pid = _child_pid(app)
+            assert new_pid != old_pid
+            assert _alive(old_pid)  # the request admitted under it still runs
+            answer = await running
+            assert answer.status_code == 200
+            assert int(answer.headers["x-shapegate-prompt-tokens"]) > 3000
+            await wait_for(lambda: not _alive(old_pid), 10, what="the old tokenizer child gone")
+            assert _alive(new_pid)
+        # serve_asgi's exit ran the lifespan's shutdown.
+        assert not _alive(new_pid)
+
+
+async def test_a_reload_turns_tracing_on_and_off_for_new_requests(counter: TokenCounter) -> None:
+    """Tracing is hot-reloadable: on, the engine gets a traceparent; off again, the exporter is
+    retired (flushed and shut down after its last span) and no header is added."""
+    engine = FakeEngine()
+    async with serve_asgi(engine) as engine_url:
+        config = lanes_config([engine_url], [engine_url])
+        app = create_app(parse_settings(config, environ={}), counter)
+        async with serve_asgi(app) as url, httpx.AsyncClient(timeout=30) as client:
+
+            async def reload_and_send(tracing: dict[str, Any], rid: str) -> None:
+                policy = {**config, "tracing": tracing}
+                r = await client.post(
+                    url + "/admin/reload", content=yaml.safe_dump(policy), headers=ADMIN
+                )
+                assert r.status_code == 200, r.text
+                answer = await client.post(
+                    url + "/v1/chat/completions",
+                    content=body(),
+                    headers={"x-request-id": rid, **JSON},
+                )
+                assert answer.status_code == 200
+
+            closed_port = free_port()
+            endpoint = f"http://127.0.0.1:{closed_port}/v1/traces"
+            await reload_and_send({"enabled": True, "endpoint": endpoint}, "on")
+            tracing = app.gateway.recorder.tracing
+            assert tracing is not None and "traceparent" in engine.seen["on"].headers
+            await reload_and_send({"enabled": False, "endpoint": endpoint}, "off")
+            assert app.gateway.recorder.tracing is None and tracing.in_use.retired
+            assert "traceparent" not in engine.seen["off"].headers

@@ -14,6 +14,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from tests.conftest import JSON, lanes_config
+from tests.support.fake_engine import FakeEngine
+from tests.support.servers import serve_asgi
 
 THRESHOLD = 2000
 
@@ -241,3 +243,36 @@ async def test_openai_sdk_works_unchanged(gateway: str) -> None:
     pieces = [chunk.choices[0].delta.content async for chunk in stream]
     assert "".join(p or "" for p in pieces) == "t0 t1 t2 "
     await client.close()
+
+
+def test_a_cluster_may_name_its_model_by_an_alias(counter: Any) -> None:
+    """``clusters[].models`` may list a model's alias (validation accepts it): the cluster then
+    serves that model whichever name the client uses, and no other model."""
+    from gateway.edge.auth import ClientAuth
+    from gateway.request.pipeline import Policy
+    from gateway.settings import AuthSettings, parse_settings
+
+    config = lanes_config(["http://a"], ["http://b"])
+    config["models"].append(
+        {"name": "other", "tokenizer": {"source": "builtin", "name": "qwen3.6"}}
+    )
+    config["clusters"][0]["models"] = ["Qwen/Qwen3.6-35B-A3B"]  # qwen3.6's alias
+    settings = parse_settings(config, environ={})
+    policy = Policy(settings, counter, {}, ClientAuth.from_settings(AuthSettings()))
+    assert policy.serves("fast", "qwen3.6")
+    assert not policy.serves("fast", "other")
+    assert policy.serves("heavy", "qwen3.6") and policy.serves("heavy", "other")
+
+
+async def test_a_request_reaches_a_cluster_that_lists_its_model_by_alias(gateway_at: Any) -> None:
+    engine = FakeEngine()
+    async with serve_asgi(engine) as engine_url:
+        config = lanes_config([engine_url], ["http://127.0.0.1:9"])
+        config["clusters"][0]["models"] = ["Qwen/Qwen3.6-35B-A3B"]
+        config["lanes"][0]["queue"] = {"depth": 4, "max_wait_s": 2}
+        async with gateway_at(config) as (url, _), httpx.AsyncClient(timeout=10) as client:
+            for name in ("qwen3.6", "Qwen/Qwen3.6-35B-A3B"):
+                body = {"model": name, "messages": [{"role": "user", "content": "hi"}]}
+                answer = await client.post(url + "/v1/chat/completions", json=body, headers=JSON)
+                assert answer.status_code == 200, answer.text
+                assert answer.headers["x-shapegate-cluster"] == "fast"

@@ -1,0 +1,57 @@
+"""Closing a shared resource once the last request that uses it has finished.
+
+A hot reload replaces the policy's token counter (or the tracing exporter) for new requests
+while requests admitted under the old one still use it; closing it at once would fail them,
+never closing it leaks its worker thread and tokenizer child process.
+
+Contract of ``InUse``:
+- ``enter()`` / ``leave()`` bracket each use (a request); calls are on the event loop thread.
+- ``retire(close)`` runs ``close`` exactly once: at once when nothing uses the resource, else
+  when the last use leaves. A retired resource may still be entered (a request that read the
+  old policy just before the swap); ``close`` then waits for it too.
+- ``close`` runs on the caller's thread: pass one that hands blocking work to a thread
+  (``in_thread``), since ``leave`` runs on the event loop.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+
+class InUse:
+    __slots__ = ("_close", "users")
+
+    def __init__(self) -> None:
+        self.users = 0
+        self._close: Callable[[], None] | None = None
+
+    @property
+    def retired(self) -> bool:
+        return self._close is not None
+
+    def enter(self) -> None:
+        self.users += 1
+
+    def leave(self) -> None:
+        self.users -= 1
+        if self.users == 0 and self._close is not None:
+            self._run()
+
+    def retire(self, close: Callable[[], None]) -> None:
+        if self._close is not None:
+            return
+        self._close = close
+        if self.users == 0:
+            self._run()
+
+    def _run(self) -> None:
+        close, self._close = self._close, lambda: None  # once, and still "retired"
+        if close is not None:
+            close()
+
+
+def in_thread(work: Callable[[], None], name: str) -> Callable[[], None]:
+    """``work`` started in a daemon thread: a close that joins threads or waits for a child
+    process must not block the event loop."""
+    return lambda: threading.Thread(target=work, name=name, daemon=True).start()
