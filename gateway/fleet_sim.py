@@ -14,8 +14,15 @@ tokens), to show what a character threshold does.
 A request longer than its engine's ``max_model_len`` is refused by the engine (vLLM's 400),
 which is what happens to JSON-dense prompts a character threshold sends to the fast lane.
 
-What it leaves out, on purpose: HTTP and the network (microseconds next to engine steps),
-health changes and faults (a replay is about policy under load, not failure).
+What the live path spends outside the engine (``gateway/fleet_model.py``, ``LiveCosts``):
+the gateway's and the HTTP hop's cost per request, measured in wall milliseconds and converted
+to the engines' clock by their time scale; the engine stamps the arrival when the request
+reaches it, not at trace time; a request holds its slot and in-flight count until the relay of
+its last token ends; the picker breaks in-flight ties on each engine's ``waiting`` as last
+scraped. ``LiveCosts.none()`` is the engine alone.
+
+What it leaves out, on purpose: health changes and faults (a replay is about policy under load,
+not failure).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from engine_pool.cluster import EngineState, EngineView
 from engine_pool.picker import order_endpoints
 from engine_pool.sim.profile import EngineProfile
 from engine_pool.sim.scheduler import Scheduler, StepResult
+from gateway.fleet_model import LiveCosts
 from gateway.lanes import choose_lane
 from gateway.settings import LaneSettings, Settings
 from gateway.trace import TraceRecord
@@ -81,6 +89,8 @@ class _Engine:
     running: set[str] = field(default_factory=set)
     busy: bool = False
     step: StepResult | None = None
+    # ``waiting`` as the gateway's last scrape saw it (None: never scraped, or not modelled).
+    scraped_waiting: float | None = None
 
 
 @dataclass(slots=True)
@@ -104,9 +114,11 @@ class FleetSim:
         settings: Settings,
         profiles: Mapping[str, EngineProfile],
         count_by: CountBy = "tokens",
+        live: LiveCosts | None = None,
     ) -> None:
         self.settings = settings
         self.count_by = count_by
+        self.live = live or LiveCosts()
         self.engines: dict[str, list[_Engine]] = {
             c.name: [
                 _Engine(c.name, url, Scheduler(profiles[c.name].scheduler, profiles[c.name].costs))
@@ -134,7 +146,8 @@ class FleetSim:
         self, trace: Sequence[TraceRecord], progress: Callable[[float], None] | None = None
     ) -> FleetResult:
         for index, record in enumerate(trace):
-            self._push(record.t, "arrive", (f"r{index}", record))
+            self._push(self._gateway_sees(record), "arrive", (f"r{index}", record))
+        self._schedule_scrapes()
         clock, handled, total = 0.0, 0, len(trace)
         while self._events:
             clock, _, kind, payload = heapq.heappop(self._events)
@@ -144,13 +157,54 @@ class FleetSim:
                 handled += 1
                 if progress is not None and handled % 500 == 0:
                     progress(handled / total)
+            elif kind == "submit":
+                self._submit(cast(str, payload), clock)
+            elif kind == "release":
+                self._release(cast(str, payload), clock)
+            elif kind == "scrape":
+                self._scrape(cast(str, payload), clock, handled < total)
             else:
                 self._step_done(cast(_Engine, payload), clock)
         if progress is not None:
             progress(1.0)
         limits = {lane.name: lane.slots.lane for lane in self.settings.lanes}
         outcomes = tuple(sorted(self._done, key=lambda o: int(o.key[1:])))
-        return FleetResult(outcomes, tuple(self._occupancy), limits, clock)
+        makespan = max((o.finished or o.arrival for o in outcomes), default=0.0)
+        return FleetResult(outcomes, tuple(self._occupancy), limits, makespan)
+
+    # -- the live path's costs (fleet_model.LiveCosts) ------------------------------------------
+
+    def _gateway_sees(self, record: TraceRecord) -> float:
+        """When the gateway admits: the client's send plus HTTP in, parse and count."""
+        return record.t + self.live.to_gateway(record.prompt_tokens)
+
+    def _max_wait(self, lane: LaneSettings) -> float:
+        """The queue's wait limit is wall time: on the engines' clock it grows as they speed up."""
+        return self.live.to_engine(lane.queue.max_wait_s)
+
+    def _schedule_scrapes(self) -> None:
+        for lane in self.settings.lanes:
+            every = self.live.scrape_every(lane.health.scrape_interval_s)
+            if every is not None:
+                self._push(0.0, "scrape", lane.name)
+
+    def _scrape(self, lane_name: str, now: float, arrivals_left: bool) -> None:
+        """The gateway's load scrape: each of the lane's engines' ``waiting``, as of now."""
+        lane = next(lane for lane in self.settings.lanes if lane.name == lane_name)
+        for cluster in lane.clusters:
+            for engine in self.engines[cluster]:
+                engine.scraped_waiting = float(engine.scheduler.snapshot().waiting)
+        every = self.live.scrape_every(lane.health.scrape_interval_s)
+        if every is not None and (arrivals_left or self._tickets):
+            self._push(now + every, "scrape", lane_name)
+
+    def _submit(self, key: str, now: float) -> None:
+        """The request reaches its engine, which stamps its arrival now."""
+        ticket, engine = self._tickets[key]
+        record = ticket.record
+        engine.scheduler.add(key, record.prompt_tokens, max(1, record.output_tokens), now)
+        if not engine.busy:
+            self._start_step(engine, now)
 
     def _arrive(self, key: str, record: TraceRecord, now: float) -> None:
         decision = choose_lane(self._routing_count(record), self.settings.lanes, {})
@@ -177,7 +231,7 @@ class FleetSim:
     def _candidates(self, ticket: _Ticket) -> list[_Engine]:
         engines = {(e.cluster, e.url): e for c in ticket.clusters for e in self.engines[c]}
         views = [
-            EngineView(e.cluster, e.url, EngineState.UP, len(e.running))
+            EngineView(e.cluster, e.url, EngineState.UP, len(e.running), e.scraped_waiting)
             for c in ticket.clusters
             for e in self.engines[c]
         ]
@@ -188,7 +242,7 @@ class FleetSim:
         queue = self._queues[lane]
         while queue:
             ticket = queue[0]
-            if now - ticket.record.t > ticket.lane.queue.max_wait_s:
+            if now - ticket.record.t > self._max_wait(ticket.lane):
                 queue.popleft()
                 self._reject(ticket.key, ticket.record, lane, now, "queue_timeout")
                 continue
@@ -209,11 +263,7 @@ class FleetSim:
             self._occupancy.append((now, lane, self._lane_used[lane]))
             self._open[ticket.key] = _Admitted(now, engine.cluster)
             self._tickets[ticket.key] = (ticket, engine)
-            engine.scheduler.add(
-                ticket.key, record.prompt_tokens, max(1, record.output_tokens), now
-            )
-            if not engine.busy:
-                self._start_step(engine, now)
+            self._push(now + self.live.to_engine_arrival(record.prompt_tokens), "submit", ticket.key)
 
     def _start_step(self, engine: _Engine, now: float) -> None:
         step = engine.scheduler.step(now)
@@ -225,10 +275,17 @@ class FleetSim:
         step = engine.step
         assert step is not None
         for key in step.first_tokens:
-            self._open[key].first_token = now
+            self._open[key].first_token = now + self.live.relay()
         for key in step.finished:
-            self._finish(key, now)
+            # In flight until the relay of its last token ends, as the live gateway holds it.
+            self._push(now + self.live.relay(), "release", key)
         self._start_step(engine, now)
+        for lane in self._queues:
+            if self._queues[lane]:
+                self._admit(lane, now)
+
+    def _release(self, key: str, now: float) -> None:
+        self._finish(key, now)
         for lane in self._queues:
             if self._queues[lane]:
                 self._admit(lane, now)

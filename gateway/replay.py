@@ -22,6 +22,7 @@ from typing import Any
 from engine_pool.sim.costs import isolated_prefill_seconds
 from engine_pool.sim.profile import EngineProfile, load_profile
 from gateway.extras import save, side_by_side
+from gateway.fleet_model import LiveCosts
 from gateway.fleet_sim import CountBy, FleetResult, FleetSim, Outcome
 from gateway.lanes import lane_for
 from gateway.settings import Settings
@@ -167,8 +168,20 @@ def simulate(
     count_by: CountBy = "tokens",
     small_below: int = 32768,
     progress: Any = None,
+    live: LiveCosts | None = None,
 ) -> SimReport:
-    result = FleetSim(settings, profiles, count_by).run(trace, progress)
+    result = FleetSim(settings, profiles, count_by, live).run(trace, progress)
+    return summarize(name, settings, result, count_by, small_below)
+
+
+def summarize(
+    name: str,
+    settings: Settings,
+    result: FleetResult,
+    count_by: CountBy = "tokens",
+    small_below: int = 32768,
+) -> SimReport:
+    """The tables' figures of a played trace: simulated, or measured live (live_replay.py)."""
     lanes = sorted({o.lane for o in result.outcomes})
     small = [o for o in result.outcomes if o.prompt_tokens < small_below]
     large = [o for o in result.outcomes if o.prompt_tokens >= small_below]

@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 import yaml
 
+from gateway import live_cli
 from gateway.config_check import load_settings
 from gateway.extras import pyplot
 from gateway.replay import (
@@ -32,6 +33,7 @@ from gateway.settings import ConfigError
 from gateway.shipped import resolve_policy
 from gateway.sweep import Sweep, parse_sweep, plot_sweep, render_sweep, run_sweep
 from gateway.trace import SYNTH_KINDS, TraceRecord, read_trace, synthesize, write_trace
+from gateway.trace_window import busiest, cut
 
 
 def _progress(label: str) -> Any:
@@ -49,6 +51,19 @@ def _synth(args: argparse.Namespace) -> int:
     records = synthesize(args.kind, args.seed)
     write_trace(args.out, records)
     print(f"wrote {len(records)} requests to {args.out}")
+    return 0
+
+
+def _cut(args: argparse.Namespace) -> int:
+    try:
+        trace = read_trace(args.trace)
+        start = busiest(trace, args.duration) if args.busiest else args.start
+        records = cut(trace, start, args.duration)
+    except (OSError, ValueError) as exc:
+        print(f"shapegate: {exc}", file=sys.stderr)
+        return 2
+    write_trace(args.out, records)
+    print(f"wrote {len(records)} requests from [{start:g}, {start + args.duration:g}) s to {args.out}")
     return 0
 
 
@@ -78,6 +93,8 @@ def _replay(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
     if sweep is not None:
         return _sweep(path, sweep, trace, args, out)
+    if args.live:
+        return live_cli.run_live(args, settings, trace, out, _progress)
     profiles = cluster_profiles(settings) if all(c.sim_profile for c in settings.clusters) else None
     analysis = analyze(settings, trace, profiles)
     report: dict[str, Any] = {"analysis": analysis}
@@ -96,6 +113,7 @@ def _replay(args: argparse.Namespace) -> int:
                     cluster_profiles(policy),
                     count_by=args.count_by,
                     progress=_progress(name),
+                    live=live_cli.live_costs(args),
                 )
             )
         print(render(runs))
@@ -145,6 +163,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     synth.add_argument("--seed", type=int, default=0, help="seed of the random shapes")
     synth.add_argument("--out", required=True, help="trace file to write (JSON lines)")
     synth.set_defaults(func=_synth)
+    window = trace_sub.add_parser("cut", help="a window of a trace, its times rebased to 0")
+    window.add_argument("trace", help="trace file to cut")
+    window.add_argument("--duration", type=float, required=True, help="window length, seconds")
+    where = window.add_mutually_exclusive_group(required=True)
+    where.add_argument("--start", type=float, help="window start, seconds into the trace")
+    where.add_argument(
+        "--busiest", action="store_true", help="the window with the most monsters, then requests"
+    )
+    window.add_argument("--out", required=True, help="trace file to write")
+    window.set_defaults(func=_cut)
 
     replay = subparsers.add_parser("replay", help="what a policy would do with a trace")
     replay.add_argument(
@@ -185,4 +213,5 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     replay.add_argument(
         "--out", help="directory for replay.json and replay.png (sweep.json and sweep.png)"
     )
+    live_cli.add_arguments(replay)
     replay.set_defaults(func=_replay)
