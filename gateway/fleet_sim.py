@@ -145,8 +145,9 @@ class FleetSim:
     def run(
         self, trace: Sequence[TraceRecord], progress: Callable[[float], None] | None = None
     ) -> FleetResult:
-        for index, record in enumerate(trace):
-            self._push(self._gateway_sees(record), "arrive", (f"r{index}", record))
+        admitted = self.live.gateway_times([(r.t, r.prompt_tokens) for r in trace])
+        for index, (record, at) in enumerate(zip(trace, admitted, strict=True)):
+            self._push(at, "arrive", (f"r{index}", record))
         self._schedule_scrapes()
         clock, handled, total = 0.0, 0, len(trace)
         while self._events:
@@ -173,10 +174,6 @@ class FleetSim:
         return FleetResult(outcomes, tuple(self._occupancy), limits, makespan)
 
     # -- the live path's costs (fleet_model.LiveCosts) ------------------------------------------
-
-    def _gateway_sees(self, record: TraceRecord) -> float:
-        """When the gateway admits: the client's send plus HTTP in, parse and count."""
-        return record.t + self.live.to_gateway(record.prompt_tokens)
 
     def _max_wait(self, lane: LaneSettings) -> float:
         """The queue's wait limit is wall time: on the engines' clock it grows as they speed up."""
@@ -263,7 +260,9 @@ class FleetSim:
             self._occupancy.append((now, lane, self._lane_used[lane]))
             self._open[ticket.key] = _Admitted(now, engine.cluster)
             self._tickets[ticket.key] = (ticket, engine)
-            self._push(now + self.live.to_engine_arrival(record.prompt_tokens), "submit", ticket.key)
+            self._push(
+                now + self.live.to_engine_arrival(record.prompt_tokens), "submit", ticket.key
+            )
 
     def _start_step(self, engine: _Engine, now: float) -> None:
         step = engine.scheduler.step(now)

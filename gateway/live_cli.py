@@ -17,15 +17,18 @@ import argparse
 import asyncio
 import math
 import sys
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from gateway import live_replay
+from gateway import live_measure, live_replay
 from gateway.fleet_model import LiveCosts
-from gateway.replay import SimReport, cluster_profiles, render, simulate, summarize
+from gateway.fleet_sim import CountBy, FleetSim
+from gateway.replay import SimReport, cluster_profiles, render, summarize
 from gateway.settings import ConfigError, Settings
 from gateway.tokens import TokenCounter
 from gateway.trace import TraceRecord
@@ -74,6 +77,20 @@ def default_deadline(trace: Sequence[TraceRecord], time_scale: float) -> float:
     return span * time_scale * 1.5 + GRACE_S
 
 
+class _Bar:
+    """The play's progress on stderr, redrawn at most ten times a second."""
+
+    def __init__(self) -> None:
+        self._last = 0.0
+
+    def __call__(self, sent: int, done: int, total: int) -> None:
+        now = time.monotonic()
+        if done < total and now - self._last < 0.1:
+            return
+        self._last = now
+        _bar(sent, done, total)
+
+
 def _bar(sent: int, done: int, total: int) -> None:
     filled = int(30 * done / max(1, total))
     sys.stderr.write(
@@ -104,17 +121,18 @@ def run_live(
         print(f"shapegate: {exc}", file=sys.stderr)
         return 2
     deadline = args.deadline or default_deadline(trace, args.time_scale)
-    plays = asyncio.run(
-        live_replay.play(args.live, trace, prompts, args.time_scale, deadline, _bar)
+    run = play_and_predict(
+        settings,
+        trace,
+        prompts,
+        Target(args.live, args.time_scale, tuple(args.engine)),
+        deadline,
+        costs if args.simulate else None,
+        args.small_below,
     )
-    name = "live"
-    live = summarize(name, settings, live_replay.as_result(settings, plays, args.time_scale))
-    predicted = None
-    if args.simulate:
-        predicted = simulate(
-            "predicted", settings, trace, cluster_profiles(settings), live=costs
-        )
-    report = live_report(live, predicted, plays, costs, args.small_below)
+    live, predicted, report = run.live, run.predicted, run.report
+    if "measured_costs" in report:
+        print(f"measured live path (wall ms): {report['measured_costs']}")
     print(render([live, predicted] if predicted is not None else [live]))
     print(live_replay.render_lanes(live))
     if predicted is not None:
@@ -129,12 +147,97 @@ def run_live(
     if predicted is not None:
         print(live_replay.render_ratios(report["ratios"]))
         print(f"worst ratio: {report['worst_ratio']:.2f}x")
+    for name, label in (("engine_only", "the engines alone"), ("calibrated", "measured costs")):
+        if f"ratios_{name}" in report:
+            print(f"predicted with {label} ({name}):")
+            print(live_replay.render_ratios(report[f"ratios_{name}"]))
+            print(f"worst ratio: {report[f'worst_ratio_{name}']:.2f}x")
     if out is not None:
         (out / "live.json").write_bytes(
             orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
         )
         print(f"report: {out / 'live.json'}")
     return 0 if live.summary["all"]["rejected"] < len(trace) else 1
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What to play against: the URL, its engines' time scale, the engines behind it (their
+    ``/sim/requests`` give the live path's costs; none: not measured)."""
+
+    url: str
+    time_scale: float
+    engines: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class LiveRun:
+    live: SimReport
+    predicted: SimReport | None
+    report: dict[str, Any]
+
+
+def play_and_predict(
+    settings: Settings,
+    trace: Sequence[TraceRecord],
+    prompts: Sequence[list[dict[str, str]]],
+    target: Target,
+    deadline_s: float,
+    costs: LiveCosts | None,
+    small_below: int = 32768,
+) -> LiveRun:
+    """Play the trace live; with ``costs``, predict it too (with those costs, with the engines
+    alone as the old model did, and with the costs measured in this play when ``engines``)."""
+    plays = asyncio.run(
+        live_replay.play(target.url, trace, prompts, target.time_scale, deadline_s, _Bar())
+    )
+    result = live_replay.as_result(settings, plays, target.time_scale)
+    live = summarize("live", settings, result)
+    measured = None
+    if target.engines:
+        records = asyncio.run(live_measure.fetch_engine_records(target.engines))
+        measured = live_measure.measure(plays, records, target.time_scale)
+    predicted = None
+    if costs is not None:
+        predicted = predict("predicted", settings, trace, costs)
+    report = live_report(live, predicted, plays, costs or LiveCosts(), small_below)
+    if measured is not None:
+        report["measured_costs"] = measured.as_dict() | {"model": _costs(measured.costs)}
+    if costs is not None:
+        others = [("engine_only", LiveCosts.none(target.time_scale))]
+        if measured is not None:
+            others.append(("calibrated", measured.costs))
+        for name, other in others:
+            sim = predict(name, settings, trace, other)
+            report[name] = sim.summary
+            report[f"ratios_{name}"] = found = live_replay.ratios(live, sim)
+            report[f"worst_ratio_{name}"] = live_replay.worst_ratio(found)
+    return LiveRun(live, predicted, report)
+
+
+def predict(
+    name: str,
+    settings: Settings,
+    trace: Sequence[TraceRecord],
+    costs: LiveCosts,
+    count_by: CountBy = "tokens",
+    progress: Callable[[float], None] | None = None,
+) -> SimReport:
+    """``replay.simulate`` with the live path's costs modelled (``fleet_model.LiveCosts``)."""
+    profiles = cluster_profiles(settings)
+    result = FleetSim(settings, profiles, count_by, costs).run(trace, progress)
+    return summarize(name, settings, result, count_by)
+
+
+def _costs(costs: LiveCosts) -> dict[str, Any]:
+    return {
+        "time_scale": costs.time_scale,
+        "gateway_ms": round(costs.gateway_s * 1000, 3),
+        "forward_ms": round(costs.forward_s * 1000, 3),
+        "relay_ms": round(costs.relay_s * 1000, 3),
+        "per_mtoken_ms": round(costs.per_mtoken_s * 1000, 1),
+        "model_scrape": costs.model_scrape,
+    }
 
 
 def live_report(
@@ -154,14 +257,8 @@ def live_report(
         "monsters": live_replay.monster_rows(live, predicted, small_below),
         "send_lag": live_replay.send_lag(plays),
         "count_mismatches": live_replay.count_mismatches(plays),
-        "costs": {
-            "time_scale": costs.time_scale,
-            "gateway_ms": costs.gateway_s * 1000,
-            "forward_ms": costs.forward_s * 1000,
-            "relay_ms": costs.relay_s * 1000,
-            "per_mtoken_ms": costs.per_mtoken_s * 1000,
-            "model_scrape": costs.model_scrape,
-        },
+        "plays": [live_replay.play_row(item) for item in plays],
+        "costs": _costs(costs),
     }
 
 
@@ -181,6 +278,14 @@ def add_arguments(replay: argparse.ArgumentParser) -> None:
     )
     replay.add_argument(
         "--deadline", type=float, help="--live: wall seconds before it stops (default: enough)"
+    )
+    replay.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="--live: a simulated engine behind the target (repeatable): measure the live "
+        "path's costs from its /sim/requests and, with --simulate, predict with them too",
     )
     costs = replay.add_argument_group("the live path's costs the simulation models (wall ms)")
     costs.add_argument("--gateway-ms", type=float, help="client send to admission")

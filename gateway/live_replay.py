@@ -46,10 +46,45 @@ from gateway.trace import TraceRecord
 # Common English words; those the target's tokenizer encodes as one token (with and without a
 # leading space) make the filler.
 _CANDIDATES = (
-    "route token lane slot engine queue batch model cache prefill decode time data text "
-    "word line file code test case user value state table order group point world house "
-    "water light paper music river money story field power"
-).split()
+    "route",
+    "token",
+    "lane",
+    "slot",
+    "engine",
+    "queue",
+    "batch",
+    "model",
+    "cache",
+    "prefill",
+    "decode",
+    "time",
+    "data",
+    "text",
+    "word",
+    "line",
+    "file",
+    "code",
+    "test",
+    "case",
+    "user",
+    "value",
+    "state",
+    "table",
+    "order",
+    "group",
+    "point",
+    "world",
+    "house",
+    "water",
+    "light",
+    "paper",
+    "music",
+    "river",
+    "money",
+    "story",
+    "field",
+    "power",
+)
 _METRICS = ("ttft_p50", "ttft_p95", "ttft_p99", "e2e_p50", "e2e_p95", "e2e_p99")
 
 
@@ -60,6 +95,8 @@ class Play:
     index: int
     record: TraceRecord
     scheduled: float
+    # time.time() at the play's start: wall offsets + origin compare with an engine's records.
+    origin_epoch: float = 0.0
     sent: float | None = None
     status: int | None = None
     lane: str | None = None
@@ -118,6 +155,11 @@ class PromptBuilder:
         )
 
 
+def request_id(index: int) -> str:
+    """The ``X-Request-Id`` of the trace's request ``index`` (an engine's records carry it)."""
+    return f"replay-{index}"
+
+
 def _first_content(line: bytes) -> bool:
     """Does this SSE data line carry generated text (not the role-only opening chunk)?"""
     try:
@@ -164,7 +206,7 @@ async def _one(
             "POST",
             url + "/v1/chat/completions",
             content=orjson.dumps(body),
-            headers={"content-type": "application/json", "x-request-id": f"replay-{play.index}"},
+            headers={"content-type": "application/json", "x-request-id": request_id(play.index)},
         ) as response:
             found.update(
                 status=response.status_code,
@@ -191,7 +233,7 @@ async def _one(
 
 
 def _played(play: Play, found: dict[str, Any]) -> Play:
-    return Play(play.index, play.record, play.scheduled, **found)
+    return Play(play.index, play.record, play.scheduled, play.origin_epoch, **found)
 
 
 async def play(
@@ -216,7 +258,7 @@ async def play(
     timeout = httpx.Timeout(None, connect=10)  # a monster's prefill legitimately takes long
     url = url.rstrip("/")
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        origin = time.monotonic()
+        origin, origin_epoch = time.monotonic(), time.time()
         tasks: list[asyncio.Task[None]] = []
 
         async def send_all() -> None:
@@ -224,7 +266,7 @@ async def play(
             for index, (record, messages) in enumerate(zip(trace, prompts, strict=True)):
                 scheduled = record.t * time_scale
                 await asyncio.sleep(max(0.0, origin + scheduled - time.monotonic()))
-                item = Play(index, record, scheduled)
+                item = Play(index, record, scheduled, origin_epoch)
                 tasks.append(asyncio.create_task(_one(client, url, item, messages, origin, done)))
                 sent += 1
                 if progress is not None:
@@ -256,7 +298,9 @@ def as_result(settings: Settings, plays: Sequence[Play], time_scale: float) -> F
         if item.status != 200 or item.finished is None or item.sent is None:
             why = item.error or f"http_{item.status}"
             outcomes.append(
-                Outcome(key, record.prompt_tokens, record.output_tokens, lane, record.t, rejected=why)
+                Outcome(
+                    key, record.prompt_tokens, record.output_tokens, lane, record.t, rejected=why
+                )
             )
             continue
         first = item.first_token if item.first_token is not None else item.finished
@@ -280,6 +324,24 @@ def as_result(settings: Settings, plays: Sequence[Play], time_scale: float) -> F
 def _lane_of(settings: Settings, tokens: int) -> str:
     lane = lane_for(tokens, settings.lanes)
     return lane.name if lane is not None else "none"
+
+
+def play_row(item: Play) -> dict[str, Any]:
+    """One played request as plain data (wall seconds since the play's start)."""
+    return {
+        "index": item.index,
+        "t": item.record.t,
+        "prompt_tokens": item.record.prompt_tokens,
+        "output_tokens": item.record.output_tokens,
+        "sent": item.sent,
+        "first_token": item.first_token,
+        "finished": item.finished,
+        "status": item.status,
+        "lane": item.lane,
+        "cluster": item.cluster,
+        "target_prompt_tokens": item.target_prompt_tokens,
+        "error": item.error,
+    }
 
 
 def send_lag(plays: Sequence[Play]) -> dict[str, float]:
@@ -326,18 +388,22 @@ def worst_ratio(found: dict[str, dict[str, float]]) -> float:
 
 
 def render_ratios(found: dict[str, dict[str, float]]) -> str:
-    rows = [("live / predicted", *_METRICS)]
+    rows: list[tuple[str, ...]] = [("live / predicted", *_METRICS)]
     for label, metrics in found.items():
         rows.append((label, *(f"{metrics[m]:.2f}" if m in metrics else "-" for m in _METRICS)))
     return _table(rows)
 
 
 def render_lanes(report: SimReport) -> str:
-    rows = [("lane", "requests", "rejected", *_METRICS)]
+    rows: list[tuple[str, ...]] = [("lane", "requests", "rejected", *_METRICS)]
     for lane, stats in report.summary["by_lane"].items():
         rows.append(
-            (lane, str(stats["requests"]), str(stats["rejected"]))
-            + tuple(_seconds(stats[m]) for m in _METRICS)
+            (
+                lane,
+                str(stats["requests"]),
+                str(stats["rejected"]),
+                *(_seconds(stats[m]) for m in _METRICS),
+            )
         )
     return f"per lane, {report.name} (engine seconds):\n" + _table(rows)
 

@@ -22,7 +22,6 @@ from typing import Any
 from engine_pool.sim.costs import isolated_prefill_seconds
 from engine_pool.sim.profile import EngineProfile, load_profile
 from gateway.extras import save, side_by_side
-from gateway.fleet_model import LiveCosts
 from gateway.fleet_sim import CountBy, FleetResult, FleetSim, Outcome
 from gateway.lanes import lane_for
 from gateway.settings import Settings
@@ -168,9 +167,8 @@ def simulate(
     count_by: CountBy = "tokens",
     small_below: int = 32768,
     progress: Any = None,
-    live: LiveCosts | None = None,
 ) -> SimReport:
-    result = FleetSim(settings, profiles, count_by, live).run(trace, progress)
+    result = FleetSim(settings, profiles, count_by).run(trace, progress)
     return summarize(name, settings, result, count_by, small_below)
 
 

@@ -26,7 +26,6 @@ from gateway.replay import (
     demand_table,
     plot,
     render,
-    simulate,
     verdict,
 )
 from gateway.settings import ConfigError
@@ -63,7 +62,9 @@ def _cut(args: argparse.Namespace) -> int:
         print(f"shapegate: {exc}", file=sys.stderr)
         return 2
     write_trace(args.out, records)
-    print(f"wrote {len(records)} requests from [{start:g}, {start + args.duration:g}) s to {args.out}")
+    print(
+        f"wrote {len(records)} requests from [{start:g}, {start + args.duration:g}) s to {args.out}"
+    )
     return 0
 
 
@@ -77,6 +78,11 @@ def _replay(args: argparse.Namespace) -> int:
         print(
             "shapegate replay: --sweep runs its own simulations; drop --simulate and --compare",
             file=sys.stderr,
+        )
+        return 2
+    if args.live and (args.compare or args.sweep):
+        print(
+            "shapegate replay: --live plays one policy; drop --compare and --sweep", file=sys.stderr
         )
         return 2
     path = resolve_policy(args.config)
@@ -105,16 +111,9 @@ def _replay(args: argparse.Namespace) -> int:
             (Path(args.config).stem, settings),
             *((Path(p).stem, s) for p, s in zip(args.compare, others, strict=True)),
         ]:
+            costs = live_cli.live_costs(args)
             runs.append(
-                simulate(
-                    name,
-                    policy,
-                    trace,
-                    cluster_profiles(policy),
-                    count_by=args.count_by,
-                    progress=_progress(name),
-                    live=live_cli.live_costs(args),
-                )
+                live_cli.predict(name, policy, trace, costs, args.count_by, _progress(name))
             )
         print(render(runs))
         for other in runs[1:]:

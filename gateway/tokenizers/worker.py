@@ -30,8 +30,9 @@ Contract of ``ChildEncoder`` (an ``Encoder``, backend ``gigatoken``):
   tenth. The ready reply carries that warm-up's time, logged as ``tokenizer.child_warmed``.
 - ``close()`` stops the child; so does garbage collection of the encoder, and the child exits
   by itself when the gateway's end of the pipe closes (the gateway died).
-Events: ``tokenizer.child_warmed`` (pid, warm_chars, warm_ms), ``tokenizer.recycle_started`` (rss_mb), ``tokenizer.recycled`` (old_rss_mb, calls,
-load_s), ``tokenizer.child_lost`` (via ``swallowed``).
+Events: ``tokenizer.child_warmed`` (pid, warm_chars, warm_ms), ``tokenizer.recycle_started``
+(rss_mb), ``tokenizer.recycled`` (old_rss_mb, calls, load_s), ``tokenizer.child_lost`` (via
+``swallowed``).
 """
 
 from __future__ import annotations
