@@ -24,18 +24,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from gateway.bench.harness import free_port, machine, machine_line, publish, with_targets
+from gateway.bench import harness
+from gateway.bench.harness import Child, free_port, machine, machine_line, publish, with_targets
 from gateway.config_check import load_settings
 from gateway.extras import pyplot, save
 from gateway.fleet_model import LiveCosts
@@ -89,44 +85,16 @@ def _free(port: int) -> bool:
     return True
 
 
-def _wait_ready(url: str, demo: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if demo.poll() is not None:
-            raise RuntimeError(f"shapegate demo exited: {log.read_text(errors='replace')[-2000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 - loopback
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass  # not up yet: asked again below
-        time.sleep(0.25)
-    raise RuntimeError(f"{url} not ready within {timeout_s:g}s")
-
-
-def _stop(demo: subprocess.Popen[bytes]) -> None:
-    if demo.poll() is None:
-        demo.send_signal(signal.SIGTERM)
-        try:
-            demo.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(demo.pid, signal.SIGKILL)
-            demo.wait(10)
-
-
 def one_scale(scale: float, trace: Any, prompts: Any, settings: Any) -> dict[str, Any]:
     port, base = _ports()
     with tempfile.TemporaryDirectory(prefix="shapegate-fidelity-") as folder:
-        log = Path(folder) / "demo.log"
         argv = [sys.executable, "-m", "gateway.cli", "demo", "--port", str(port)]
         argv += ["--engine-port-base", str(base), "--time-scale", str(scale)]
-        with log.open("wb") as handle:
-            demo = subprocess.Popen(  # noqa: S603 - our own interpreter and module
-                argv, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
-            )
+        demo = Child.start("demo", argv, Path(folder) / "demo.log", None)
         try:
             url = f"http://127.0.0.1:{port}"
-            _wait_ready(url + "/readyz", demo, log, 180)
+            # Starting the demo's five processes on a loaded 2-core machine takes a while.
+            harness.wait_http(url + "/readyz", demo, 180)
             load_before = os.getloadavg()[0]
             engines = tuple(f"http://127.0.0.1:{base + k}" for k in (1, 2, 11, 12))
             live = play_and_predict(
@@ -135,11 +103,11 @@ def one_scale(scale: float, trace: Any, prompts: Any, settings: Any) -> dict[str
                 prompts,
                 Target(url, scale, engines),
                 default_deadline(trace, scale),
-                costs=_default_costs(scale),
+                costs=LiveCosts(time_scale=scale),
             )
             load_after = os.getloadavg()[0]
         finally:
-            _stop(demo)
+            demo.stop(30)  # SIGINT: the demo stops its engines and the gateway
     report = live.report
     row: dict[str, Any] = {
         "time_scale": scale,
@@ -162,10 +130,6 @@ def one_scale(scale: float, trace: Any, prompts: Any, settings: Any) -> dict[str
                 "worst_ratio": round(report[worst], 3),
             }
     return row
-
-
-def _default_costs(scale: float) -> LiveCosts:
-    return LiveCosts(time_scale=scale)
 
 
 def _figures(summary: dict[str, Any]) -> dict[str, Any]:

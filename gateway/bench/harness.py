@@ -150,7 +150,7 @@ def start_upstream(folder: Path, cpus: set[int] | None) -> tuple[Child, int]:
     port = free_port()
     argv = [sys.executable, "-m", "gateway.bench.httpload", "upstream", "--port", str(port)]
     child = Child.start("upstream", argv, folder / "upstream.log", cpus)
-    _wait_http(f"http://127.0.0.1:{port}/health", child, 20.0)
+    wait_http(f"http://127.0.0.1:{port}/health", child, 20.0)
     return child, port
 
 
@@ -195,7 +195,7 @@ def start_gateway(policy: dict[str, Any], folder: Path, cpus: set[int] | None) -
     argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(path)]
     child = Child.start("gateway", argv, folder / "gateway.log", cpus)
     port = policy["server"]["port"]
-    _wait_http(f"http://127.0.0.1:{port}/readyz", child, 60.0)
+    wait_http(f"http://127.0.0.1:{port}/readyz", child, 60.0)
     return child
 
 
@@ -230,7 +230,9 @@ def gateway_rig(pin: bool) -> Iterator[Rig]:
         pin_self(restore)
 
 
-def _wait_http(url: str, child: Child, timeout_s: float) -> None:
+def wait_http(url: str, child: Child, timeout_s: float) -> None:
+    """Until ``url`` answers 200; the child stopped and ``RuntimeError`` if it exits first or
+    the time runs out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not child.alive():
