@@ -9,7 +9,11 @@ arrived there and when it emitted its first and last token (wall clock, ``*_wall
   per-request cost is then fitted so that the replay's own model of it (``LiveCosts``: the
   gateway's work served one request at a time, ``gateway_times``) gives the measured median:
   the median itself would count a burst's queueing twice;
-- ``relay``: the engine's first token -> the client has it (the median).
+- ``relay``: the end of the step that made the first token, where the engine's clock puts it
+  (``arrived_wall - arrived_s x S + first_token_s x S``), -> the client has it (the median).
+  Measured from the step's end rather than from the engine's ``first_token_wall`` it includes
+  the engine's own late delivery when its event loop falls behind, which the cost model of its
+  steps does not see.
 
 ``fetch_engine_records(urls)`` is the I/O; ``measure(plays, records, time_scale)`` is pure and
 returns ``Measured`` (the costs and the figures behind them, wall milliseconds).
@@ -104,9 +108,11 @@ def measure(
         pre.append(
             (item.record.prompt_tokens, record["arrived_wall"] - item.origin_epoch - item.sent)
         )
-        first_wall = record.get("first_token_wall")
-        if first_wall is not None and item.first_token is not None:
-            relay.append(item.origin_epoch + item.first_token - first_wall)
+        first_s = record.get("first_token_s")
+        if first_s is not None and item.first_token is not None:
+            engine_t0 = record["arrived_wall"] - record["arrived_s"] * time_scale
+            step_end = engine_t0 + first_s * time_scale
+            relay.append(item.origin_epoch + item.first_token - step_end)
     if not pre:
         return None
     _, slope = _fit(pre)
