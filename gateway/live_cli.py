@@ -33,6 +33,8 @@ from gateway.settings import ConfigError, Settings
 from gateway.tokens import TokenCounter
 from gateway.trace import TraceRecord
 
+# What live.json keeps of each engine record (to fit the costs again offline).
+ENGINE_FIELDS = ("request_id", "arrived_s", "arrived_wall", "first_token_s", "finished_s")
 # Wall seconds the player waits for the last answers after the last send, at least.
 GRACE_S = 120.0
 
@@ -193,7 +195,7 @@ def play_and_predict(
     )
     result = live_replay.as_result(settings, plays, target.time_scale)
     live = summarize("live", settings, result)
-    measured = None
+    measured, records = None, {}
     if target.engines:
         records = asyncio.run(live_measure.fetch_engine_records(target.engines))
         measured = live_measure.measure(plays, records, target.time_scale)
@@ -203,6 +205,9 @@ def play_and_predict(
     report = live_report(live, predicted, plays, costs or LiveCosts(), small_below)
     if measured is not None:
         report["measured_costs"] = measured.as_dict() | {"model": _costs(measured.costs)}
+        report["engine_records"] = [
+            {k: records[rid].get(k) for k in ENGINE_FIELDS} for rid in sorted(records)
+        ]
     if costs is not None:
         others = [("engine_only", LiveCosts.none(target.time_scale))]
         if measured is not None:

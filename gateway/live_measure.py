@@ -7,8 +7,9 @@ arrived there and when it emitted its first and last token (wall clock, ``*_wall
 - ``pre``: send -> the engine's arrival stamp (gateway in, parse, count, admit, pick, HTTP hop,
   the engine's own parse and count). Its slope over prompt tokens gives ``per_mtoken_s``; the
   per-request cost is then fitted so that the replay's own model of it (``LiveCosts``: the
-  gateway's work served one request at a time, ``gateway_times``) gives the measured median:
-  the median itself would count a burst's queueing twice;
+  gateway's part served one request at a time, ``gateway_times``, the hop's in parallel) gives
+  the measured median and 90th percentile: the median alone, taken as a cost, would count a
+  burst's queueing twice and miss its tail;
 - ``relay``: the end of the step that made the first token, where the engine's clock puts it
   (``arrived_wall - arrived_s x S + first_token_s x S``), -> the client has it (the median).
   Measured from the step's end rather than from the engine's ``first_token_wall`` it includes
@@ -22,6 +23,7 @@ returns ``Measured`` (the costs and the figures behind them, wall milliseconds).
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -74,25 +76,32 @@ def _fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     return intercept, max(0.0, slope)
 
 
-def _modelled_pre(costs: LiveCosts, sends: Sequence[tuple[float, int]]) -> float:
+def _modelled_pre(costs: LiveCosts, sends: Sequence[tuple[float, int]]) -> list[float]:
     admitted = costs.gateway_times(sends)
-    return statistics.median(
+    return [
         a - at + costs.to_engine_arrival(tokens)
         for a, (at, tokens) in zip(admitted, sends, strict=True)
-    )
+    ]
 
 
-def _fit_hop(costs: LiveCosts, sends: Sequence[tuple[float, int]], target: float) -> LiveCosts:
-    """The per-request cost (all of it the gateway's, served one at a time) whose modelled
-    median send -> engine time is the measured one: bisection, it only grows with the cost."""
-    low, high = 0.0, max(target, 0.0)
-    for _ in range(40):
-        mid = (low + high) / 2
-        if _modelled_pre(dataclasses.replace(costs, gateway_s=mid), sends) < target:
-            low = mid
-        else:
-            high = mid
-    return dataclasses.replace(costs, gateway_s=(low + high) / 2)
+def _fit_split(
+    costs: LiveCosts, sends: Sequence[tuple[float, int]], median: float, p90: float
+) -> LiveCosts:
+    """The per-request cost split in two, the gateway's part (served one request at a time,
+    so a burst queues for it) and the hop's (paid in parallel), whose modelled send -> engine
+    times have the measured median and 90th percentile: a grid over the gateway's part, the
+    hop's part then set to match the median."""
+    best, best_error = costs, math.inf
+    for step in range(61):
+        gateway = max(median, 0.0) * step / 60
+        trial = dataclasses.replace(costs, gateway_s=gateway, forward_s=0.0)
+        modelled = _modelled_pre(trial, sends)
+        forward = max(0.0, median - statistics.median(modelled))
+        shifted = [m + forward for m in modelled]
+        error = abs(percentile(shifted, 0.9) - p90) + abs(statistics.median(shifted) - median)
+        if error < best_error:
+            best, best_error = dataclasses.replace(trial, forward_s=forward), error
+    return best
 
 
 def measure(
@@ -128,7 +137,8 @@ def measure(
         relay_s=max(0.0, statistics.median(relay)) if relay else LiveCosts().relay_s,
         per_mtoken_s=slope * 1e6,
     )
-    costs = _fit_hop(costs, sends, statistics.median(y for _, y in pre))
+    delays = [y for _, y in pre]
+    costs = _fit_split(costs, sends, statistics.median(delays), percentile(delays, 0.9))
     costs = dataclasses.replace(costs, time_scale=time_scale)
     values = [y * 1000 for _, y in pre]
     return Measured(

@@ -5,6 +5,7 @@ the window cut out of a long trace."""
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from typing import Any
 
@@ -15,7 +16,7 @@ from gateway import live_measure, live_replay
 from gateway.config_check import load_settings
 from gateway.fleet_model import LiveCosts
 from gateway.live_cli import predict
-from gateway.replay import summarize
+from gateway.replay import percentile, summarize
 from gateway.shipped import resolve_policy
 from gateway.sim_support import RegistryCounter
 from gateway.tokens import TokenCounter
@@ -137,3 +138,16 @@ def test_a_window_is_cut_and_rebased_and_the_busiest_holds_the_monsters() -> Non
         )
     with pytest.raises(ValueError, match="no request"):
         cut(trace, 10**6, 10)
+
+
+def test_the_cost_fit_recovers_a_gateway_that_serves_one_request_at_a_time() -> None:
+    truth = LiveCosts(time_scale=1.0, gateway_s=0.006, forward_s=0.003, per_mtoken_s=0.0)
+    # Two bursts of ten and a trickle: the bursts queue for the gateway, the trickle does not.
+    sends = [(0.0, 500)] * 10 + [(1.0 + 0.3 * i, 500) for i in range(10)] + [(5.0, 500)] * 10
+    delays = live_measure._modelled_pre(truth, sends)
+    start = LiveCosts(time_scale=1.0, gateway_s=0, forward_s=0, per_mtoken_s=0.0)
+    fitted = live_measure._fit_split(
+        start, sends, statistics.median(delays), percentile(delays, 0.9)
+    )
+    assert fitted.gateway_s == pytest.approx(0.006, rel=0.1)
+    assert fitted.forward_s == pytest.approx(0.003, rel=0.2)
