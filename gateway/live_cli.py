@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import orjson
 
-from gateway import live_measure, live_replay
+from gateway import live_measure, live_replay, live_report
 from gateway.fleet_model import LiveCosts
 from gateway.fleet_sim import CountBy, FleetSim
 from gateway.replay import SimReport, cluster_profiles, render, summarize
@@ -136,10 +137,10 @@ def run_live(
     if "measured_costs" in report:
         print(f"measured live path (wall ms): {report['measured_costs']}")
     print(render([live, predicted] if predicted is not None else [live]))
-    print(live_replay.render_lanes(live))
+    print(live_report.render_lanes(live))
     if predicted is not None:
-        print(live_replay.render_lanes(predicted))
-    print(live_replay.render_monsters(report["monsters"]))
+        print(live_report.render_lanes(predicted))
+    print(live_report.render_monsters(report["monsters"]))
     lag = report["send_lag"]
     print(
         f"send lag (wall ms): p50 {lag['p50_ms']:.1f}  p99 {lag['p99_ms']:.1f}  "
@@ -147,12 +148,12 @@ def run_live(
         f"{report['count_mismatches']}; not served: {live.summary['all']['rejected']}"
     )
     if predicted is not None:
-        print(live_replay.render_ratios(report["ratios"]))
+        print(live_report.render_ratios(report["ratios"]))
         print(f"worst ratio: {report['worst_ratio']:.2f}x")
     for name, label in (("engine_only", "the engines alone"), ("calibrated", "measured costs")):
         if f"ratios_{name}" in report:
             print(f"predicted with {label} ({name}):")
-            print(live_replay.render_ratios(report[f"ratios_{name}"]))
+            print(live_report.render_ratios(report[f"ratios_{name}"]))
             print(f"worst ratio: {report[f'worst_ratio_{name}']:.2f}x")
     if out is not None:
         (out / "live.json").write_bytes(
@@ -197,12 +198,16 @@ def play_and_predict(
     live = summarize("live", settings, result)
     measured, records = None, {}
     if target.engines:
-        records = asyncio.run(live_measure.fetch_engine_records(target.engines))
+        try:
+            records = asyncio.run(live_measure.fetch_engine_records(target.engines))
+        except (httpx.HTTPError, KeyError, ValueError) as exc:
+            # Not a simulated engine (no /sim/requests), or gone: the play stands, unmeasured.
+            print(f"shapegate replay: costs not measured: {exc!r}", file=sys.stderr)
         measured = live_measure.measure(plays, records, target.time_scale)
     predicted = None
     if costs is not None:
         predicted = predict("predicted", settings, trace, costs)
-    report = live_report(live, predicted, plays, costs or LiveCosts(), small_below)
+    report = report_of(live, predicted, plays, costs or LiveCosts(), small_below)
     if measured is not None:
         report["measured_costs"] = measured.as_dict() | {"model": _costs(measured.costs)}
         report["engine_records"] = [
@@ -215,8 +220,8 @@ def play_and_predict(
         for name, other in others:
             sim = predict(name, settings, trace, other)
             report[name] = sim.summary
-            report[f"ratios_{name}"] = found = live_replay.ratios(live, sim)
-            report[f"worst_ratio_{name}"] = live_replay.worst_ratio(found)
+            report[f"ratios_{name}"] = found = live_report.ratios(live, sim)
+            report[f"worst_ratio_{name}"] = live_report.worst_ratio(found)
     return LiveRun(live, predicted, report)
 
 
@@ -245,24 +250,24 @@ def _costs(costs: LiveCosts) -> dict[str, Any]:
     }
 
 
-def live_report(
+def report_of(
     live: SimReport,
     predicted: SimReport | None,
     plays: Sequence[live_replay.Play],
     costs: LiveCosts,
     small_below: int,
 ) -> dict[str, Any]:
-    found = live_replay.ratios(live, predicted) if predicted is not None else {}
-    worst = live_replay.worst_ratio(found) if found else math.nan
+    found = live_report.ratios(live, predicted) if predicted is not None else {}
+    worst = live_report.worst_ratio(found) if found else math.nan
     return {
         "live": live.summary,
         "predicted": predicted.summary if predicted is not None else None,
         "ratios": found,
         "worst_ratio": worst,
-        "monsters": live_replay.monster_rows(live, predicted, small_below),
-        "send_lag": live_replay.send_lag(plays),
-        "count_mismatches": live_replay.count_mismatches(plays),
-        "plays": [live_replay.play_row(item) for item in plays],
+        "monsters": live_report.monster_rows(live, predicted, small_below),
+        "send_lag": live_report.send_lag(plays),
+        "count_mismatches": live_report.count_mismatches(plays),
+        "plays": [live_report.play_row(item) for item in plays],
         "costs": _costs(costs),
     }
 

@@ -16,8 +16,7 @@ Contract:
   hears every change (the CLI draws a bar on stderr).
 - ``as_result(settings, plays, time_scale)`` turns the measurements into the replay's own
   ``FleetResult`` in the engines' seconds (wall / S), so ``replay.summarize`` and ``render``
-  give the same tables as ``--simulate``; ``ratios`` and ``monster_rows`` put live beside a
-  prediction.
+  give the same tables as ``--simulate`` (``live_report.py`` puts live beside a prediction).
 
 No text of a real prompt is involved: traces carry shapes only.
 """
@@ -25,7 +24,6 @@ No text of a real prompt is involved: traces carry shapes only.
 from __future__ import annotations
 
 import asyncio
-import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -37,7 +35,6 @@ import orjson
 
 from gateway.fleet_sim import FleetResult, Outcome
 from gateway.lanes import lane_for
-from gateway.replay import SimReport, percentile
 from gateway.routes import ENGINE_ROUTES
 from gateway.settings import Settings
 from gateway.tokens import TokenCounter
@@ -85,7 +82,6 @@ _CANDIDATES = (
     "field",
     "power",
 )
-_METRICS = ("ttft_p50", "ttft_p95", "ttft_p99", "e2e_p50", "e2e_p95", "e2e_p99")
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,145 +320,3 @@ def as_result(settings: Settings, plays: Sequence[Play], time_scale: float) -> F
 def _lane_of(settings: Settings, tokens: int) -> str:
     lane = lane_for(tokens, settings.lanes)
     return lane.name if lane is not None else "none"
-
-
-def play_row(item: Play) -> dict[str, Any]:
-    """One played request as plain data (wall seconds since the play's start)."""
-    return {
-        "index": item.index,
-        "t": item.record.t,
-        "prompt_tokens": item.record.prompt_tokens,
-        "output_tokens": item.record.output_tokens,
-        "sent": item.sent,
-        "first_token": item.first_token,
-        "finished": item.finished,
-        "status": item.status,
-        "lane": item.lane,
-        "cluster": item.cluster,
-        "target_prompt_tokens": item.target_prompt_tokens,
-        "error": item.error,
-    }
-
-
-def send_lag(plays: Sequence[Play]) -> dict[str, float]:
-    """How late the player sent, in wall milliseconds (a late send is the player's fault, not
-    the target's: it is not in TTFT, which runs from the actual send)."""
-    lags = [item.lag * 1000 for item in plays if item.lag is not None]
-    return {
-        "p50_ms": percentile(lags, 0.5),
-        "p99_ms": percentile(lags, 0.99),
-        "max_ms": max(lags, default=math.nan),
-    }
-
-
-def count_mismatches(plays: Sequence[Play]) -> int:
-    """Requests whose target counted another number of prompt tokens than the trace holds."""
-    return sum(
-        1
-        for item in plays
-        if item.target_prompt_tokens is not None
-        and item.target_prompt_tokens != item.record.prompt_tokens
-    )
-
-
-def ratios(live: SimReport, predicted: SimReport) -> dict[str, dict[str, float]]:
-    """live / predicted for every TTFT and e2e percentile, per request group and per lane."""
-    out: dict[str, dict[str, float]] = {}
-    groups = [("small", "small_requests"), ("large", "large_requests")]
-    groups += [(f"lane {name}", name) for name in live.summary["by_lane"]]
-    for label, group in groups:
-        ours = live.summary.get(group) or live.summary["by_lane"].get(group, {})
-        theirs = predicted.summary.get(group) or predicted.summary["by_lane"].get(group, {})
-        for metric in _METRICS:
-            a, b = ours.get(metric, math.nan), theirs.get(metric, math.nan)
-            if math.isnan(a) or math.isnan(b) or b <= 0:
-                continue
-            out.setdefault(label, {})[metric] = a / b
-    return out
-
-
-def worst_ratio(found: dict[str, dict[str, float]]) -> float:
-    """The ratio furthest from 1 (either way), as a factor >= 1."""
-    factors = [max(r, 1 / r) for metrics in found.values() for r in metrics.values() if r > 0]
-    return max(factors, default=math.nan)
-
-
-def render_ratios(found: dict[str, dict[str, float]]) -> str:
-    rows: list[tuple[str, ...]] = [("live / predicted", *_METRICS)]
-    for label, metrics in found.items():
-        rows.append((label, *(f"{metrics[m]:.2f}" if m in metrics else "-" for m in _METRICS)))
-    return _table(rows)
-
-
-def render_lanes(report: SimReport) -> str:
-    rows: list[tuple[str, ...]] = [("lane", "requests", "rejected", *_METRICS)]
-    for lane, stats in report.summary["by_lane"].items():
-        rows.append(
-            (
-                lane,
-                str(stats["requests"]),
-                str(stats["rejected"]),
-                *(_seconds(stats[m]) for m in _METRICS),
-            )
-        )
-    return f"per lane, {report.name} (engine seconds):\n" + _table(rows)
-
-
-def monster_rows(
-    live: SimReport, predicted: SimReport | None, small_below: int
-) -> list[dict[str, Any]]:
-    theirs = {o.key: o for o in predicted.result.outcomes} if predicted is not None else {}
-    rows = []
-    for outcome in live.result.outcomes:
-        if outcome.prompt_tokens < small_below:
-            continue
-        other = theirs.get(outcome.key)
-        rows.append(
-            {
-                "key": outcome.key,
-                "t": outcome.arrival,
-                "prompt_tokens": outcome.prompt_tokens,
-                "lane": outcome.lane,
-                "ttft": outcome.ttft,
-                "e2e": outcome.e2e,
-                "predicted_ttft": other.ttft if other is not None else None,
-                "predicted_e2e": other.e2e if other is not None else None,
-                "rejected": outcome.rejected,
-            }
-        )
-    return rows
-
-
-def render_monsters(rows: Sequence[dict[str, Any]]) -> str:
-    table = [("monster", "t", "tokens", "lane", "TTFT", "pred", "ratio", "e2e", "pred", "ratio")]
-    for row in rows:
-        table.append(
-            (
-                row["key"],
-                f"{row['t']:.0f}",
-                f"{row['prompt_tokens']:,}",
-                row["lane"],
-                _seconds(row["ttft"]),
-                _seconds(row["predicted_ttft"]),
-                _ratio(row["ttft"], row["predicted_ttft"]),
-                _seconds(row["e2e"]),
-                _seconds(row["predicted_e2e"]),
-                _ratio(row["e2e"], row["predicted_e2e"]),
-            )
-        )
-    return "monsters (engine seconds):\n" + _table(table)
-
-
-def _seconds(value: float | None) -> str:
-    return "-" if value is None or math.isnan(value) else f"{value:.2f}"
-
-
-def _ratio(a: float | None, b: float | None) -> str:
-    return "-" if a is None or b is None or b <= 0 else f"{a / b:.2f}"
-
-
-def _table(rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows
-    )

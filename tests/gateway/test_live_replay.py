@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from engine_pool.sim.server import run_sim
-from gateway import live_measure, live_replay
+from gateway import live_measure, live_replay, live_report
 from gateway.config_check import load_settings
 from gateway.fleet_model import LiveCosts
 from gateway.live_cli import predict
@@ -66,7 +66,7 @@ async def test_a_trace_played_live_is_measured_as_the_replay_measures(
     assert seen and seen[-1][1:] == (len(trace), len(trace))  # progress heard to the end
     assert all(p.status == 200 and p.error is None for p in plays)
     # The target counted exactly the traced tokens: the prompts were built for its tokenizer.
-    assert live_replay.count_mismatches(plays) == 0
+    assert live_report.count_mismatches(plays) == 0
     assert all(p.target_prompt_tokens == p.record.prompt_tokens for p in plays)
     assert [p.lane for p in plays] == [
         "heavy" if r.prompt_tokens > 32768 else "fast" for r in trace
@@ -76,7 +76,7 @@ async def test_a_trace_played_live_is_measured_as_the_replay_measures(
         assert item.sent is not None and item.first_token is not None
         assert item.record.t * SCALE <= item.sent < item.record.t * SCALE + 0.5
         assert item.sent < item.first_token <= (item.finished or 0)
-    lag = live_replay.send_lag(plays)
+    lag = live_report.send_lag(plays)
     assert 0 <= lag["p50_ms"] <= lag["max_ms"] < 500
     # The same tables as --simulate, in engine seconds (wall / S).
     report = summarize("live", settings, live_replay.as_result(settings, plays, SCALE))
@@ -115,12 +115,12 @@ def test_ratios_compare_every_percentile_and_name_the_worst() -> None:
     settings = load_settings(resolve_policy("configs/demo.yaml"))
     base = predict("a", settings, trace, LiveCosts.none())
     slower = predict("b", settings, trace, LiveCosts(time_scale=0.01, gateway_s=0.01))
-    found = live_replay.ratios(slower, base)
+    found = live_report.ratios(slower, base)
     assert set(found) == {"small", "lane fast"}
     assert all(r > 1 for r in found["small"].values())
-    assert live_replay.worst_ratio(found) == max(found["small"].values())
-    assert live_replay.worst_ratio({"x": {"m": 0.5}}) == 2.0
-    assert math.isnan(live_replay.worst_ratio({}))
+    assert live_report.worst_ratio(found) == max(found["small"].values())
+    assert live_report.worst_ratio({"x": {"m": 0.5}}) == 2.0
+    assert math.isnan(live_report.worst_ratio({}))
 
 
 def test_a_window_is_cut_and_rebased_and_the_busiest_holds_the_monsters() -> None:
