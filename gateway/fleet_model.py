@@ -36,14 +36,16 @@ from dataclasses import dataclass
 class LiveCosts:
     """Wall-clock costs of the live path; ``time_scale`` is the engines' (wall = engine x S).
 
-    Defaults are what ``shapegate bench fidelity`` measured on the 2-core dev machine
-    (README, "Replay fidelity"); ``LiveCosts.none()`` is the engine alone (the old model)."""
+    Defaults are what ``shapegate bench fidelity`` measured on the 2-core dev machine at load
+    average ~2 (README, "Replay you can trust"; fitted by ``live_measure``: gateway 6.7 ms,
+    hop 6.4 ms, relay 5.6 ms, 117 ms per million prompt tokens); ``LiveCosts.none()`` is the
+    engines alone (the replay before it modelled the live path)."""
 
     time_scale: float = 1.0
-    gateway_s: float = 0.002
-    forward_s: float = 0.002
-    relay_s: float = 0.001
-    per_mtoken_s: float = 0.08
+    gateway_s: float = 0.007
+    forward_s: float = 0.006
+    relay_s: float = 0.0055
+    per_mtoken_s: float = 0.12
     model_scrape: bool = True
 
     def __post_init__(self) -> None:
