@@ -114,9 +114,6 @@ def run_live(
     if not trace:
         print("shapegate replay: the trace is empty", file=sys.stderr)
         return 2
-    if args.time_scale <= 0:
-        print("shapegate replay: --time-scale must be positive", file=sys.stderr)
-        return 2
     try:
         costs = live_costs(args)
         prompts = build_prompts(settings, trace, progress("prompts"))

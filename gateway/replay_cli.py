@@ -80,6 +80,9 @@ def _replay(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.time_scale <= 0:
+        print("shapegate replay: --time-scale must be positive", file=sys.stderr)
+        return 2
     if args.live and (args.compare or args.sweep):
         print(
             "shapegate replay: --live plays one policy; drop --compare and --sweep", file=sys.stderr

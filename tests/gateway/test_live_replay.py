@@ -7,12 +7,14 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from engine_pool.sim.server import run_sim
 from gateway import live_measure, live_replay, live_report
+from gateway.cli import main
 from gateway.config_check import load_settings
 from gateway.fleet_model import LiveCosts
 from gateway.live_cli import predict
@@ -20,7 +22,7 @@ from gateway.replay import percentile, summarize
 from gateway.shipped import resolve_policy
 from gateway.sim_support import RegistryCounter
 from gateway.tokens import TokenCounter
-from gateway.trace import TraceRecord, synthesize
+from gateway.trace import TraceRecord, synthesize, write_trace
 from gateway.trace_window import busiest, cut
 from tests.conftest import lanes_config
 
@@ -151,3 +153,16 @@ def test_the_cost_fit_recovers_a_gateway_that_serves_one_request_at_a_time() -> 
     )
     assert fitted.gateway_s == pytest.approx(0.006, rel=0.1)
     assert fitted.forward_s == pytest.approx(0.003, rel=0.2)
+
+
+def test_the_cli_refuses_what_it_cannot_play(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, [_record(0.0, 300)])
+    config = "configs/demo.yaml"
+    assert main(["replay", "--config", config, str(trace), "--time-scale", "0", "--simulate"]) == 2
+    assert "--time-scale must be positive" in capsys.readouterr().err
+    live = ["replay", "--config", config, str(trace), "--live", "http://127.0.0.1:9"]
+    assert main([*live, "--compare", config, "--simulate"]) == 2
+    assert "--live plays one policy" in capsys.readouterr().err
