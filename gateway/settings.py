@@ -158,6 +158,9 @@ class CountingSettings(_Frozen):
     # gigatoken counts in a child process replaced once its resident memory passes this (its
     # encode cache has no bound of its own); null: in the gateway's process, unbounded.
     max_encoder_rss_mb: float | None = Field(384.0, ge=128)
+    # The boot warm-up's text, in tokens (tokenizers/warmup.py); null: as large as the lanes
+    # admit, so the first monster is counted as fast as the tenth; 0: a small text only.
+    warmup_tokens: int | None = Field(None, ge=0, le=4_194_304)
 
 
 class OutlierSettings(_Frozen):

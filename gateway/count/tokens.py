@@ -4,6 +4,9 @@ Contract:
 - ``TokenCounter.from_settings(settings)`` loads and warms every model's tokenizer at start-up
   (never from the network) and logs ``tokenizer.loaded`` once a model, with the backend in use
   and any fallback; a file that fails to load is a ``ConfigError`` naming the model and the file.
+  The warm-up rehearses arrivals (``tokenizers/warmup.py``): each tokenizer counts a text as
+  large as the lanes admit through the path requests take (``warm_up``, logged as
+  ``tokenizer.warmed`` with its time), and its child process encodes one as large.
 - ``count(model, prompt, exact_above=N)`` answers in one of three ways (``TokenCount.method``):
   1. ``bound``: UTF-8 bytes of everything the template renders (of its NFC form where the
      tokenizer normalises). A byte-level BPE never emits more tokens than bytes, and each special
@@ -50,7 +53,7 @@ from typing import Any, Literal
 
 from jinja2 import TemplateError
 
-from gateway.count.tokenizers import cache
+from gateway.count.tokenizers import cache, warmup
 from gateway.count.tokenizers.encoders import GIL_FREE_ABOVE_CHARS
 from gateway.count.tokenizers.templates import (
     ChatTemplate,
@@ -60,6 +63,7 @@ from gateway.count.tokenizers.templates import (
     split_before,
 )
 from gateway.count.tokenizers.vocab import EncoderLimits, Vocabulary, load_vocabulary
+from gateway.count.tokenizers.worker import warm_text
 from gateway.errors import BadRequest, ModelNotFound
 from gateway.observe.log import Logger, get_logger, swallowed
 from gateway.observe.metrics import Metrics
@@ -163,6 +167,7 @@ class TokenCounter:
         log = get_logger("tokens")
         loaded: dict[str, Vocabulary] = {}
         models: dict[str, _Model] = {}
+        warm: dict[str, int] = {}  # first model of each vocabulary -> warm-up tokens
         for index, model in enumerate(settings.models):
             spec = model.tokenizer
             key = ("models", index, "tokenizer")
@@ -172,14 +177,20 @@ class TokenCounter:
             vocab = loaded.get(shared)
             if vocab is None:
                 try:
+                    tokens = warmup.warm_tokens(settings, model.max_model_len)
                     vocab = load_vocabulary(
                         spec,
                         _fallback_logger(log, metrics, model.name),
-                        EncoderLimits(settings.counting.max_encoder_rss_mb, metrics),
+                        EncoderLimits(
+                            settings.counting.max_encoder_rss_mb,
+                            metrics,
+                            warm_chars=int(tokens * warmup.CHARS_PER_TOKEN),
+                        ),
                     )
                 except ConfigError as exc:
                     raise ConfigError(f"model {model.name!r}: {exc}", key) from exc
                 loaded[shared] = vocab
+                warm[model.name] = tokens
             template = None
             if spec.chat_template == "hf":
                 if vocab.chat_template is None:
@@ -212,7 +223,38 @@ class TokenCounter:
                 piece_cache=vocab.split_token is not None,
                 load_ms=round((time.perf_counter() - started) * 1000, 1),
             )
-        return cls(models, settings.counting, metrics)
+        counter = cls(models, settings.counting, metrics)
+        for name, tokens in warm.items():
+            if tokens > 0:
+                try:
+                    counter.warm_up(name, tokens, log)
+                except BadRequest as exc:  # a template that refuses a lone user message
+                    swallowed(log, metrics, "tokenizer.warm_up", exc, "served_without_warm_up")
+        return counter
+
+    def warm_up(self, model: str, tokens: int, log: Logger) -> TokenCount:
+        """The boot probe of counting: a chat prompt of about ``tokens`` tokens counted as a
+        request's is (planned, cached by piece, encoded by the worker thread and the child
+        process), so its first-time costs are paid before any request. Logs
+        ``tokenizer.warmed`` with the time it took."""
+        text = warm_text(int(tokens * warmup.CHARS_PER_TOKEN))
+        prompt = ChatPrompt(messages=({"role": "user", "content": text},))
+        started = time.perf_counter()
+        step = self._begin(model, prompt, 0)
+        if not isinstance(step, TokenCount):
+            encoder = step.plan.vocab.encoder
+            if self._executor is None:
+                found = encoder.count_many(step.texts)
+            else:
+                found = self._executor.submit(encoder.count_many, step.texts).result()
+            step = self._end(step, found)
+        log.info(
+            "tokenizer.warmed",
+            model=model,
+            tokens=step.tokens,
+            warm_ms=round((time.perf_counter() - started) * 1000, 1),
+        )
+        return step
 
     @classmethod
     def for_models(

@@ -14,6 +14,13 @@ tokens), to show what a character threshold does.
 A request longer than its engine's ``max_model_len`` is refused by the engine (vLLM's 400),
 which is what happens to JSON-dense prompts a character threshold sends to the fast lane.
 
+What the live path spends outside the engine (``gateway/tuning/fleet_model.py``, ``LiveCosts``):
+the gateway's and the HTTP hop's cost per request, measured in wall milliseconds and converted
+to the engines' clock by their time scale; the engine stamps the arrival when the request
+reaches it, not at trace time; a request holds its slot and in-flight count until the relay of
+its last token ends; the picker breaks in-flight ties on each engine's ``waiting`` as last
+scraped. ``LiveCosts.none()`` is the engine alone.
+
 Borrowing and priority classes are the live gateway's own pure rules (gateway/request/borrowing.py,
 gateway/request/classes.py): a short request may take a lending lane's idle endpoint
 (``Outcome.lender`` names it); a lender's own request waits for borrowers to drain, reserving the
@@ -21,8 +28,8 @@ endpoint; each lane's queue goes by class then arrival with the starvation bound
 ``max_tokens``: a request's real output length stands in for it (the budget it declared is at least
 that).
 
-What it leaves out, on purpose: HTTP and the network (microseconds next to engine steps),
-health changes and faults (a replay is about policy under load, not failure).
+What it leaves out, on purpose: health changes and faults (a replay is about policy under load,
+not failure).
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from gateway.request.borrowing import (
 from gateway.request.classes import class_lane_limit, next_waiter, rank
 from gateway.request.lanes import choose_lane
 from gateway.settings import LaneSettings, Settings
+from gateway.tuning.fleet_model import LiveCosts
 from gateway.tuning.trace import TraceRecord
 
 CountBy = Literal["tokens", "chars4"]
@@ -103,6 +111,8 @@ class _Engine:
     reserved_at: float = 0.0
     busy: bool = False
     step: StepResult | None = None
+    # ``waiting`` as the gateway's last scrape saw it (None: never scraped, or not modelled).
+    scraped_waiting: float | None = None
 
 
 @dataclass(slots=True)
@@ -130,9 +140,11 @@ class FleetSim:
         settings: Settings,
         profiles: Mapping[str, EngineProfile],
         count_by: CountBy = "tokens",
+        live: LiveCosts | None = None,
     ) -> None:
         self.settings = settings
         self.count_by = count_by
+        self.live = live or LiveCosts()
         self.engines: dict[str, list[_Engine]] = {
             c.name: [
                 _Engine(c.name, url, Scheduler(profiles[c.name].scheduler, profiles[c.name].costs))
@@ -163,8 +175,10 @@ class FleetSim:
     def run(
         self, trace: Sequence[TraceRecord], progress: Callable[[float], None] | None = None
     ) -> FleetResult:
-        for index, record in enumerate(trace):
-            self._push(record.t, "arrive", (f"r{index}", record))
+        admitted = self.live.gateway_times([(r.t, r.prompt_tokens) for r in trace])
+        for index, (record, at) in enumerate(zip(trace, admitted, strict=True)):
+            self._push(at, "arrive", (f"r{index}", record))
+        self._schedule_scrapes()
         clock, handled, total = 0.0, 0, len(trace)
         while self._events:
             clock, _, kind, payload = heapq.heappop(self._events)
@@ -176,13 +190,50 @@ class FleetSim:
                     progress(handled / total)
             elif kind == "wake":
                 self._admit(cast(str, payload), clock)
+            elif kind == "submit":
+                self._submit(cast(str, payload), clock)
+            elif kind == "release":
+                self._release(cast(str, payload), clock)
+            elif kind == "scrape":
+                self._scrape(cast(str, payload), clock, handled < total)
             else:
                 self._step_done(cast(_Engine, payload), clock)
         if progress is not None:
             progress(1.0)
         limits = {lane.name: lane.slots.lane for lane in self.settings.lanes}
         outcomes = tuple(sorted(self._done, key=lambda o: int(o.key[1:])))
-        return FleetResult(outcomes, tuple(self._occupancy), limits, clock)
+        makespan = max((o.finished or o.arrival for o in outcomes), default=0.0)
+        return FleetResult(outcomes, tuple(self._occupancy), limits, makespan)
+
+    # -- the live path's costs (fleet_model.LiveCosts) ------------------------------------------
+
+    def _max_wait(self, lane: LaneSettings) -> float:
+        """The queue's wait limit is wall time: on the engines' clock it grows as they speed up."""
+        return self.live.to_engine(lane.queue.max_wait_s)
+
+    def _schedule_scrapes(self) -> None:
+        for lane in self.settings.lanes:
+            every = self.live.scrape_every(lane.health.scrape_interval_s)
+            if every is not None:
+                self._push(0.0, "scrape", lane.name)
+
+    def _scrape(self, lane_name: str, now: float, arrivals_left: bool) -> None:
+        """The gateway's load scrape: each of the lane's engines' ``waiting``, as of now."""
+        lane = next(lane for lane in self.settings.lanes if lane.name == lane_name)
+        for cluster in lane.clusters:
+            for engine in self.engines[cluster]:
+                engine.scraped_waiting = float(engine.scheduler.snapshot().waiting)
+        every = self.live.scrape_every(lane.health.scrape_interval_s)
+        if every is not None and (arrivals_left or self._tickets):
+            self._push(now + every, "scrape", lane_name)
+
+    def _submit(self, key: str, now: float) -> None:
+        """The request reaches its engine, which stamps its arrival now."""
+        ticket, engine = self._tickets[key]
+        record = ticket.record
+        engine.scheduler.add(key, record.prompt_tokens, max(1, record.output_tokens), now)
+        if not engine.busy:
+            self._start_step(engine, now)
 
     def _arrive(self, key: str, record: TraceRecord, now: float) -> None:
         decision = choose_lane(self._routing_count(record), self.settings.lanes, {})
@@ -248,7 +299,8 @@ class FleetSim:
                     if borrow_room(loan.rule, self._use(e)) > 0:
                         offers.setdefault((e.cluster, e.url), (e, loan))
         views = [
-            EngineView(e.cluster, e.url, EngineState.UP, len(e.running)) for e, _ in offers.values()
+            EngineView(e.cluster, e.url, EngineState.UP, len(e.running), e.scraped_waiting)
+            for e, _ in offers.values()
         ]
         return [offers[(v.cluster, v.url)] for v in order_endpoints(views)]
 
@@ -276,7 +328,7 @@ class FleetSim:
         queue = self._queues[lane]
         classes = self.settings.classes
         while queue:
-            for late in [t for t in queue if now - t.record.t > t.lane.queue.max_wait_s]:
+            for late in [t for t in queue if now - t.record.t > self._max_wait(t.lane)]:
                 queue.remove(late)
                 self._unreserve(late)
                 self._reject(late.key, late.record, lane, now, "queue_timeout")
@@ -307,11 +359,9 @@ class FleetSim:
             lender = loan.lender if loan is not None else None
             self._open[ticket.key] = _Admitted(now, engine.cluster, lender)
             self._tickets[ticket.key] = (ticket, engine)
-            engine.scheduler.add(
-                ticket.key, record.prompt_tokens, max(1, record.output_tokens), now
+            self._push(
+                now + self.live.to_engine_arrival(record.prompt_tokens), "submit", ticket.key
             )
-            if not engine.busy:
-                self._start_step(engine, now)
 
     def _start_step(self, engine: _Engine, now: float) -> None:
         step = engine.scheduler.step(now)
@@ -323,10 +373,17 @@ class FleetSim:
         step = engine.step
         assert step is not None
         for key in step.first_tokens:
-            self._open[key].first_token = now
+            self._open[key].first_token = now + self.live.relay()
         for key in step.finished:
-            self._finish(key, now)
+            # In flight until the relay of its last token ends, as the live gateway holds it.
+            self._push(now + self.live.relay(), "release", key)
         self._start_step(engine, now)
+        for lane in self._queues:
+            if self._queues[lane]:
+                self._admit(lane, now)
+
+    def _release(self, key: str, now: float) -> None:
+        self._finish(key, now)
         for lane in self._queues:
             if self._queues[lane]:
                 self._admit(lane, now)

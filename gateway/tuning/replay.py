@@ -169,6 +169,17 @@ def simulate(
     progress: Any = None,
 ) -> SimReport:
     result = FleetSim(settings, profiles, count_by).run(trace, progress)
+    return summarize(name, settings, result, count_by, small_below)
+
+
+def summarize(
+    name: str,
+    settings: Settings,
+    result: FleetResult,
+    count_by: CountBy = "tokens",
+    small_below: int = 32768,
+) -> SimReport:
+    """The tables' figures of a played trace: simulated, or measured live (live_replay.py)."""
     lanes = sorted({o.lane for o in result.outcomes})
     small = [o for o in result.outcomes if o.prompt_tokens < small_below]
     large = [o for o in result.outcomes if o.prompt_tokens >= small_below]

@@ -20,6 +20,7 @@ from gateway.config_check import load_settings
 from gateway.settings import ConfigError
 from gateway.shipped import resolve_policy
 from gateway.tools.extras import pyplot
+from gateway.tuning import live_cli
 from gateway.tuning.replay import (
     SimReport,
     analyze,
@@ -27,11 +28,11 @@ from gateway.tuning.replay import (
     demand_table,
     plot,
     render,
-    simulate,
     verdict,
 )
 from gateway.tuning.sweep import Sweep, parse_sweep, plot_sweep, render_sweep, run_sweep
 from gateway.tuning.trace import SYNTH_KINDS, TraceRecord, read_trace, synthesize, write_trace
+from gateway.tuning.trace_window import busiest, cut
 
 
 def _progress(label: str) -> Any:
@@ -52,6 +53,21 @@ def _synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cut(args: argparse.Namespace) -> int:
+    try:
+        trace = read_trace(args.trace)
+        start = busiest(trace, args.duration) if args.busiest else args.start
+        records = cut(trace, start, args.duration)
+    except (OSError, ValueError) as exc:
+        print(f"shapegate: {exc}", file=sys.stderr)
+        return 2
+    write_trace(args.out, records)
+    print(
+        f"wrote {len(records)} requests from [{start:g}, {start + args.duration:g}) s to {args.out}"
+    )
+    return 0
+
+
 def _replay(args: argparse.Namespace) -> int:
     if (args.simulate or args.sweep) and args.out:
         pyplot()  # a missing [bench] extra fails now, not after minutes of simulation
@@ -62,6 +78,14 @@ def _replay(args: argparse.Namespace) -> int:
         print(
             "shapegate replay: --sweep runs its own simulations; drop --simulate and --compare",
             file=sys.stderr,
+        )
+        return 2
+    if args.time_scale <= 0:
+        print("shapegate replay: --time-scale must be positive", file=sys.stderr)
+        return 2
+    if args.live and (args.compare or args.sweep):
+        print(
+            "shapegate replay: --live plays one policy; drop --compare and --sweep", file=sys.stderr
         )
         return 2
     path = resolve_policy(args.config)
@@ -78,6 +102,8 @@ def _replay(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
     if sweep is not None:
         return _sweep(path, sweep, trace, args, out)
+    if args.live:
+        return live_cli.run_live(args, settings, trace, out, _progress)
     profiles = cluster_profiles(settings) if all(c.sim_profile for c in settings.clusters) else None
     analysis = analyze(settings, trace, profiles)
     report: dict[str, Any] = {"analysis": analysis}
@@ -88,15 +114,9 @@ def _replay(args: argparse.Namespace) -> int:
             (Path(args.config).stem, settings),
             *((Path(p).stem, s) for p, s in zip(args.compare, others, strict=True)),
         ]:
+            costs = live_cli.live_costs(args)
             runs.append(
-                simulate(
-                    name,
-                    policy,
-                    trace,
-                    cluster_profiles(policy),
-                    count_by=args.count_by,
-                    progress=_progress(name),
-                )
+                live_cli.predict(name, policy, trace, costs, args.count_by, _progress(name))
             )
         print(render(runs))
         for other in runs[1:]:
@@ -145,6 +165,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     synth.add_argument("--seed", type=int, default=0, help="seed of the random shapes")
     synth.add_argument("--out", required=True, help="trace file to write (JSON lines)")
     synth.set_defaults(func=_synth)
+    window = trace_sub.add_parser("cut", help="a window of a trace, its times rebased to 0")
+    window.add_argument("trace", help="trace file to cut")
+    window.add_argument("--duration", type=float, required=True, help="window length, seconds")
+    where = window.add_mutually_exclusive_group(required=True)
+    where.add_argument("--start", type=float, help="window start, seconds into the trace")
+    where.add_argument(
+        "--busiest", action="store_true", help="the window with the most monsters, then requests"
+    )
+    window.add_argument("--out", required=True, help="trace file to write")
+    window.set_defaults(func=_cut)
 
     replay = subparsers.add_parser("replay", help="what a policy would do with a trace")
     replay.add_argument(
@@ -185,4 +215,5 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     replay.add_argument(
         "--out", help="directory for replay.json and replay.png (sweep.json and sweep.png)"
     )
+    live_cli.add_arguments(replay)
     replay.set_defaults(func=_replay)

@@ -510,12 +510,20 @@ class EncoderLimits:
 
     max_rss_mb: float | None = DEFAULT_MAX_RSS_MB
     metrics: Metrics | None = None
+    # Characters each child process encodes before it answers (tokenizers/warmup.py).
+    warm_chars: int = 0
 
 
 def _gigatoken(recipe: Callable[[], Any], nfc: bool, limits: EncoderLimits) -> Encoder:
     if limits.max_rss_mb is None:
         return GigatokenEncoder(recipe(), nfc=nfc)
-    return ChildEncoder(recipe, nfc=nfc, max_rss_mb=limits.max_rss_mb, metrics=limits.metrics)
+    return ChildEncoder(
+        recipe,
+        nfc=nfc,
+        max_rss_mb=limits.max_rss_mb,
+        metrics=limits.metrics,
+        warm_chars=limits.warm_chars,
+    )
 
 
 def _first_that_loads(

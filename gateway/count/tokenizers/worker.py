@@ -25,10 +25,14 @@ Contract of ``ChildEncoder`` (an ``Encoder``, backend ``gigatoken``):
   plus one freshly loaded child (the replacement), for the time of one load.
 - A child that died (killed, crashed) is replaced before the call is retried once; a failure
   raised inside the child is raised here as ``EncoderFailed``.
+- Every child, the first and each replacement, encodes ``warm_chars`` characters before it
+  answers ready (``tokenizers/warmup.py``): the first monster after a recycle is as fast as the
+  tenth. The ready reply carries that warm-up's time, logged as ``tokenizer.child_warmed``.
 - ``close()`` stops the child; so does garbage collection of the encoder, and the child exits
   by itself when the gateway's end of the pipe closes (the gateway died).
-Events: ``tokenizer.recycle_started`` (rss_mb), ``tokenizer.recycled`` (old_rss_mb, calls,
-load_s), ``tokenizer.child_lost`` (via ``swallowed``).
+Events: ``tokenizer.child_warmed`` (pid, warm_chars, warm_ms), ``tokenizer.recycle_started``
+(rss_mb), ``tokenizer.recycled`` (old_rss_mb, calls, load_s), ``tokenizer.child_lost`` (via
+``swallowed``).
 """
 
 from __future__ import annotations
@@ -86,14 +90,18 @@ def _serve(inbox: Connection, outbox: Connection) -> None:
     """The child: read its recipe, build the tokenizer, warm it, then answer calls until the
     gateway closes its end of the pipe (or dies)."""
     try:
-        recipe, nfc = inbox.recv()
+        recipe, nfc, warm_chars = inbox.recv()
         encoder = GigatokenEncoder(recipe(), nfc=nfc)
         encoder.count_many([_WARM_TEXT, _WARM_TEXT * 64])
+        started = time.perf_counter()
+        if warm_chars > 0:
+            encoder.count_many([warm_text(warm_chars)])
+        warm_ms = (time.perf_counter() - started) * 1000
     # pyo3's PanicException derives from BaseException; the parent raises what it is told.
     except BaseException as exc:  # noqa: BLE001 - sent to the parent, which raises it
         outbox.send(("failed", f"{type(exc).__name__}: {str(exc)[:500]}", _rss_mb()))
         return
-    outbox.send(("ready", None, _rss_mb()))
+    outbox.send(("ready", warm_ms, _rss_mb()))
     while True:
         try:
             op, arg = inbox.recv()
@@ -122,7 +130,12 @@ class _Child:
     ready_rss_mb: float = 0.0
 
 
-def _start(recipe: Callable[[], Any], nfc: bool) -> _Child:
+def warm_text(chars: int) -> str:
+    """A mixed text (prose, CJK, emoji, JSON) of ``chars`` characters."""
+    return (_WARM_TEXT * (chars // len(_WARM_TEXT) + 1))[:chars]
+
+
+def _start(recipe: Callable[[], Any], nfc: bool, warm_chars: int = 0) -> _Child:
     """Start a child (a fresh interpreter: nothing of this process is forked or re-imported)
     and wait until its tokenizer is loaded and warm."""
     started = time.monotonic()
@@ -152,7 +165,7 @@ def _start(recipe: Callable[[], Any], nfc: bool) -> _Child:
         started,
     )
     try:
-        child.send.send((recipe, nfc))
+        child.send.send((recipe, nfc, warm_chars))
         if not child.recv.poll(READY_TIMEOUT_S):
             raise EncoderFailed(f"tokenizer child not ready within {READY_TIMEOUT_S:g}s")
         status, detail, rss = child.recv.recv()
@@ -166,6 +179,12 @@ def _start(recipe: Callable[[], Any], nfc: bool) -> _Child:
         _stop(child)
         raise EncoderFailed(f"tokenizer child failed to load: {detail}")
     child.rss_mb = child.ready_rss_mb = rss
+    get_logger("tokens").info(
+        "tokenizer.child_warmed",
+        pid=process.pid,
+        warm_chars=warm_chars,
+        warm_ms=round(float(detail), 1),
+    )
     return child
 
 
@@ -208,16 +227,19 @@ class ChildEncoder:
         nfc: bool,
         max_rss_mb: float,
         metrics: Metrics | None = None,
+        warm_chars: int = 0,
     ) -> None:
-        """``recipe`` builds the gigatoken backend object in the child: a picklable callable."""
+        """``recipe`` builds the gigatoken backend object in the child: a picklable callable;
+        each child encodes ``warm_chars`` characters before it answers."""
         self._recipe = recipe
+        self.warm_chars = warm_chars
         self._metrics = metrics
         self._nfc = nfc
         self.max_rss_mb = max_rss_mb
         self.lock = threading.Lock()
         self.recycles = 0
         self._log = get_logger("tokens")
-        self._child = _start(recipe, nfc)
+        self._child = _start(recipe, nfc, warm_chars)
         self._next: _Child | None = None
         self._pending: threading.Thread | None = None
         self._stopped = weakref.finalize(self, _stop_all, [self._child])
@@ -319,7 +341,7 @@ class ChildEncoder:
 
     def _prepare(self) -> None:
         try:
-            self._next = _start(self._recipe, self._nfc)
+            self._next = _start(self._recipe, self._nfc, self.warm_chars)
         except EncoderFailed as exc:
             swallowed(self._log, self._metrics, "tokenizer.recycle", exc, "kept_the_old_child")
 
@@ -342,7 +364,7 @@ class ChildEncoder:
 
     def _replace_now(self) -> None:
         old = self._child
-        self._child = _start(self._recipe, self._nfc)
+        self._child = _start(self._recipe, self._nfc, self.warm_chars)
         self._stopped.detach()
         self._stopped = weakref.finalize(self, _stop_all, [self._child])
         _stop(old)

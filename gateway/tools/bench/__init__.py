@@ -21,6 +21,8 @@ SUITES: tuple[str, ...] = (
     "gateway.tools.bench.readme",  # shapegate bench readme
     "gateway.tools.bench.soak",  # shapegate bench soak
     "gateway.tools.bench.tracing",  # shapegate bench tracing
+    "gateway.tools.bench.fidelity",  # shapegate bench fidelity
+    "gateway.tools.bench.borrow",  # shapegate bench borrow
     # one module path a line
 )
 

@@ -165,7 +165,7 @@ def start_upstream(folder: Path, cpus: set[int] | None, chunks: int = 100) -> tu
     argv = [sys.executable, "-m", "gateway.tools.bench.httpload", "upstream", "--port", str(port)]
     argv += ["--chunks", str(chunks)]
     child = Child.start("upstream", argv, folder / "upstream.log", cpus)
-    _wait_http(f"http://127.0.0.1:{port}/health", child, 20.0)
+    wait_http(f"http://127.0.0.1:{port}/health", child, 20.0)
     return child, port
 
 
@@ -204,7 +204,7 @@ def start_smg(upstream_port: int, folder: Path, cpus: set[int] | None) -> tuple[
     child = Child.start("smg", argv, folder / "smg.log", cpus)
     # Ready once a chat request is routed: it registers the worker and discovers its model in
     # the background after it starts listening.
-    _wait_http(f"http://127.0.0.1:{port}/v1/chat/completions", child, 60.0, SMG_PROBE)
+    wait_http(f"http://127.0.0.1:{port}/v1/chat/completions", child, 60.0, SMG_PROBE)
     return child, port
 
 
@@ -249,7 +249,7 @@ def start_gateway(policy: dict[str, Any], folder: Path, cpus: set[int] | None) -
     argv = [sys.executable, "-m", "gateway.tools.cli", "serve", "--config", str(path)]
     child = Child.start("gateway", argv, folder / "gateway.log", cpus)
     port = policy["server"]["port"]
-    _wait_http(f"http://127.0.0.1:{port}/readyz", child, 60.0)
+    wait_http(f"http://127.0.0.1:{port}/readyz", child, 60.0)
     return child
 
 
@@ -298,8 +298,9 @@ def gateway_rig(pin: bool, *, chunks: int = 100, smg: bool = False) -> Iterator[
         pin_self(restore)
 
 
-def _wait_http(url: str, child: Child, timeout_s: float, post: bytes | None = None) -> None:
-    """Until ``url`` answers 200 (a GET, or a JSON POST of ``post``)."""
+def wait_http(url: str, child: Child, timeout_s: float, post: bytes | None = None) -> None:
+    """Until ``url`` answers 200 (a GET, or a JSON POST of ``post``); the child stopped and
+    ``RuntimeError`` if it exits first or the time runs out."""
     deadline = time.monotonic() + timeout_s
     headers = {"content-type": "application/json"}
     while time.monotonic() < deadline:
