@@ -22,6 +22,7 @@ Any other path answers an OpenAI-shaped 404 and a wrong method an OpenAI-shaped 
 
 from __future__ import annotations
 
+import os
 import time
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -34,7 +35,9 @@ from starlette.routing import Route
 from gateway.config_check import parse_policy
 from gateway.dashboard.routes import add_dashboard_routes
 from gateway.errors import GatewayError, Unauthorized, anthropic_error_body, error_body
-from gateway.exchange import Receive, Scope, Send, read_body, require_media_type
+from gateway.exchange import Receive, Scope, Send, header, read_body, require_media_type
+from gateway.merge import merge_admin_state, merge_metrics
+from gateway.peers import worker_only
 from gateway.readiness import endpoint_health, lane_states
 from gateway.reload import reload_policy
 from gateway.routes import ENGINE_ROUTES, EngineRoute
@@ -136,7 +139,7 @@ async def admin_state(gateway: Gateway) -> dict[str, Any]:
                 {**engine.as_json(time.time()), "slots_in_use": used[endpoint_key(name, url)]}
             )
         clusters.append({"name": name, "kind": cluster.kind, "endpoints": endpoints})
-    return {
+    state: dict[str, Any] = {
         "policy_version": gateway.pipeline.policy.version,
         "started_at": gateway.started_at,
         "accepting": gateway.pipeline.accepting,
@@ -146,6 +149,47 @@ async def admin_state(gateway: Gateway) -> dict[str, Any]:
         "clusters": clusters,
         "decisions": gateway.recorder.snapshot(),
     }
+    if gateway.group is not None:
+        state["worker"] = {"index": gateway.group.index, "pid": os.getpid()}
+    return state
+
+
+async def gateway_state(gateway: Gateway, scope: Scope) -> dict[str, Any]:
+    """The admin state of the whole gateway: this worker's merged with its peers'."""
+    local = await admin_state(gateway)
+    if gateway.peers is None or worker_only(scope):
+        return local
+    answers = await gateway.peers.ask("GET", "/admin/state")
+    peers = [a.response.json() for a in answers if a.response and a.response.status_code == 200]
+    return merge_admin_state([local, *peers])
+
+
+async def gateway_metrics(gateway: Gateway, scope: Scope) -> bytes:
+    """Prometheus text for the whole gateway: this worker's series merged with its peers'."""
+    local = gateway.metrics.render()
+    if gateway.peers is None or worker_only(scope):
+        return local
+    answers = await gateway.peers.ask("GET", "/metrics")
+    texts = [a.response.text for a in answers if a.response and a.response.status_code == 200]
+    return merge_metrics([local.decode(), *texts], gateway.peers.group.count)
+
+
+async def reload_peers(gateway: Gateway, scope: Scope, raw: bytes) -> dict[str, Any]:
+    """Pass a reload this worker applied on to every other worker (the same file or body)."""
+    if gateway.peers is None or worker_only(scope):
+        return {}
+    media = header(scope, b"content-type")
+    headers = {"content-type": media.decode("latin-1")} if media else {}
+    answers = await gateway.peers.ask("POST", "/admin/reload", raw, headers)
+    failed = [a.worker for a in answers if not (a.response and a.response.status_code == 200)]
+    for answer in answers:
+        if answer.worker in failed:
+            gateway.log.error(
+                "policy.reload_not_passed_on",
+                worker=answer.worker,
+                status=answer.response.status_code if answer.response else None,
+            )
+    return {"workers": {"reloaded": 1 + len(answers) - len(failed), "failed": failed}}
 
 
 def add_routes(app: FastAPI, gateway: Gateway) -> None:
@@ -247,15 +291,17 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
                 "version": result.version,
                 "changed": result.changed,
                 "restart_required": list(result.restart_required),
+                **await reload_peers(gateway, request.scope, raw),
             }
         )
 
     @app.get("/admin/state")
-    async def state() -> dict[str, Any]:
-        return await admin_state(gateway)
+    async def state(request: Request) -> dict[str, Any]:
+        return await gateway_state(gateway, request.scope)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
         return Response(
-            gateway.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
+            await gateway_metrics(gateway, request.scope),
+            media_type="text/plain; version=0.0.4; charset=utf-8",
         )

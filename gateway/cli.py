@@ -12,6 +12,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 from engine_pool.launch import policy_warnings
@@ -20,6 +21,7 @@ from gateway.extras import MissingExtra
 from gateway.settings import ConfigError, Settings
 from gateway.shipped import policy_names, resolve_policy
 
+MAX_WORKERS = 64  # server.workers' bound (gateway/settings.py)
 REGISTRARS: tuple[str, ...] = (
     # one module path a line
     "gateway.sim_support",
@@ -31,8 +33,17 @@ REGISTRARS: tuple[str, ...] = (
 )
 
 
+def _worker_count(text: str) -> int:
+    count = int(text) if text.strip().isdigit() else 0
+    if not 1 <= count <= MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 1 to {MAX_WORKERS}")
+    return count
+
+
 def _serve(args: argparse.Namespace) -> int:
-    from gateway.server import serve
+    from gateway.server import serve, serve_worker
+    from gateway.slots_host import WorkerGroup
+    from gateway.workers import supervise
 
     path = resolve_policy(args.config)
     try:
@@ -46,11 +57,18 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["host"] = args.host
     if args.port is not None:
         overrides["port"] = args.port
+    if args.workers is not None:
+        overrides["workers"] = args.workers
     if overrides:
         settings = settings.model_copy(
             update={"server": settings.server.model_copy(update=overrides)}
         )
     try:
+        if args.worker_index is not None:  # started by the supervisor (gateway/workers.py)
+            group = WorkerGroup(args.worker_index, settings.server.workers, Path(args.worker_dir))
+            return serve_worker(settings, path, group, args.listen_fd)
+        if settings.server.workers > 1:
+            return supervise(settings, path, settings.server.workers)
         return serve(settings, path)
     except ConfigError as exc:  # a tokenizer or template that fails to load at boot
         print(f"shapegate: {policy.located(exc)}", file=sys.stderr)
@@ -93,6 +111,10 @@ def describe_policy(settings: Settings) -> str:
     state = settings.state
     where = f" at {state.redis_url}" if state.backend == "redis" else ""
     lines.append(f"state: {state.backend}{where}, on redis down: {state.on_redis_down}")
+    workers = settings.server.workers
+    if workers > 1:
+        kept = "Redis" if state.backend == "redis" else "the supervisor's slot server"
+        lines.append(f"workers: {workers}, slots kept by {kept}")
     return "\n".join(lines)
 
 
@@ -144,6 +166,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", required=True, help=POLICY_HELP)
     serve.add_argument("--host", default=None, help="listen address (default: server.host)")
     serve.add_argument("--port", type=int, default=None, help="listen port (default: server.port)")
+    serve.add_argument(
+        "--workers",
+        type=_worker_count,
+        default=None,
+        help="worker processes on the one port (default: server.workers); above 1, a "
+        "supervisor keeps the slots of all of them unless state.backend is redis",
+    )
+    # How the supervisor starts a worker (gateway/workers.py); not for people.
+    serve.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
+    serve.add_argument("--worker-dir", default=None, help=argparse.SUPPRESS)
+    serve.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
     serve.set_defaults(func=_serve)
 
     check = sub.add_parser(

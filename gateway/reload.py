@@ -40,6 +40,7 @@ from gateway.tokens import TokenCounter
 RESTART_ONLY = (
     "server.host",
     "server.port",
+    "server.workers",
     "state",
     "logging",
     "counting",
@@ -98,7 +99,11 @@ async def apply_reload(gateway: Gateway, new: Settings) -> ReloadResult:
     effective = new.model_copy(
         update={
             "server": new.server.model_copy(
-                update={"host": old.server.host, "port": old.server.port}
+                update={
+                    "host": old.server.host,
+                    "port": old.server.port,
+                    "workers": old.server.workers,
+                }
             ),
             "state": old.state,
             "logging": old.logging,

@@ -3,27 +3,41 @@
 uvicorn handles SIGTERM and SIGINT: it stops accepting connections, waits for open ones up to
 ``server.drain_timeout_s``, then runs the app's lifespan shutdown, which drains the pipeline and
 closes every client. The exit code is 0 after a clean drain.
+
+``serve_worker`` runs one worker of ``shapegate serve --workers N`` (gateway/workers.py): the
+same server on the listening socket the supervisor opened, plus a private unix socket the other
+workers reach it on for the gateway-wide views (gateway/peers.py). A worker whose supervisor
+died stops itself the same way, with SIGTERM.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import signal
+import socket
+import threading
 from pathlib import Path
 
+import structlog
 import uvicorn
 
 from gateway.app import create_app
 from gateway.http_protocol import guarded_protocol
 from gateway.log import configure_logging
 from gateway.settings import Settings
+from gateway.slots_host import WorkerGroup
+
+PARENT_POLL_S = 0.5
 
 
-def uvicorn_config(settings: Settings, config_path: Path | None = None) -> uvicorn.Config:
+def uvicorn_config(
+    settings: Settings, config_path: Path | None = None, group: WorkerGroup | None = None
+) -> uvicorn.Config:
     fast = importlib.util.find_spec("uvloop") and importlib.util.find_spec("httptools")
     return uvicorn.Config(
-        create_app(settings, config_path=config_path),
+        create_app(settings, config_path=config_path, group=group),
         host=settings.server.host,
         port=settings.server.port,
         loop="uvloop" if fast else "asyncio",
@@ -47,3 +61,31 @@ def serve(settings: Settings, config_path: Path | None = None) -> int:
         signal.signal(signum, lambda *_: None)
     server.run()
     return 0
+
+
+def serve_worker(
+    settings: Settings, config_path: Path | None, group: WorkerGroup, listen_fd: int
+) -> int:
+    """One worker of a group: serve on the inherited listening socket and a private one."""
+    configure_logging(settings.logging.level, settings.logging.json_output)
+    structlog.contextvars.bind_contextvars(worker=group.index)
+    listener = socket.socket(fileno=listen_fd)
+    private = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    path = group.peer_socket(group.index)
+    path.unlink(missing_ok=True)  # a previous worker of this index that was killed
+    private.bind(str(path))
+    os.chmod(path, 0o600)
+    private.listen(128)
+    server = uvicorn.Server(uvicorn_config(settings, config_path, group))
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: None)
+    threading.Thread(target=_stop_when_orphaned, args=(os.getppid(),), daemon=True).start()
+    server.run(sockets=[listener, private])
+    return 0
+
+
+def _stop_when_orphaned(parent: int) -> None:
+    """SIGTERM ourselves (a drain) when the supervisor is gone: nobody would stop us."""
+    while os.getppid() == parent:
+        threading.Event().wait(PARENT_POLL_S)
+    os.kill(os.getpid(), signal.SIGTERM)

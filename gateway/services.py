@@ -10,6 +10,7 @@ reload (reload.py) take a ``Gateway``; the ASGI app and its lifespan are app.py'
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from gateway.failover import Failover
 from gateway.lanes import endpoint_limit
 from gateway.log import Logger, get_logger
 from gateway.metrics import Metrics
+from gateway.peers import Peers
 from gateway.pipeline import Pipeline, Policy
 from gateway.proxy import Upstream
 from gateway.readiness import BootProbe
@@ -34,6 +36,7 @@ from gateway.record import Recorder
 from gateway.response_affinity import build_affinity
 from gateway.settings import ConfigError, Settings
 from gateway.slots import MemorySlotStore, SlotStore
+from gateway.slots_host import HostSlotStore, WorkerGroup
 from gateway.tokens import TokenCounter
 
 
@@ -58,11 +61,29 @@ def deadlines_of(settings: Settings) -> list[float]:
     ]
 
 
-def build_store(settings: Settings, metrics: Metrics, log: Logger) -> SlotStore:
+def build_store(
+    settings: Settings, metrics: Metrics, log: Logger, group: WorkerGroup | None = None
+) -> SlotStore:
+    """Redis when configured; else the supervisor's slot server for a worker of a group
+    (gateway/slots_host.py), else this process's memory."""
     if settings.state.backend == "redis":
         from gateway.slots_redis import RedisSlotStore
 
-        return RedisSlotStore.from_settings(settings.state, metrics, log)
+        state = settings.state
+        if group is not None:
+            # fail_open_local splits each limit between everything that shares it: each
+            # worker of each replica.
+            state = state.model_copy(update={"replicas": state.replicas * group.count})
+        return RedisSlotStore.from_settings(state, metrics, log)
+    if group is not None:
+        return HostSlotStore(
+            group.slot_socket,
+            group.index,
+            metrics=metrics,
+            log=log,
+            # Without the supervisor nothing can be admitted: drain and exit.
+            on_lost=lambda: os.kill(os.getpid(), signal.SIGTERM),
+        )
     return MemorySlotStore()
 
 
@@ -92,6 +113,9 @@ class Gateway:
     monitor: EngineMonitor
     probe: BootProbe
     config_path: Path | None = None
+    group: WorkerGroup | None = None
+    # The other workers of the group, for the gateway-wide views (gateway/peers.py).
+    peers: Peers | None = None
     started_at: float = field(default_factory=time.time)
     _monitor_scope: anyio.CancelScope | None = None
 
@@ -101,13 +125,14 @@ class Gateway:
         settings: Settings,
         counter: TokenCounter | None = None,
         config_path: Path | None = None,
+        group: WorkerGroup | None = None,
     ) -> Gateway:
         metrics = Metrics(deadlines_of(settings))
         log = get_logger("gateway")
         counter = counter or TokenCounter.from_settings(settings, metrics)
         pool = EnginePool(clusters_of(settings))
         metrics.watch_in_flight(lambda: ((e.cluster, e.url, e.in_flight) for e in pool.engines()))
-        store = build_store(settings, metrics, log)
+        store = build_store(settings, metrics, log, group)
         admission = Admission(store, metrics, log, poll_interval_s=settings.state.poll_interval_s)
         upstream = Upstream()
         keys = cls.engine_keys_for(settings)
@@ -130,8 +155,27 @@ class Gateway:
         monitor = EngineMonitor(pool, probe_plans(settings), events)
         probe = BootProbe(settings, pool, upstream, log, keys)
         _set_limits(metrics, settings)
+        peers = None
+        if group is not None:
+
+            def token_of() -> str | None:
+                token = pipeline.policy.settings.server.admin_token
+                return None if token is None else token.get_secret_value()
+
+            peers = Peers(group, log, metrics, token_of)
         return cls(
-            metrics, log, pool, store, admission, upstream, pipeline, monitor, probe, config_path
+            metrics,
+            log,
+            pool,
+            store,
+            admission,
+            upstream,
+            pipeline,
+            monitor,
+            probe,
+            config_path,
+            group,
+            peers,
         )
 
     @staticmethod
@@ -194,3 +238,5 @@ class Gateway:
         await self.upstream.aclose()
         await self.store.aclose()
         await self.pipeline.affinity.aclose()
+        if self.peers is not None:
+            await self.peers.aclose()

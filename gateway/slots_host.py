@@ -1,0 +1,368 @@
+"""Slots shared by the worker processes of one host, without Redis: a slot server in the
+supervisor (gateway/workers.py) and a ``SlotStore`` client in each worker.
+
+    supervisor: SlotServer(path)  owns HostSlots, the one table of who holds what
+    worker i:   HostSlotStore(path, worker=i)  one unix-socket connection, calls multiplexed
+
+Contract:
+- ``HostSlots`` is the table, plain data and no I/O: the same rules as the Redis scripts
+  (gateway/slots_lua.py): a lane slot and the first candidate endpoint with room, all or
+  nothing; a retried acquire reports what the token already holds; ``move`` gives up one
+  endpoint slot and takes another in one step; release is exact and idempotent. Waiting places
+  keep arrival order across workers as the Redis waiting list does: a waiter goes only while
+  fewer other workers' waiters stand ahead of it than there are free slots, and a newcomer
+  stands behind every waiter of the other workers.
+- Ownership is the connection: every grant and waiting place belongs to the worker connection
+  that took it. When that connection ends (the worker exited, crashed or was killed with -9:
+  the kernel closes its socket) the server drops all of it at once and logs
+  ``slots.reclaimed``. No lease or TTL is needed, and a slot cannot outlive its worker.
+- The wire: one JSON object a line each way; a request carries an id, its reply the same id.
+  The server handles one line at a time to the end before reading the next, so each operation
+  is atomic across all workers.
+- ``HostSlotStore`` bounds every call by ``timeout_s``; a call that cannot be answered (the
+  supervisor is gone, or too slow) raises ``StateUnavailable`` (503 + Retry-After), like Redis
+  with ``fail_closed``. Losing the connection logs ``slots.host_lost`` and calls ``on_lost``
+  (the worker then shuts down: without its supervisor it can admit nothing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import orjson
+
+from gateway.errors import StateUnavailable
+from gateway.log import Logger, get_logger, swallowed
+from gateway.metrics import Metrics
+from gateway.slots import Limit
+
+RETRY_AFTER_S = 2.0
+# A line is one slot operation: a few keys and limits, never near this.
+MAX_LINE = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerGroup:
+    """Where worker ``index`` of ``count`` finds the supervisor's slot server and its peers."""
+
+    index: int
+    count: int
+    runtime_dir: Path
+
+    @property
+    def slot_socket(self) -> Path:
+        return self.runtime_dir / "slots.sock"
+
+    def peer_socket(self, index: int) -> Path:
+        return self.runtime_dir / f"worker-{index}.sock"
+
+    @property
+    def peers(self) -> list[int]:
+        return [i for i in range(self.count) if i != self.index]
+
+
+# -- the table --------------------------------------------------------------------------------
+
+
+@dataclass
+class HostSlots:
+    """Who holds which slot and who waits, across every worker. Owners are connection ids."""
+
+    held: dict[str, set[str]] = field(default_factory=dict)
+    owned: dict[int, dict[str, set[str]]] = field(default_factory=dict)
+    # Lane key -> waiting member -> owner, in arrival order (dicts keep insertion order).
+    queues: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def _take(self, owner: int, token: str, key: str) -> None:
+        self.held.setdefault(key, set()).add(token)
+        self.owned.setdefault(owner, {}).setdefault(token, set()).add(key)
+
+    def _drop(self, owner: int, token: str, key: str) -> None:
+        self.held.get(key, set()).discard(token)
+        keys = self.owned.get(owner, {}).get(token)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self.owned[owner][token]
+
+    def _ahead(self, owner: int, lane_key: str, token: str, free: int) -> bool:
+        """True when ``free`` or more other workers' waiters stand ahead of ``token``."""
+        queue = self.queues.get(lane_key, {})
+        ahead = 0
+        for member, waiter_owner in queue.items():
+            if member == token:
+                break
+            if waiter_owner != owner:
+                ahead += 1
+                if ahead >= free:
+                    return True
+        return False
+
+    def acquire(self, owner: int, token: str, lane: Limit, candidates: Sequence[Limit]) -> int:
+        """The index of the candidate granted (with the lane slot), or -1."""
+        holders = self.held.get(lane.key, set())
+        if token in holders:
+            for index, candidate in enumerate(candidates):
+                if token in self.held.get(candidate.key, ()):
+                    return index
+            return -1
+        free = lane.limit - len(holders)
+        if free <= 0 or self._ahead(owner, lane.key, token, free):
+            return -1
+        for index, candidate in enumerate(candidates):
+            if len(self.held.get(candidate.key, ())) < candidate.limit:
+                self._take(owner, token, lane.key)
+                self._take(owner, token, candidate.key)
+                self.queues.get(lane.key, {}).pop(token, None)
+                return index
+        return -1
+
+    def move(self, owner: int, token: str, release: str, candidates: Sequence[Limit]) -> int:
+        self._drop(owner, token, release)
+        for index, candidate in enumerate(candidates):
+            if len(self.held.get(candidate.key, ())) < candidate.limit:
+                self._take(owner, token, candidate.key)
+                return index
+        return -1
+
+    def release(self, owner: int, token: str, keys: Sequence[str]) -> None:
+        for key in keys:
+            self._drop(owner, token, key)
+
+    def join(self, owner: int, token: str, lane_key: str) -> None:
+        self.queues.setdefault(lane_key, {}).setdefault(token, owner)
+
+    def leave(self, token: str, lane_key: str) -> None:
+        self.queues.get(lane_key, {}).pop(token, None)
+
+    def in_use(self, keys: Sequence[str]) -> list[int]:
+        return [len(self.held.get(key, ())) for key in keys]
+
+    def reclaim(self, owner: int) -> int:
+        """Drop everything ``owner`` holds or waits for; the number of tokens it held."""
+        tokens = self.owned.pop(owner, {})
+        for token, keys in tokens.items():
+            for key in keys:
+                self.held.get(key, set()).discard(token)
+        for queue in self.queues.values():
+            for member in [m for m, o in queue.items() if o == owner]:
+                del queue[member]
+        return len(tokens)
+
+    def handle(self, owner: int, request: dict[str, Any]) -> Any:
+        """One wire request against the table; its reply value."""
+        op = request["op"]
+        if op == "acquire":
+            lane = Limit(*request["lane"])
+            return self.acquire(owner, request["t"], lane, [Limit(*c) for c in request["c"]])
+        if op == "move":
+            return self.move(
+                owner, request["t"], request["release"], [Limit(*c) for c in request["c"]]
+            )
+        if op == "release":
+            self.release(owner, request["t"], request["keys"])
+            return None
+        if op == "join":
+            self.join(owner, request["t"], request["lane_key"])
+            return None
+        if op == "leave":
+            self.leave(request["t"], request["lane_key"])
+            return None
+        if op == "in_use":
+            return self.in_use(request["keys"])
+        raise ValueError(f"unknown slot operation {op!r}")
+
+
+# -- the server (in the supervisor) -------------------------------------------------------------
+
+
+class SlotServer:
+    """The supervisor's slot server on a unix socket; ``await serve()`` until cancelled."""
+
+    def __init__(self, path: Path, log: Logger | None = None) -> None:
+        self.path = path
+        self.table = HostSlots()
+        self._log = log or get_logger("slots")
+        self._ids = itertools.count(1)
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_unix_server(self._connection, self.path, limit=MAX_LINE)
+        os.chmod(self.path, 0o600)
+
+    async def aclose(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(OSError):  # already gone with the runtime dir
+                self.path.unlink()
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        owner, worker = next(self._ids), None
+        try:
+            while line := await reader.readline():
+                request = orjson.loads(line)
+                if request["op"] == "hello":
+                    worker = request.get("worker")
+                    self._log.info("slots.worker_connected", worker=worker, pid=request.get("pid"))
+                    continue
+                reply = {"i": request["i"], "r": self.table.handle(owner, request)}
+                writer.write(orjson.dumps(reply) + b"\n")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            # A broken line or a reset connection: the worker is gone or confused; either way
+            # its slots go back now (below) rather than never.
+            swallowed(self._log, None, "slots_host.connection", exc, decision="reclaim_slots")
+        finally:
+            tokens = self.table.reclaim(owner)
+            self._log.info("slots.reclaimed", worker=worker, tokens=tokens)
+            writer.close()
+
+
+# -- the client (in each worker) ---------------------------------------------------------------
+
+
+class HostSlotStore:
+    """The ``SlotStore`` of a worker: every operation asks the supervisor's slot server."""
+
+    shared = True
+
+    def __init__(
+        self,
+        path: Path,
+        worker: int,
+        timeout_s: float = 2.0,
+        metrics: Metrics | None = None,
+        log: Logger | None = None,
+        on_lost: Callable[[], None] | None = None,
+    ) -> None:
+        self._path = path
+        self._worker = worker
+        self._timeout_s = timeout_s
+        self._metrics = metrics
+        self._log = log or get_logger("slots")
+        self._on_lost = on_lost
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+        self._lost = False
+        self._closing = False
+        self._queued: set[str] = set()
+
+    async def connect(self) -> None:
+        async with self._lock:
+            if self._writer is not None or self._lost:
+                return
+            try:
+                reader, writer = await asyncio.open_unix_connection(self._path, limit=MAX_LINE)
+            except OSError as exc:
+                raise _unavailable(f"cannot reach the supervisor's slot server: {exc}") from exc
+            hello = {"op": "hello", "worker": self._worker, "pid": os.getpid()}
+            writer.write(orjson.dumps(hello) + b"\n")
+            self._writer = writer
+            self._reader_task = asyncio.create_task(self._read(reader))
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        why = "closed by the supervisor"
+        try:
+            while line := await reader.readline():
+                reply = orjson.loads(line)
+                future = self._pending.get(reply["i"])
+                if future is not None and not future.done():
+                    future.set_result(reply["r"])
+        except (OSError, ValueError) as exc:
+            why = f"{type(exc).__name__}: {exc}"
+            swallowed(self._log, self._metrics, "slots_host.read", exc, decision="connection_lost")
+        self._lost = True
+        self._log.error("slots.host_lost", worker=self._worker, why=why)
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(_unavailable("the supervisor's slot server went away"))
+        if self._on_lost is not None and not self._closing:
+            self._on_lost()
+
+    async def _call(self, op: str, **fields: Any) -> Any:
+        if self._lost:
+            raise _unavailable("the supervisor's slot server went away")
+        if self._writer is None:
+            await self.connect()
+        assert self._writer is not None
+        ident = next(self._ids)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending[ident] = future
+        try:
+            self._writer.write(orjson.dumps({"i": ident, "op": op, **fields}) + b"\n")
+            with anyio.fail_after(self._timeout_s):
+                return await future
+        except TimeoutError as exc:
+            raise _unavailable(f"the slot server did not answer {op} in time") from exc
+        finally:
+            del self._pending[ident]
+
+    # -- the protocol ------------------------------------------------------------------------
+
+    async def try_acquire(self, token: str, lane: Limit, candidates: Sequence[Limit]) -> int | None:
+        wire = [[c.key, c.limit] for c in candidates]
+        index: int = await self._call("acquire", t=token, lane=[lane.key, lane.limit], c=wire)
+        if index < 0:
+            return None
+        self._queued.discard(token)  # the server took it off the waiting list
+        return index
+
+    async def move(
+        self, token: str, lane: Limit, release: str, candidates: Sequence[Limit]
+    ) -> int | None:
+        wire = [[c.key, c.limit] for c in candidates]
+        index: int = await self._call("move", t=token, release=release, c=wire)
+        return None if index < 0 else index
+
+    async def release(self, token: str, keys: Sequence[str]) -> None:
+        await self._call("release", t=token, keys=list(keys))
+
+    @asynccontextmanager
+    async def hold(self, token: str, keys: Sequence[str]) -> AsyncIterator[None]:
+        # The connection is the lease: nothing to renew while this worker lives.
+        yield
+
+    @asynccontextmanager
+    async def waiting(self, token: str, lane_key: str) -> AsyncIterator[None]:
+        await self._call("join", t=token, lane_key=lane_key)
+        self._queued.add(token)
+        try:
+            yield
+        finally:
+            if token in self._queued:
+                self._queued.discard(token)
+                with anyio.CancelScope(shield=True):
+                    await self._leave(token, lane_key)
+
+    async def _leave(self, token: str, lane_key: str) -> None:
+        try:
+            await self._call("leave", t=token, lane_key=lane_key)
+        except StateUnavailable as exc:
+            # The supervisor is gone, and with it the waiting list.
+            swallowed(self._log, self._metrics, "slots_host.leave", exc, decision="list_gone")
+
+    async def in_use(self, keys: Sequence[str]) -> dict[str, int]:
+        counts: list[int] = await self._call("in_use", keys=list(keys))
+        return dict(zip(keys, counts, strict=True))
+
+    async def aclose(self) -> None:
+        self._closing = True
+        if self._writer is not None:
+            self._writer.close()
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+
+
+def _unavailable(message: str) -> StateUnavailable:
+    return StateUnavailable(message, retry_after_s=RETRY_AFTER_S)
