@@ -38,6 +38,11 @@ SAME_EVERYWHERE = frozenset(
 )
 
 
+# Rows of the merged dashboard's tables at most: what one worker's page shows
+# (gateway/dashboard/state.py MAX_DECISIONS).
+MAX_ROWS = 500
+
+
 class _Families(Collector):
     def __init__(self, families: list[Metric]) -> None:
         self._families = families
@@ -165,14 +170,14 @@ def _interleave(lists: Sequence[list[dict[str, Any]]], key: str | None, limit: i
 
 def merge_admin_state(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
     first = states[0]
-    limit = max(len(s["decisions"]) for s in states)
     return {
         **first,
         "in_flight": _sum(states, "in_flight"),
         "accepting": all(s["accepting"] for s in states),
         "lanes": _lanes(states, _queue_fields),
         "clusters": _endpoints(states),
-        "decisions": _interleave(_tagged(states, "decisions"), None, limit * len(states)),
+        # Each worker's ring (server.decision_ring_size), worker by worker.
+        "decisions": _interleave(_tagged(states, "decisions"), None, MAX_ROWS * len(states)),
         "workers": _workers(states),
     }
 
@@ -227,7 +232,6 @@ def _dashboard_lane(lane: dict[str, Any], all_: list[dict[str, Any]]) -> dict[st
 
 def merge_dashboard(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
     first = states[0]
-    limit = max(len(s["decisions"]) for s in states)
     totals = {name: _sum_counts([s["totals"][name] for s in states]) for name in first["totals"]}
     return {
         **first,
@@ -237,8 +241,8 @@ def merge_dashboard(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "lanes": _lanes(states, _dashboard_lane),
         "unrouted": _sum_counts([s["unrouted"] for s in states]),
         "clusters": _endpoints(states),
-        "decisions": _interleave(_tagged(states, "decisions"), "at", limit),
-        "events": _interleave(_tagged(states, "events"), "at", limit),
+        "decisions": _interleave(_tagged(states, "decisions"), "at", MAX_ROWS),
+        "events": _interleave(_tagged(states, "events"), "at", MAX_ROWS),
         "totals": totals,
         "workers": _workers(states),
     }

@@ -17,7 +17,9 @@ The supervisor handles no HTTP. It
   supervisor exits 0 once every worker exited 0 (1 otherwise; a worker still running
   ``KILL_GRACE_S`` past the drain deadline is killed);
 - starts a worker again when it dies on its own (``workers.exited``, then ``workers.restarted``
-  after a back-off that doubles while it keeps dying young).
+  after a back-off that doubles while it keeps dying young), except when it exited 2, the
+  code for a policy it cannot serve (a tokenizer that fails to load): then every worker is
+  stopped and the supervisor exits 2 (``workers.config_error``).
 
 With ``state.backend: redis`` the workers use Redis as separate replicas would, and no slot
 server runs. A worker that outlives its supervisor (kill -9) notices and drains itself.
@@ -41,6 +43,7 @@ from gateway.settings import Settings
 from gateway.slots_host import SlotServer
 
 KILL_GRACE_S = 10.0
+CONFIG_ERROR = 2  # a worker's exit code for a policy it cannot serve (gateway/cli.py)
 BACKLOG = 2048
 RESTART_BACKOFF_S = (0.5, 10.0)
 # A worker that ran this long before dying was not crash-looping: back-off starts over.
@@ -72,6 +75,7 @@ class Supervisor:
         self._listener: socket.socket | None = None
         self._stopping = asyncio.Event()
         self._backoff: dict[int, float] = {}
+        self._failed = False
 
     def _argv(self, index: int, fd: int) -> list[str]:
         server = self.settings.server
@@ -95,6 +99,13 @@ class Supervisor:
             worker = self.workers[index]
             code = await worker.process.wait()
             if self._stopping.is_set():
+                return
+            if code == CONFIG_ERROR:
+                # What the user must fix (a tokenizer that does not load, say): starting it
+                # again would fail the same way, so the whole gateway stops and says so.
+                self.log.error("workers.config_error", worker=index, code=code)
+                self._failed = True
+                self._stop(signal.SIGTERM)
                 return
             ran = time.monotonic() - worker.started
             low, high = RESTART_BACKOFF_S
@@ -172,6 +183,8 @@ class Supervisor:
                 worker.process.kill()
                 codes[str(index)] = await worker.process.wait()
         self.log.info("workers.stopped", codes=codes)
+        if self._failed:
+            return CONFIG_ERROR
         return 0 if all(code == 0 for code in codes.values()) else 1
 
 

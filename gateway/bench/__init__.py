@@ -20,6 +20,7 @@ SUITES: tuple[str, ...] = (
     "gateway.bench.every",  # shapegate bench all
     "gateway.bench.readme",  # shapegate bench readme
     "gateway.bench.soak",  # shapegate bench soak
+    "gateway.bench.workers",  # shapegate bench workers
     # one module path a line
 )
 
