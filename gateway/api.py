@@ -16,6 +16,9 @@ exchange to the pipeline; the rest answer from config or from snapshots of the g
     GET  /metrics                                Prometheus
     GET  /dashboard, /admin/dashboard.json       the ops page and its state (gateway/dashboard)
 
+With ``serve --workers N`` the admin state, ``/metrics``, the dashboard's state and a reload
+cover every worker (gateway/peers.py asks the others, gateway/merge.py merges).
+
 Any other path answers an OpenAI-shaped 404 and a wrong method an OpenAI-shaped 405
 (Anthropic-shaped on /v1/messages), never FastAPI's ``{"detail": ...}``.
 """

@@ -66,7 +66,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         if args.worker_index is not None:  # started by the supervisor (gateway/workers.py)
             group = WorkerGroup(args.worker_index, settings.server.workers, Path(args.worker_dir))
-            return serve_worker(settings, path, group, args.listen_fd)
+            return serve_worker(settings, path, group)
         if settings.server.workers > 1:
             return supervise(settings, path, settings.server.workers)
         return serve(settings, path)
@@ -176,7 +176,6 @@ def build_parser() -> argparse.ArgumentParser:
     # How the supervisor starts a worker (gateway/workers.py); not for people.
     serve.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
     serve.add_argument("--worker-dir", default=None, help=argparse.SUPPRESS)
-    serve.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
     serve.set_defaults(func=_serve)
 
     check = sub.add_parser(

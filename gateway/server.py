@@ -5,9 +5,9 @@ uvicorn handles SIGTERM and SIGINT: it stops accepting connections, waits for op
 closes every client. The exit code is 0 after a clean drain.
 
 ``serve_worker`` runs one worker of ``shapegate serve --workers N`` (gateway/workers.py): the
-same server on the listening socket the supervisor opened, plus a private unix socket the other
-workers reach it on for the gateway-wide views (gateway/peers.py). A worker whose supervisor
-died stops itself the same way, with SIGTERM.
+same server on its own SO_REUSEPORT socket on the port the supervisor reserved, plus a private
+unix socket the other workers reach it on for the gateway-wide views (gateway/peers.py). A
+worker whose supervisor died stops itself the same way, with SIGTERM.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from gateway.settings import Settings
 from gateway.slots_host import WorkerGroup
 
 PARENT_POLL_S = 0.5
+BACKLOG = 2048  # uvicorn's default
 
 
 def uvicorn_config(
@@ -63,13 +64,17 @@ def serve(settings: Settings, config_path: Path | None = None) -> int:
     return 0
 
 
-def serve_worker(
-    settings: Settings, config_path: Path | None, group: WorkerGroup, listen_fd: int
-) -> int:
-    """One worker of a group: serve on the inherited listening socket and a private one."""
+def serve_worker(settings: Settings, config_path: Path | None, group: WorkerGroup) -> int:
+    """One worker of a group: serve on the shared port (SO_REUSEPORT) and a private socket."""
     configure_logging(settings.logging.level, settings.logging.json_output)
     structlog.contextvars.bind_contextvars(worker=group.index)
-    listener = socket.socket(fileno=listen_fd)
+    family = socket.AF_INET6 if ":" in settings.server.host else socket.AF_INET
+    listener = socket.create_server(
+        (settings.server.host, settings.server.port),
+        family=family,
+        backlog=BACKLOG,
+        reuse_port=True,
+    )
     private = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     path = group.peer_socket(group.index)
     path.unlink(missing_ok=True)  # a previous worker of this index that was killed

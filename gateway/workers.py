@@ -1,9 +1,13 @@
 """``shapegate serve --workers N``: one supervisor process and N worker processes.
 
 The supervisor handles no HTTP. It
-- opens the listening socket once and hands it to every worker (inherited file descriptor), so
-  all workers accept from one kernel queue and a worker's death loses no queued connection (as
-  SO_REUSEPORT's per-socket queues would);
+- reserves the port (bound with SO_REUSEPORT, never listening, which also resolves port 0) and
+  each worker listens on its own SO_REUSEPORT socket on it: the kernel spreads new connections
+  evenly over the workers' accept queues by address hash. (One socket shared by all workers
+  was the first design: there, the worker that wakes first accepts every connection waiting,
+  since asyncio and uvloop accept up to the backlog per wake-up, and a burst of 30 new
+  connections all went to one worker in one of three test runs. The price of SO_REUSEPORT:
+  connections still waiting in a dying worker's queue are reset.);
 - makes a private runtime directory (mode 0700) for its unix sockets: the slot server's
   (``slots.sock``, gateway/slots_host.py, when ``state.backend`` is ``memory``: the slots of all
   workers are then kept here, exact, and a dead worker's come back at once) and each worker's
@@ -12,7 +16,7 @@ The supervisor handles no HTTP. It
 - starts each worker as ``python -m gateway.cli serve ... --worker-index i`` (a fresh
   interpreter: nothing is shared by fork but the socket);
 - forwards SIGHUP to every worker (each re-reads the policy file), and on SIGTERM or SIGINT
-  closes its own copy of the listening socket and forwards SIGTERM: every worker stops
+  gives up the port's reservation and forwards SIGTERM: every worker stops
   accepting and drains its in-flight requests up to ``server.drain_timeout_s``; the
   supervisor exits 0 once every worker exited 0 (1 otherwise; a worker still running
   ``KILL_GRACE_S`` past the drain deadline is killed);
@@ -44,7 +48,6 @@ from gateway.slots_host import SlotServer
 
 KILL_GRACE_S = 10.0
 CONFIG_ERROR = 2  # a worker's exit code for a policy it cannot serve (gateway/cli.py)
-BACKLOG = 2048
 RESTART_BACKOFF_S = (0.5, 10.0)
 # A worker that ran this long before dying was not crash-looping: back-off starts over.
 HEALTHY_RUN_S = 30.0
@@ -57,9 +60,18 @@ class _Worker:
     started: float
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family, backlog=BACKLOG)
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` with SO_REUSEPORT that never listens: the port is ours
+    (port 0 becomes a real one) and no connection is ever queued on it."""
+    sock = socket.socket(_family(host), socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
 
 
 class Supervisor:
@@ -77,19 +89,18 @@ class Supervisor:
         self._backoff: dict[int, float] = {}
         self._failed = False
 
-    def _argv(self, index: int, fd: int) -> list[str]:
-        server = self.settings.server
+    def _argv(self, index: int, port: int) -> list[str]:
         return [
             *(sys.executable, "-m", "gateway.cli", "serve", "--config", str(self.config_path)),
-            *("--host", server.host, "--port", str(server.port)),
+            *("--host", self.settings.server.host, "--port", str(port)),
             *("--workers", str(self.count), "--worker-index", str(index)),
-            *("--worker-dir", str(self.runtime), "--listen-fd", str(fd)),
+            *("--worker-dir", str(self.runtime)),
         ]
 
     async def _start(self, index: int) -> None:
         assert self._listener is not None
-        fd = self._listener.fileno()
-        process = await asyncio.create_subprocess_exec(*self._argv(index, fd), pass_fds=(fd,))
+        port = self._listener.getsockname()[1]
+        process = await asyncio.create_subprocess_exec(*self._argv(index, port))
         self.workers[index] = _Worker(index, process, time.monotonic())
         self.log.info("workers.worker_started", worker=index, pid=process.pid)
 
@@ -136,14 +147,14 @@ class Supervisor:
             return
         self._stopping.set()
         self.log.info("workers.stopping", signal=signal.Signals(signum).name)
-        # Our copy would keep the port accepting into a queue nobody reads.
+        # The port goes once the workers close their sockets: no new connection is taken.
         if self._listener is not None:
             self._listener.close()
         self._forward(signal.SIGTERM)
 
     async def run(self) -> int:
         server = self.settings.server
-        self._listener = listening_socket(server.host, server.port)
+        self._listener = reserve_port(server.host, server.port)
         slots = None
         if self.settings.state.backend == "memory":
             slots = SlotServer(self.runtime / "slots.sock", self.log)

@@ -75,7 +75,7 @@ async def serve_workers(
     try:
         async with httpx.AsyncClient(timeout=5) as client:
             await wait_for(
-                lambda: _all_answer(client, served, count), 60, interval=0.1, what="every worker"
+                lambda: _all_answer(client, served, count), 120, interval=0.1, what="every worker"
             )
         yield served
     finally:
@@ -176,19 +176,22 @@ async def test_two_workers_hold_one_lane_limit_and_sigterm_drains_both(
         assert metric(scrape, "shapegate_slots_limit", lane="fast", cluster="fast") == LIMIT
         assert metric(scrape, "shapegate_slots_in_use", lane="fast", cluster="fast") == 0
 
-        # SIGTERM while both workers have requests in flight: every one finishes.
+        # SIGTERM while both workers have requests in flight: every one finishes. Each on a
+        # new connection (the burst's idle ones may all belong to one worker).
         streams: list[asyncio.Task[httpx.Response]] = []
+        fresh = httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_keepalive_connections=0))
 
         async def both_busy() -> bool:
-            if len(streams) < 16:
+            if len(streams) < 24:
                 rid = f"s{len(streams)}"
-                streams.append(asyncio.create_task(post(c, gw.url, rid, chunks=15, gap=0.1)))
+                streams.append(asyncio.create_task(post(fresh, gw.url, rid, chunks=15, gap=0.1)))
             workers = (await gw.state(c))["workers"]
             return all(w["in_flight"] > 0 for w in workers)
 
         await wait_for(both_busy, 10, interval=0.05, what="both workers with requests")
         gw.process.send_signal(signal.SIGTERM)
         responses = await asyncio.gather(*streams)
+        await fresh.aclose()
         code = await asyncio.to_thread(gw.process.wait, 30)
     assert code == 0
     assert [r.status_code for r in responses] == [200] * len(streams)
