@@ -16,9 +16,10 @@ Contract:
   that took it. When that connection ends (the worker exited, crashed or was killed with -9:
   the kernel closes its socket) the server drops all of it at once and logs
   ``slots.reclaimed``. No lease or TTL is needed, and a slot cannot outlive its worker.
-- The wire: one JSON object a line each way; a request carries an id, its reply the same id.
-  The server handles one line at a time to the end before reading the next, so each operation
-  is atomic across all workers.
+- The wire: one JSON object a line each way; a request carries an id, its reply the same id
+  (a release or a queue leave carries none and gets no reply). The server handles each line to
+  the end before the next (asyncio protocols, no await in between), so each operation is atomic
+  across all workers.
 - ``HostSlotStore`` bounds every call by ``timeout_s``; a call that cannot be answered (the
   supervisor is gone, or too slow) raises ``StateUnavailable`` (503 + Retry-After), like Redis
   with ``fail_closed``. Losing the connection logs ``slots.host_lost`` and calls ``on_lost``
@@ -37,7 +38,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import anyio
 import orjson
 
 from gateway.errors import StateUnavailable
@@ -186,17 +186,20 @@ class HostSlots:
 
 
 class SlotServer:
-    """The supervisor's slot server on a unix socket; ``await serve()`` until cancelled."""
+    """The supervisor's slot server on a unix socket (``start``, then it serves in the loop)."""
 
     def __init__(self, path: Path, log: Logger | None = None) -> None:
         self.path = path
         self.table = HostSlots()
-        self._log = log or get_logger("slots")
+        self.log = log or get_logger("slots")
         self._ids = itertools.count(1)
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
-        self._server = await asyncio.start_unix_server(self._connection, self.path, limit=MAX_LINE)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(
+            lambda: _ServerSide(self, next(self._ids)), str(self.path)
+        )
         os.chmod(self.path, 0o600)
 
     async def aclose(self) -> None:
@@ -205,32 +208,70 @@ class SlotServer:
             with contextlib.suppress(OSError):  # already gone with the runtime dir
                 self.path.unlink()
 
-    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        owner, worker = next(self._ids), None
+
+def _lines(buffer: bytearray, data: bytes) -> list[bytes]:
+    """Append ``data``; take every complete line out of ``buffer``."""
+    buffer += data
+    if b"\n" not in data:
+        return []
+    *lines, rest = bytes(buffer).split(b"\n")
+    buffer[:] = rest
+    return lines
+
+
+class _ServerSide(asyncio.Protocol):
+    """One worker's connection: each line handled to the end as it arrives (data_received
+    never awaits), so every operation is atomic across workers; replies go in one write."""
+
+    def __init__(self, server: SlotServer, owner: int) -> None:
+        self._server = server
+        self._owner = owner
+        self._worker: int | None = None
+        self._buffer = bytearray()
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        assert self._transport is not None
+        replies = []
         try:
-            while line := await reader.readline():
+            for line in _lines(self._buffer, data):
                 request = orjson.loads(line)
                 if request["op"] == "hello":
-                    worker = request.get("worker")
-                    self._log.info("slots.worker_connected", worker=worker, pid=request.get("pid"))
+                    self._worker = request.get("worker")
+                    self._server.log.info(
+                        "slots.worker_connected", worker=self._worker, pid=request.get("pid")
+                    )
                     continue
-                reply = {"i": request["i"], "r": self.table.handle(owner, request)}
-                writer.write(orjson.dumps(reply) + b"\n")
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            # A broken line or a reset connection: the worker is gone or confused; either way
-            # its slots go back now (below) rather than never.
-            swallowed(self._log, None, "slots_host.connection", exc, decision="reclaim_slots")
-        finally:
-            tokens = self.table.reclaim(owner)
-            self._log.info("slots.reclaimed", worker=worker, tokens=tokens)
-            writer.close()
+                result = self._server.table.handle(self._owner, request)
+                if "i" in request:  # releases and leaves expect no answer
+                    replies.append(orjson.dumps({"i": request["i"], "r": result}))
+            if len(self._buffer) > MAX_LINE:
+                raise ValueError(f"a line longer than {MAX_LINE} bytes")
+        except (ValueError, KeyError, TypeError) as exc:
+            # A broken line: the worker is confused; its slots go back now (connection_lost).
+            swallowed(self._server.log, None, "slots_host.line", exc, decision="reclaim_slots")
+            self._transport.close()
+            return
+        if replies:
+            self._transport.write(b"\n".join(replies) + b"\n")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        tokens = self._server.table.reclaim(self._owner)
+        self._server.log.info("slots.reclaimed", worker=self._worker, tokens=tokens)
 
 
 # -- the client (in each worker) ---------------------------------------------------------------
 
 
 class HostSlotStore:
-    """The ``SlotStore`` of a worker: every operation asks the supervisor's slot server."""
+    """The ``SlotStore`` of a worker: every operation asks the supervisor's slot server.
+
+    One round trip per acquire or move; release and leaving a queue are sent without waiting
+    for an answer (the server applies a connection's lines in order, and should the connection
+    drop before, the server reclaims everything it held anyway)."""
 
     shared = True
 
@@ -251,8 +292,7 @@ class HostSlotStore:
         self._on_lost = on_lost
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Any]] = {}
-        self._writer: asyncio.StreamWriter | None = None
-        self._reader_task: asyncio.Task[None] | None = None
+        self._transport: asyncio.Transport | None = None
         self._lock = asyncio.Lock()
         self._lost = False
         self._closing = False
@@ -260,53 +300,62 @@ class HostSlotStore:
 
     async def connect(self) -> None:
         async with self._lock:
-            if self._writer is not None or self._lost:
+            if self._transport is not None or self._lost:
                 return
+            loop = asyncio.get_running_loop()
             try:
-                reader, writer = await asyncio.open_unix_connection(self._path, limit=MAX_LINE)
+                transport, _ = await loop.create_unix_connection(
+                    lambda: _ClientSide(self), str(self._path)
+                )
             except OSError as exc:
                 raise _unavailable(f"cannot reach the supervisor's slot server: {exc}") from exc
-            hello = {"op": "hello", "worker": self._worker, "pid": os.getpid()}
-            writer.write(orjson.dumps(hello) + b"\n")
-            self._writer = writer
-            self._reader_task = asyncio.create_task(self._read(reader))
+            self._transport = transport
+            self._write({"op": "hello", "worker": self._worker, "pid": os.getpid()})
 
-    async def _read(self, reader: asyncio.StreamReader) -> None:
-        why = "closed by the supervisor"
-        try:
-            while line := await reader.readline():
-                reply = orjson.loads(line)
-                future = self._pending.get(reply["i"])
-                if future is not None and not future.done():
-                    future.set_result(reply["r"])
-        except (OSError, ValueError) as exc:
-            why = f"{type(exc).__name__}: {exc}"
-            swallowed(self._log, self._metrics, "slots_host.read", exc, decision="connection_lost")
+    def _write(self, message: dict[str, Any]) -> None:
+        assert self._transport is not None
+        self._transport.write(orjson.dumps(message) + b"\n")
+
+    def _answered(self, reply: dict[str, Any]) -> None:
+        future = self._pending.get(reply["i"])
+        if future is not None and not future.done():
+            future.set_result(reply["r"])
+
+    def _connection_lost(self, why: str) -> None:
         self._lost = True
+        if self._closing:
+            return
         self._log.error("slots.host_lost", worker=self._worker, why=why)
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(_unavailable("the supervisor's slot server went away"))
-        if self._on_lost is not None and not self._closing:
+        if self._on_lost is not None:
             self._on_lost()
 
-    async def _call(self, op: str, **fields: Any) -> Any:
+    async def _ready(self) -> None:
         if self._lost:
             raise _unavailable("the supervisor's slot server went away")
-        if self._writer is None:
+        if self._transport is None:
             await self.connect()
-        assert self._writer is not None
+
+    async def _call(self, op: str, **fields: Any) -> Any:
+        await self._ready()
         ident = next(self._ids)
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
         self._pending[ident] = future
+        # A timer, not a cancel scope: this is on every request's path.
+        timer = loop.call_later(self._timeout_s, _expire, future, op)
         try:
-            self._writer.write(orjson.dumps({"i": ident, "op": op, **fields}) + b"\n")
-            with anyio.fail_after(self._timeout_s):
-                return await future
-        except TimeoutError as exc:
-            raise _unavailable(f"the slot server did not answer {op} in time") from exc
+            self._write({"i": ident, "op": op, **fields})
+            return await future
         finally:
+            timer.cancel()
             del self._pending[ident]
+
+    async def _send(self, op: str, **fields: Any) -> None:
+        await self._ready()
+        self._write({"op": op, **fields})
 
     # -- the protocol ------------------------------------------------------------------------
 
@@ -326,7 +375,7 @@ class HostSlotStore:
         return None if index < 0 else index
 
     async def release(self, token: str, keys: Sequence[str]) -> None:
-        await self._call("release", t=token, keys=list(keys))
+        await self._send("release", t=token, keys=list(keys))
 
     @asynccontextmanager
     async def hold(self, token: str, keys: Sequence[str]) -> AsyncIterator[None]:
@@ -335,22 +384,20 @@ class HostSlotStore:
 
     @asynccontextmanager
     async def waiting(self, token: str, lane_key: str) -> AsyncIterator[None]:
-        await self._call("join", t=token, lane_key=lane_key)
+        await self._send("join", t=token, lane_key=lane_key)
         self._queued.add(token)
         try:
             yield
         finally:
             if token in self._queued:
                 self._queued.discard(token)
-                with anyio.CancelScope(shield=True):
-                    await self._leave(token, lane_key)
-
-    async def _leave(self, token: str, lane_key: str) -> None:
-        try:
-            await self._call("leave", t=token, lane_key=lane_key)
-        except StateUnavailable as exc:
-            # The supervisor is gone, and with it the waiting list.
-            swallowed(self._log, self._metrics, "slots_host.leave", exc, decision="list_gone")
+                try:
+                    await self._send("leave", t=token, lane_key=lane_key)
+                except StateUnavailable as exc:
+                    # The supervisor is gone, and with it the waiting list.
+                    swallowed(
+                        self._log, self._metrics, "slots_host.leave", exc, decision="list_gone"
+                    )
 
     async def in_use(self, keys: Sequence[str]) -> dict[str, int]:
         counts: list[int] = await self._call("in_use", keys=list(keys))
@@ -358,10 +405,26 @@ class HostSlotStore:
 
     async def aclose(self) -> None:
         self._closing = True
-        if self._writer is not None:
-            self._writer.close()
-        if self._reader_task is not None:
-            self._reader_task.cancel()
+        if self._transport is not None:
+            self._transport.close()
+
+
+class _ClientSide(asyncio.Protocol):
+    def __init__(self, store: HostSlotStore) -> None:
+        self._store = store
+        self._buffer = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        for line in _lines(self._buffer, data):
+            self._store._answered(orjson.loads(line))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._store._connection_lost(f"{type(exc).__name__}: {exc}" if exc else "closed")
+
+
+def _expire(future: asyncio.Future[Any], op: str) -> None:
+    if not future.done():
+        future.set_exception(_unavailable(f"the slot server did not answer {op} in time"))
 
 
 def _unavailable(message: str) -> StateUnavailable:

@@ -99,7 +99,13 @@ async def test_two_workers_share_one_exact_limit(server: SlotServer) -> None:
         assert (await b.in_use([LANE.key]))[LANE.key] == 3
         for i, s in enumerate([a, b] * 4):
             await s.release(f"t{i}", [LANE.key, EP_A.key, EP_B.key])
-        assert await a.in_use([LANE.key, EP_A.key]) == {LANE.key: 0, EP_A.key: 0}
+
+        async def released() -> bool:
+            # Releases expect no answer: each connection's lines apply in order, and two
+            # connections' in the order they reach the server.
+            return await a.in_use([LANE.key, EP_A.key]) == {LANE.key: 0, EP_A.key: 0}
+
+        await wait_for(released, 5, what="every release applied")
     finally:
         await a.aclose()
         await b.aclose()
