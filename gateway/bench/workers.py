@@ -10,7 +10,8 @@ two-core machine that is the honest set-up; the figures say what a second worker
 
 Measured in one run, in this order: the upstream direct (the rig's own ceiling), then the
 gateway with 1 worker, then with 2. Per point: requests/s, p50 and p99 latency, errors, and the
-gateway's CPU seconds per 1,000 requests (the supervisor and every worker). The scaling is
+gateway's CPU seconds per 1,000 requests (the supervisor and every worker) and the supervisor's
+share of it (with 2 workers it is the slot server). The scaling is
 requests/s at 2 workers over 1 worker, from the same run. ``--smoke`` runs half a second per
 point with 8 connections, for the test suite.
 """
@@ -159,21 +160,26 @@ def _point(run: Closed, seconds: float) -> dict[str, Any]:
 # -- the rig -----------------------------------------------------------------------------------
 
 
+def own_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of one process, every thread (Linux /proc)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def tree_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of a process and its live descendants (Linux /proc)."""
-    total, todo = 0, [pid]
+    """CPU seconds of a process and its live descendants."""
+    total, todo = 0.0, [pid]
     while todo:
         current = todo.pop()
         try:
-            with open(f"/proc/{current}/stat", encoding="ascii") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
+            total += own_cpu_s(current)
             for task in os.listdir(f"/proc/{current}/task"):
                 with open(f"/proc/{current}/task/{task}/children", "rb") as children:
                     todo.extend(int(c) for c in children.read().split())
         except (FileNotFoundError, ProcessLookupError):
             continue  # it exited between two reads
-    return total / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def start_workers(folder: Path, upstream_port: int, count: int) -> tuple[Child, int]:
@@ -222,12 +228,18 @@ def measure(*, seconds: float, connections: int, smoke: bool) -> dict[str, Any]:
                     gateway, port = start_workers(folder, upstream_port, count)
                     try:
                         cpu_before = tree_cpu_s(gateway.pid)
+                        supervisor_before = own_cpu_s(gateway.pid)
                         run = runner.run(closed_loop(port, connections, seconds))
                         cpu = tree_cpu_s(gateway.pid) - cpu_before
+                        supervisor = own_cpu_s(gateway.pid) - supervisor_before
                     finally:
                         gateway.stop()
                     point = {"workers": count, **_point(run, seconds)}
                     point["cpu_s_per_1k"] = round(cpu / max(1, run.answered) * 1000, 3)
+                    # With 2 workers the supervisor is the slot server: its share of the CPU.
+                    # (With 1 worker there is no supervisor: serve runs the gateway itself.)
+                    shared = count > 1 and cpu > 0
+                    point["supervisor_cpu_share"] = round(supervisor / cpu, 3) if shared else None
                     points.append(point)
         finally:
             upstream.stop()
@@ -255,7 +267,14 @@ def table(result: dict[str, Any]) -> str:
             f"| shapegate, {p['workers']} worker{'s' if p['workers'] > 1 else ''} | "
             f"{p['rps']:,} | {p['p50_ms']} | {p['p99_ms']} | {p['errors']} | {p['cpu_s_per_1k']} |"
         )
-    lines += ["", f"scaling, 2 workers over 1: {result['scaling']}x"]
+    share = result["points"][-1]["supervisor_cpu_share"]
+    lines += [
+        "",
+        f"scaling, 2 workers over 1: {result['scaling']}x",
+        f"the supervisor (slot server) at 2 workers: {share:.1%} of the gateway's CPU"
+        if share is not None
+        else "",
+    ]
     return "\n".join(lines)
 
 

@@ -20,5 +20,7 @@ def test_bench_workers_smoke_measures_one_and_two_workers(tmp_path: Path) -> Non
         assert point["requests"] > 0 and point["errors"] == 0, point
         assert point["cpu_s_per_1k"] > 0  # the supervisor and its workers were measured
         assert 0 < point["p50_ms"] <= point["p99_ms"]
+    assert result["points"][0]["supervisor_cpu_share"] is None  # serve alone: no supervisor
+    assert 0 <= result["points"][1]["supervisor_cpu_share"] < 1
     one, two = (p["rps"] for p in result["points"])
     assert result["scaling"] == round(two / one, 3)
