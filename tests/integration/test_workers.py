@@ -225,10 +225,12 @@ async def test_a_worker_killed_with_sigkill_leaks_no_slot_and_comes_back(
             victim = workers[0]
             survivor_pid = workers[1]["pid"]
             os.kill(victim["pid"], signal.SIGKILL)
+            # From now on a new connection each time: pooled ones may be the killed worker's.
+            probe = httpx.AsyncClient(timeout=10, limits=httpx.Limits(max_keepalive_connections=0))
 
             async def reclaimed() -> bool:
                 # The killed worker's slots are back at once, long before its streams would end.
-                state = await gw.state(c)
+                state = await gw.state(probe)
                 mine = [w for w in state["workers"] if w["pid"] == survivor_pid]
                 return bool(mine) and state["lanes"][0]["slots_in_use"] <= mine[0]["in_flight"]
 
@@ -236,13 +238,14 @@ async def test_a_worker_killed_with_sigkill_leaks_no_slot_and_comes_back(
             results = await asyncio.gather(*tasks, return_exceptions=True)
 
             async def restarted() -> bool:
-                state = await gw.state(c)
+                state = await gw.state(probe)
                 return len(state["workers"]) == 2 and victim["pid"] not in {
                     w["pid"] for w in state["workers"]
                 }
 
-            await wait_for(restarted, 30, interval=0.1, what="the worker started again")
-            state = await gw.state(c)
+            await wait_for(restarted, 60, interval=0.1, what="the worker started again")
+            state = await gw.state(probe)
+            await probe.aclose()
             assert state["lanes"][0]["slots_in_use"] == 0 and state["in_flight"] == 0
         # The limit still holds with the new worker (new connections: the pool's old ones to the
         # killed worker are dead).
