@@ -87,6 +87,9 @@ class ServerSettings(_Frozen):
     # Bearer token for /admin/* (also SHAPEGATE_SERVER__ADMIN_TOKEN). Unset: admin endpoints
     # and the dashboard answer loopback clients only.
     admin_token: SecretStr | None = Field(None, min_length=16)
+    # Worker processes behind one listening socket (gateway/edge/workers.py); `serve --workers`
+    # overrides it. Above 1 with the memory store, the supervisor keeps the slots for all.
+    workers: int = Field(1, ge=1, le=64)
 
 
 class LoggingSettings(_Frozen):

@@ -17,12 +17,16 @@ exchange to the pipeline; the rest answer from config or from snapshots of the g
     GET  /dashboard, /admin/dashboard.json       the ops page and its state
     (gateway/observe/dashboard)
 
+With ``serve --workers N`` the admin state, ``/metrics``, the dashboard's state and a reload
+cover every worker (gateway/edge/peers.py asks the others, gateway/observe/merge.py merges).
+
 Any other path answers an OpenAI-shaped 404 and a wrong method an OpenAI-shaped 405
 (Anthropic-shaped on /v1/messages), never FastAPI's ``{"detail": ...}``.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -33,11 +37,13 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Route
 
 from gateway.config_check import parse_policy
-from gateway.edge.exchange import Receive, Scope, Send, read_body, require_media_type
+from gateway.edge.exchange import Receive, Scope, Send, header, read_body, require_media_type
+from gateway.edge.peers import worker_only
 from gateway.edge.reload import reload_policy
 from gateway.edge.services import Gateway
 from gateway.errors import GatewayError, Unauthorized, anthropic_error_body, error_body
 from gateway.observe.dashboard.routes import add_dashboard_routes
+from gateway.observe.merge import merge_admin_state, merge_metrics
 from gateway.request.admission import borrowing_state
 from gateway.request.routes import ENGINE_ROUTES, EngineRoute
 from gateway.settings import ConfigError
@@ -139,7 +145,7 @@ async def admin_state(gateway: Gateway) -> dict[str, Any]:
                 {**engine.as_json(time.time()), "slots_in_use": used[endpoint_key(name, url)]}
             )
         clusters.append({"name": name, "kind": cluster.kind, "endpoints": endpoints})
-    return {
+    state: dict[str, Any] = {
         "policy_version": gateway.pipeline.policy.version,
         "started_at": gateway.started_at,
         "accepting": gateway.pipeline.accepting,
@@ -149,6 +155,47 @@ async def admin_state(gateway: Gateway) -> dict[str, Any]:
         "clusters": clusters,
         "decisions": gateway.recorder.snapshot(),
     }
+    if gateway.group is not None:
+        state["worker"] = {"index": gateway.group.index, "pid": os.getpid()}
+    return state
+
+
+async def gateway_state(gateway: Gateway, scope: Scope) -> dict[str, Any]:
+    """The admin state of the whole gateway: this worker's merged with its peers'."""
+    local = await admin_state(gateway)
+    if gateway.peers is None or worker_only(scope):
+        return local
+    answers = await gateway.peers.ask("GET", "/admin/state")
+    peers = [a.response.json() for a in answers if a.response and a.response.status_code == 200]
+    return merge_admin_state([local, *peers])
+
+
+async def gateway_metrics(gateway: Gateway, scope: Scope) -> bytes:
+    """Prometheus text for the whole gateway: this worker's series merged with its peers'."""
+    local = gateway.metrics.render()
+    if gateway.peers is None or worker_only(scope):
+        return local
+    answers = await gateway.peers.ask("GET", "/metrics")
+    texts = [a.response.text for a in answers if a.response and a.response.status_code == 200]
+    return merge_metrics([local.decode(), *texts], gateway.peers.group.count)
+
+
+async def reload_peers(gateway: Gateway, scope: Scope, raw: bytes) -> dict[str, Any]:
+    """Pass a reload this worker applied on to every other worker (the same file or body)."""
+    if gateway.peers is None or worker_only(scope):
+        return {}
+    media = header(scope, b"content-type")
+    headers = {"content-type": media.decode("latin-1")} if media else {}
+    answers = await gateway.peers.ask("POST", "/admin/reload", raw, headers)
+    failed = [a.worker for a in answers if not (a.response and a.response.status_code == 200)]
+    for answer in answers:
+        if answer.worker in failed:
+            gateway.log.error(
+                "policy.reload_not_passed_on",
+                worker=answer.worker,
+                status=answer.response.status_code if answer.response else None,
+            )
+    return {"workers": {"reloaded": 1 + len(answers) - len(failed), "failed": failed}}
 
 
 def add_routes(app: FastAPI, gateway: Gateway) -> None:
@@ -250,15 +297,17 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
                 "version": result.version,
                 "changed": result.changed,
                 "restart_required": list(result.restart_required),
+                **await reload_peers(gateway, request.scope, raw),
             }
         )
 
     @app.get("/admin/state")
-    async def state() -> dict[str, Any]:
-        return await admin_state(gateway)
+    async def state(request: Request) -> dict[str, Any]:
+        return await gateway_state(gateway, request.scope)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
         return Response(
-            gateway.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
+            await gateway_metrics(gateway, request.scope),
+            media_type="text/plain; version=0.0.4; charset=utf-8",
         )

@@ -22,13 +22,17 @@ from gateway.edge.reload import reload_on_signal, watch_config
 from gateway.edge.services import Gateway
 from gateway.request.routes import ENGINE_ROUTES
 from gateway.settings import Settings
+from gateway.slots.host import WorkerGroup
 from gateway.upstream.engines import watch_latency
 
 
 def create_app(
-    settings: Settings, counter: TokenCounter | None = None, config_path: Path | None = None
+    settings: Settings,
+    counter: TokenCounter | None = None,
+    config_path: Path | None = None,
+    group: WorkerGroup | None = None,
 ) -> ShapegateApp:
-    gateway = Gateway.build(settings, counter, config_path)
+    gateway = Gateway.build(settings, counter, config_path, group)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

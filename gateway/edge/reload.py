@@ -48,6 +48,7 @@ from gateway.upstream.engines import slow_start
 RESTART_ONLY = (
     "server.host",
     "server.port",
+    "server.workers",
     "state",
     "logging",
     "counting",
@@ -106,7 +107,11 @@ async def apply_reload(gateway: Gateway, new: Settings) -> ReloadResult:
     effective = new.model_copy(
         update={
             "server": new.server.model_copy(
-                update={"host": old.server.host, "port": old.server.port}
+                update={
+                    "host": old.server.host,
+                    "port": old.server.port,
+                    "workers": old.server.workers,
+                }
             ),
             "state": old.state,
             "logging": old.logging,

@@ -11,6 +11,10 @@ tens of milliseconds during which the event loop answered nothing: the periodic 
 issue 21 (p99 9x p50 at a steady 100 requests/s). Objects made while serving are collected as
 before; frozen ones are still freed by reference counting, only a cycle among them waits for
 ``gc.unfreeze``.
+``serve_worker`` runs one worker of ``shapegate serve --workers N`` (gateway/edge/workers.py): the
+same server on its own SO_REUSEPORT socket on the port the supervisor reserved, plus a private
+unix socket the other workers reach it on for the gateway-wide views (gateway/edge/peers.py). A
+worker whose supervisor died stops itself the same way, with SIGTERM.
 """
 
 from __future__ import annotations
@@ -18,21 +22,31 @@ from __future__ import annotations
 import gc
 import importlib.util
 import math
+import os
 import signal
+import socket
+import threading
 from pathlib import Path
 
+import structlog
 import uvicorn
 
 from gateway.edge.app import create_app
 from gateway.edge.http_protocol import guarded_protocol
 from gateway.observe.log import configure_logging
 from gateway.settings import Settings
+from gateway.slots.host import WorkerGroup
+
+PARENT_POLL_S = 0.5
+BACKLOG = 2048  # uvicorn's default
 
 
-def uvicorn_config(settings: Settings, config_path: Path | None = None) -> uvicorn.Config:
+def uvicorn_config(
+    settings: Settings, config_path: Path | None = None, group: WorkerGroup | None = None
+) -> uvicorn.Config:
     fast = importlib.util.find_spec("uvloop") and importlib.util.find_spec("httptools")
     return uvicorn.Config(
-        create_app(settings, config_path=config_path),
+        create_app(settings, config_path=config_path, group=group),
         host=settings.server.host,
         port=settings.server.port,
         loop="uvloop" if fast else "asyncio",
@@ -66,3 +80,35 @@ def serve(settings: Settings, config_path: Path | None = None) -> int:
         signal.signal(signum, lambda *_: None)
     server.run()
     return 0
+
+
+def serve_worker(settings: Settings, config_path: Path | None, group: WorkerGroup) -> int:
+    """One worker of a group: serve on the shared port (SO_REUSEPORT) and a private socket."""
+    configure_logging(settings.logging.level, settings.logging.json_output)
+    structlog.contextvars.bind_contextvars(worker=group.index)
+    family = socket.AF_INET6 if ":" in settings.server.host else socket.AF_INET
+    listener = socket.create_server(
+        (settings.server.host, settings.server.port),
+        family=family,
+        backlog=BACKLOG,
+        reuse_port=True,
+    )
+    private = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    path = group.peer_socket(group.index)
+    path.unlink(missing_ok=True)  # a previous worker of this index that was killed
+    private.bind(str(path))
+    os.chmod(path, 0o600)
+    private.listen(128)
+    server = uvicorn.Server(uvicorn_config(settings, config_path, group))
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: None)
+    threading.Thread(target=_stop_when_orphaned, args=(os.getppid(),), daemon=True).start()
+    server.run(sockets=[listener, private])
+    return 0
+
+
+def _stop_when_orphaned(parent: int) -> None:
+    """SIGTERM ourselves (a drain) when the supervisor is gone: nobody would stop us."""
+    while os.getppid() == parent:
+        threading.Event().wait(PARENT_POLL_S)
+    os.kill(os.getpid(), signal.SIGTERM)

@@ -13,6 +13,7 @@ the tracing exporter (flushed within its timeout).
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from engine_pool.monitor import EngineMonitor
 from engine_pool.registry import EnginePool
 from gateway.count.tokens import TokenCounter
 from gateway.edge.auth import ClientAuth
+from gateway.edge.peers import Peers
 from gateway.observe.log import Logger, get_logger
 from gateway.observe.metrics import Metrics
 from gateway.observe.record import Recorder
@@ -34,6 +36,7 @@ from gateway.request.lanes import endpoint_limit
 from gateway.request.pipeline import Pipeline, Policy
 from gateway.request.response_affinity import build_affinity
 from gateway.settings import ConfigError, Settings
+from gateway.slots.host import HostSlotStore, WorkerGroup
 from gateway.slots.store import MemorySlotStore, SlotStore
 from gateway.upstream.engines import EngineEvents, probe_plans
 from gateway.upstream.failover import Failover
@@ -62,11 +65,29 @@ def deadlines_of(settings: Settings) -> list[float]:
     ]
 
 
-def build_store(settings: Settings, metrics: Metrics, log: Logger) -> SlotStore:
+def build_store(
+    settings: Settings, metrics: Metrics, log: Logger, group: WorkerGroup | None = None
+) -> SlotStore:
+    """Redis when configured; else the supervisor's slot server for a worker of a group
+    (gateway/slots/host.py), else this process's memory."""
     if settings.state.backend == "redis":
         from gateway.slots.redis_store import RedisSlotStore
 
-        return RedisSlotStore.from_settings(settings.state, metrics, log)
+        state = settings.state
+        if group is not None:
+            # fail_open_local splits each limit between everything that shares it: each
+            # worker of each replica.
+            state = state.model_copy(update={"replicas": state.replicas * group.count})
+        return RedisSlotStore.from_settings(state, metrics, log)
+    if group is not None:
+        return HostSlotStore(
+            group.slot_socket,
+            group.index,
+            metrics=metrics,
+            log=log,
+            # Without the supervisor nothing can be admitted: drain and exit.
+            on_lost=lambda: os.kill(os.getpid(), signal.SIGTERM),
+        )
     return MemorySlotStore()
 
 
@@ -98,6 +119,9 @@ class Gateway:
     config_path: Path | None = None
     # Whether the policy's counter was loaded here (closed here) or passed in by the caller.
     owns_counter: bool = True
+    group: WorkerGroup | None = None
+    # The other workers of the group, for the gateway-wide views (gateway/edge/peers.py).
+    peers: Peers | None = None
     started_at: float = field(default_factory=time.time)
     _monitor_scope: anyio.CancelScope | None = None
 
@@ -107,6 +131,7 @@ class Gateway:
         settings: Settings,
         counter: TokenCounter | None = None,
         config_path: Path | None = None,
+        group: WorkerGroup | None = None,
     ) -> Gateway:
         metrics = Metrics(deadlines_of(settings))
         log = get_logger("gateway")
@@ -114,7 +139,7 @@ class Gateway:
         counter = counter or TokenCounter.from_settings(settings, metrics)
         pool = EnginePool(clusters_of(settings))
         metrics.watch_in_flight(lambda: ((e.cluster, e.url, e.in_flight) for e in pool.engines()))
-        store = build_store(settings, metrics, log)
+        store = build_store(settings, metrics, log, group)
         admission = Admission(store, metrics, log, poll_interval_s=settings.state.poll_interval_s)
         upstream = Upstream()
         keys = cls.engine_keys_for(settings)
@@ -138,6 +163,14 @@ class Gateway:
         monitor = EngineMonitor(pool, probe_plans(settings), events)
         probe = BootProbe(settings, pool, upstream, log, keys)
         _set_limits(metrics, settings)
+        peers = None
+        if group is not None:
+
+            def token_of() -> str | None:
+                token = pipeline.policy.settings.server.admin_token
+                return None if token is None else token.get_secret_value()
+
+            peers = Peers(group, log, metrics, token_of)
         return cls(
             metrics,
             log,
@@ -150,6 +183,8 @@ class Gateway:
             probe,
             config_path,
             owns_counter,
+            group,
+            peers,
         )
 
     @staticmethod
@@ -219,3 +254,5 @@ class Gateway:
             tracing = self.recorder.tracing
             if tracing is not None:
                 await anyio.to_thread.run_sync(tracing.close)
+        if self.peers is not None:
+            await self.peers.aclose()

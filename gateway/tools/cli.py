@@ -12,6 +12,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 from engine_pool.launch import policy_warnings
@@ -21,6 +22,7 @@ from gateway.settings import ConfigError, Settings
 from gateway.shipped import policy_names, resolve_policy
 from gateway.tools.extras import MissingExtra
 
+MAX_WORKERS = 64  # server.workers' bound (gateway/settings.py)
 REGISTRARS: tuple[str, ...] = (
     # one module path a line
     "gateway.tools.sim_support",
@@ -32,8 +34,17 @@ REGISTRARS: tuple[str, ...] = (
 )
 
 
+def _worker_count(text: str) -> int:
+    count = int(text) if text.strip().isdigit() else 0
+    if not 1 <= count <= MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 1 to {MAX_WORKERS}")
+    return count
+
+
 def _serve(args: argparse.Namespace) -> int:
-    from gateway.edge.server import serve
+    from gateway.edge.server import serve, serve_worker
+    from gateway.edge.workers import supervise
+    from gateway.slots.host import WorkerGroup
 
     path = resolve_policy(args.config)
     try:
@@ -47,11 +58,18 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["host"] = args.host
     if args.port is not None:
         overrides["port"] = args.port
+    if args.workers is not None:
+        overrides["workers"] = args.workers
     if overrides:
         settings = settings.model_copy(
             update={"server": settings.server.model_copy(update=overrides)}
         )
     try:
+        if args.worker_index is not None:  # started by the supervisor (gateway/edge/workers.py)
+            group = WorkerGroup(args.worker_index, settings.server.workers, Path(args.worker_dir))
+            return serve_worker(settings, path, group)
+        if settings.server.workers > 1:
+            return supervise(settings, path, settings.server.workers)
         return serve(settings, path)
     except ConfigError as exc:  # a tokenizer or template that fails to load at boot
         print(f"shapegate: {policy.located(exc)}", file=sys.stderr)
@@ -96,6 +114,10 @@ def describe_policy(settings: Settings) -> str:
     state = settings.state
     where = f" at {state.redis_url}" if state.backend == "redis" else ""
     lines.append(f"state: {state.backend}{where}, on redis down: {state.on_redis_down}")
+    workers = settings.server.workers
+    if workers > 1:
+        kept = "Redis" if state.backend == "redis" else "the supervisor's slot server"
+        lines.append(f"workers: {workers}, slots kept by {kept}")
     return "\n".join(lines)
 
 
@@ -147,6 +169,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", required=True, help=POLICY_HELP)
     serve.add_argument("--host", default=None, help="listen address (default: server.host)")
     serve.add_argument("--port", type=int, default=None, help="listen port (default: server.port)")
+    serve.add_argument(
+        "--workers",
+        type=_worker_count,
+        default=None,
+        help="worker processes on the one port (default: server.workers); above 1, a "
+        "supervisor keeps the slots of all of them unless state.backend is redis",
+    )
+    # How the supervisor starts a worker (gateway/edge/workers.py); not for people.
+    serve.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
+    serve.add_argument("--worker-dir", default=None, help=argparse.SUPPRESS)
     serve.set_defaults(func=_serve)
 
     check = sub.add_parser(

@@ -17,7 +17,8 @@ Contract (``admin_access`` is pure; ``AdminGuard`` applies it to every HTTP requ
   cannot attach a bearer header to a navigation; the page reads the token from the URL fragment
   (``/dashboard#token=...``, never sent to a server, so never in an access log) and sends it on
   every state request.
-- Without a token, the whole admin surface answers loopback clients only (403 otherwise), and
+- Without a token, the whole admin surface answers loopback clients only (403 otherwise; a
+  client on a unix socket is a local process and counts as loopback), and
   only under a loopback ``Host`` (``localhost`` or a loopback address): a name an attacker
   controls that resolves to 127.0.0.1 (DNS rebinding) makes a page same-origin with the
   gateway, and the ``Host`` header is what still tells. Behind a reverse proxy on the same host
@@ -98,6 +99,8 @@ class AdminRequest:
     sec_fetch_site: str | None = None
     authorization: str | None = None
     admin_header: bool = False
+    # Arrived on a unix socket (a worker's private one, gateway/edge/workers.py): a local process.
+    unix_socket: bool = False
 
     @classmethod
     def from_scope(cls, scope: Scope) -> AdminRequest:
@@ -106,6 +109,7 @@ class AdminRequest:
             return None if value is None else value.decode("latin-1")
 
         client = scope.get("client")
+        server = scope.get("server")
         return cls(
             path=scope["path"],
             method=scope.get("method", "GET"),
@@ -115,6 +119,7 @@ class AdminRequest:
             sec_fetch_site=text(b"sec-fetch-site"),
             authorization=text(b"authorization"),
             admin_header=header(scope, ADMIN_HEADER) is not None,
+            unix_socket=not client and server is not None and server[1] is None,
         )
 
 
@@ -162,7 +167,7 @@ def admin_access(req: AdminRequest, token: str | None) -> Verdict:
         )
     given = _bearer(req.authorization)
     if token is None:
-        if not is_loopback(req.client_host):
+        if not (req.unix_socket or is_loopback(req.client_host)):
             return Verdict(
                 False,
                 403,

@@ -2,7 +2,9 @@
 
     GET /dashboard                  the page (index.html); no build step, no CDN, no fonts
     GET /dashboard/static/<file>    app.js, style.css (read once at start-up, served from memory)
-    GET /admin/dashboard.json       the state the page polls (see state.py)
+    GET /admin/dashboard.json       the state the page polls (see state.py); with workers
+                                    (gateway/edge/workers.py), every worker's merged
+                                    (gateway/observe/merge.py)
 
 The page's files are package data, read when the routes are added: a missing file is a start-up
 error, and no request path ever reaches the filesystem.
@@ -13,11 +15,14 @@ from __future__ import annotations
 from importlib import resources
 from typing import TYPE_CHECKING
 
-from fastapi import FastAPI
+import orjson
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from gateway.edge.peers import worker_only
 from gateway.observe.dashboard.guard import AdminGuard
 from gateway.observe.dashboard.state import StateCache, StoreWatch, build_state
+from gateway.observe.merge import merge_dashboard
 
 if TYPE_CHECKING:
     from gateway.edge.services import Gateway
@@ -57,7 +62,16 @@ def add_dashboard_routes(app: FastAPI, gateway: Gateway, min_interval_s: float =
     async def build() -> dict[str, object]:
         return await build_state(gateway, watch)
 
-    cache = StateCache(build, min_interval_s)
+    async def build_all() -> dict[str, object]:
+        local = orjson.loads(await cache.get())
+        if gateway.peers is None:
+            return dict(local)
+        answers = await gateway.peers.ask("GET", "/admin/dashboard.json")
+        ok = [a.response.json() for a in answers if a.response and a.response.status_code == 200]
+        return merge_dashboard([local, *ok])
+
+    cache = StateCache(build, min_interval_s)  # this worker's
+    whole = StateCache(build_all, min_interval_s)  # the gateway's
 
     @app.get("/dashboard")
     async def dashboard() -> Response:
@@ -70,9 +84,10 @@ def add_dashboard_routes(app: FastAPI, gateway: Gateway, min_interval_s: float =
         return Response(files[name], media_type=STATIC[name], headers=PAGE_HEADERS)
 
     @app.get("/admin/dashboard.json")
-    async def dashboard_state() -> Response:
+    async def dashboard_state(request: Request) -> Response:
+        alone = gateway.peers is None or worker_only(request.scope)
         return Response(
-            await cache.get(),
+            await (cache if alone else whole).get(),
             media_type="application/json",
             headers={"cache-control": "no-store", "x-content-type-options": "nosniff"},
         )

@@ -17,6 +17,7 @@ Contract:
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -192,7 +193,14 @@ async def build_state(gateway: Gateway, watch: StoreWatch | None = None) -> dict
             "swallowed": _counter_totals(metrics.swallowed_errors.collect(), "where"),
             "watchdog": _counter_totals(metrics.watchdog_events.collect(), "kind"),
         },
+        **_worker(gateway),
     }
+
+
+def _worker(gateway: Gateway) -> dict[str, Any]:
+    if gateway.group is None:
+        return {}
+    return {"worker": {"index": gateway.group.index, "pid": os.getpid()}}
 
 
 class StateCache:

@@ -23,6 +23,7 @@ SUITES: tuple[str, ...] = (
     "gateway.tools.bench.tracing",  # shapegate bench tracing
     "gateway.tools.bench.fidelity",  # shapegate bench fidelity
     "gateway.tools.bench.borrow",  # shapegate bench borrow
+    "gateway.tools.bench.workers",  # shapegate bench workers
     # one module path a line
 )
 

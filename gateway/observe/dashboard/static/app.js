@@ -287,6 +287,8 @@
       pill('watchdog', num(wd), wd ? 'warn' : ''),
       unrouted ? pill('no lane', num(unrouted), 'warn', 'requests rejected before a lane was chosen (5 min)') : null,
       d.policy_version !== null && d.policy_version !== undefined ? pill('policy', String(d.policy_version)) : null,
+      d.workers ? pill('workers', String(d.workers.length), d.workers.every((w) => w.accepting) ? '' : 'warn',
+        d.workers.map((w) => `worker ${w.index} (pid ${w.pid}): ${w.in_flight} in flight, policy ${w.policy_version}`).join('\n')) : null,
       pill('up', dur(up)),
     ));
   }
