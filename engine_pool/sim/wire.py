@@ -103,7 +103,16 @@ def chat_content_chunk(
 def chat_usage_chunk(
     id_: str, created: int, model: str, prompt_tokens: int, completion_tokens: int
 ) -> bytes:
-    body = _head(id_, "chat.completion.chunk", created, model)
+    return _usage_chunk(
+        id_, "chat.completion.chunk", created, model, prompt_tokens, completion_tokens
+    )
+
+
+def _usage_chunk(
+    id_: str, object_: str, created: int, model: str, prompt_tokens: int, completion_tokens: int
+) -> bytes:
+    """The last data event of a stream with ``include_usage``: no choices, the usage."""
+    body = _head(id_, object_, created, model)
     body.update(choices=[], usage=usage(prompt_tokens, completion_tokens))
     return sse(body)
 
@@ -128,9 +137,7 @@ def completion_chunk(
 def completion_usage_chunk(
     id_: str, created: int, model: str, prompt_tokens: int, completion_tokens: int
 ) -> bytes:
-    body = _head(id_, "text_completion", created, model)
-    body.update(choices=[], usage=usage(prompt_tokens, completion_tokens))
-    return sse(body)
+    return _usage_chunk(id_, "text_completion", created, model, prompt_tokens, completion_tokens)
 
 
 def _full_body(

@@ -21,15 +21,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
-
-import httptools
+from typing import Any
 
 from gateway.tools.bench.harness import (
     Child,
@@ -41,7 +37,7 @@ from gateway.tools.bench.harness import (
     start_upstream,
     wait_http,
 )
-from gateway.tools.bench.httpload import http_request, new_event_loop, percentile
+from gateway.tools.bench.httpload import LoadResult, closed_loop, new_event_loop, percentile
 from gateway.tools.extras import save, side_by_side
 
 PATH = "/v1/chat/completions"
@@ -72,87 +68,18 @@ def run(args: argparse.Namespace) -> int:
 # -- the closed-loop generator -----------------------------------------------------------------
 
 
-@dataclass
-class Closed:
-    """Samples of one closed-loop run inside its measured window."""
-
-    start: float
-    end: float
-    latencies: list[float] = field(default_factory=list)
-    answered: int = 0  # warm-up included: what the gateway's CPU time over the run served
-    errors: int = 0
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    open: int = 0
+def _closed(runner: asyncio.Runner, port: int, connections: int, seconds: float) -> LoadResult:
+    """httpload's closed loop against ``port`` after a warm-up of ``WARMUP_S`` (not measured)."""
+    runner.run(closed_loop("127.0.0.1", port, PATH, BODY, connections, WARMUP_S))
+    return runner.run(closed_loop("127.0.0.1", port, PATH, BODY, connections, seconds))
 
 
-class _Conn(asyncio.Protocol):
-    def __init__(self, run: Closed, request: bytes) -> None:
-        self._run = run
-        self._request = request
-        self._parser = httptools.HttpResponseParser(self)
-        self._transport: asyncio.Transport | None = None
-        self._sent = 0.0
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._send()
-
-    def _send(self) -> None:
-        assert self._transport is not None
-        self._sent = time.perf_counter()
-        self._transport.write(self._request)
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserError:
-            self._run.errors += 1
-            assert self._transport is not None
-            self._transport.close()
-
-    def on_message_complete(self) -> None:
-        now = time.perf_counter()
-        self._run.answered += 1
-        if self._run.start <= self._sent and now <= self._run.end:
-            if self._parser.get_status_code() == 200:
-                self._run.latencies.append(now - self._sent)
-            else:
-                self._run.errors += 1
-        if now < self._run.end:
-            self._send()
-        elif self._transport is not None:
-            self._transport.close()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if time.perf_counter() < self._run.end:
-            self._run.errors += 1
-        self._run.open -= 1
-        if self._run.open <= 0:
-            self._run.done.set()
-
-
-async def closed_loop(port: int, connections: int, seconds: float) -> Closed:
-    loop = asyncio.get_running_loop()
-    begin = time.perf_counter()
-    run = Closed(start=begin + WARMUP_S, end=begin + WARMUP_S + seconds)
-    request = http_request("127.0.0.1", port, PATH, BODY)
-    for _ in range(connections):
-        run.open += 1
-        await loop.create_connection(lambda: _Conn(run, request), "127.0.0.1", port)
-    await asyncio.wait_for(run.done.wait(), WARMUP_S + seconds + 30)
-    return run
-
-
-def _point(run: Closed, seconds: float) -> dict[str, Any]:
-    lat = run.latencies
+def _point(run: LoadResult) -> dict[str, Any]:
     return {
-        "requests": len(lat),
-        "rps": round(len(lat) / seconds, 1),
-        "p50_ms": round(percentile(lat, 0.5) * 1000, 3),
-        "p99_ms": round(percentile(lat, 0.99) * 1000, 3),
+        "requests": run.ok,
+        "rps": round(run.rate, 1),
+        "p50_ms": round(percentile(run.total, 0.5) * 1000, 3),
+        "p99_ms": round(percentile(run.total, 0.99) * 1000, 3),
         "errors": run.errors,
     }
 
@@ -221,21 +148,25 @@ def measure(*, seconds: float, connections: int, smoke: bool) -> dict[str, Any]:
         upstream, upstream_port = start_upstream(folder, None)
         try:
             with asyncio.Runner(loop_factory=new_event_loop()) as runner:
-                direct = runner.run(closed_loop(upstream_port, connections, seconds))
-                result["direct"] = _point(direct, seconds)
+                result["direct"] = _point(_closed(runner, upstream_port, connections, seconds))
                 points = []
                 for count in (1, 2):
                     gateway, port = start_workers(folder, upstream_port, count)
                     try:
+                        runner.run(
+                            closed_loop("127.0.0.1", port, PATH, BODY, connections, WARMUP_S)
+                        )
                         cpu_before = tree_cpu_s(gateway.pid)
                         supervisor_before = own_cpu_s(gateway.pid)
-                        run = runner.run(closed_loop(port, connections, seconds))
+                        run = runner.run(
+                            closed_loop("127.0.0.1", port, PATH, BODY, connections, seconds)
+                        )
                         cpu = tree_cpu_s(gateway.pid) - cpu_before
                         supervisor = own_cpu_s(gateway.pid) - supervisor_before
                     finally:
                         gateway.stop()
-                    point = {"workers": count, **_point(run, seconds)}
-                    point["cpu_s_per_1k"] = round(cpu / max(1, run.answered) * 1000, 3)
+                    point = {"workers": count, **_point(run)}
+                    point["cpu_s_per_1k"] = round(cpu / max(1, run.ok) * 1000, 3)
                     # With 2 workers the supervisor is the slot server: its share of the CPU.
                     # (With 1 worker there is no supervisor: serve runs the gateway itself.)
                     shared = count > 1 and cpu > 0
