@@ -138,3 +138,27 @@ def gateway_at(counter: TokenCounter) -> Callable[[dict[str, Any]], Any]:
             yield url, settings
 
     return start
+
+
+# Tests that measure time (a release within 1 s, a TTFT ratio, a p99, a cost fit): scripts/check
+# runs them alone after the rest, which it runs on two workers, so no other test shares their
+# cores. A node id, or a file for all of its tests.
+SERIAL = (
+    "tests/reliability/test_disconnect_storm.py",
+    "tests/security/test_hostile_input.py::test_slowloris_is_cut_at_the_header_deadline_and_others_are_unaffected",
+    "tests/gateway/tuning/test_live_replay.py",
+    "tests/gateway/upstream/test_engine_watch.py::test_an_engine_slow_to_first_token_among_its_peers_is_shown_slow_and_still_routed",
+    "tests/gateway/observe/test_metrics.py::test_ttft_itl_and_tokens_are_observed_per_lane",
+    "tests/gateway/request/test_classes_live.py",
+    "tests/gateway/request/test_borrowing_live.py",
+    "tests/gateway/request/test_lanes_hol.py",
+    "tests/gateway/request/test_slot_accounting.py::test_a_few_hundred_mixed_requests_leave_no_slot_behind",
+    "tests/reliability/test_graceful_shutdown.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        nodeid = item.nodeid.split("[")[0]
+        if any(nodeid == s or nodeid.startswith(s + "::") for s in SERIAL):
+            item.add_marker(pytest.mark.serial)
