@@ -92,7 +92,11 @@ async def test_a_trace_played_live_is_measured_as_the_replay_measures(
     measured = live_measure.measure(plays, records, SCALE)
     assert measured is not None and measured.requests == len(trace)
     assert 0 < measured.pre_ms_p50 < 1000
-    assert measured.costs.time_scale == SCALE and measured.costs.gateway_s > 0
+    # The cost splits into the gateway's serial part and the hop's parallel one; a trace with
+    # no burst gives the fit no reason to put any of it in the serial part, but never none at all.
+    costs = measured.costs
+    assert costs.time_scale == SCALE and costs.gateway_s >= 0 and costs.forward_s >= 0
+    assert costs.gateway_s + costs.forward_s > 0
 
 
 async def test_the_player_stops_at_its_deadline(counter: TokenCounter, gateway_at: Any) -> None:
