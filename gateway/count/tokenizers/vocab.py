@@ -2,9 +2,11 @@
 
 Contract: ``load_vocabulary(settings)`` returns a warmed ``Vocabulary`` (the first encode of a
 gigatoken tokenizer costs ~100x a later one, so it is paid here, at start-up) or raises
-``ConfigError`` naming the file and the reason. ``backend: auto`` tries gigatoken first and falls
-back (hf for a ``tokenizer.json``, tiktoken for a ``.tiktoken`` file); the reason for a fallback is
-kept in ``Vocabulary.fallback`` for the start-up log. A named backend gets no fallback.
+``ConfigError`` naming the file and the reason. ``backend: auto`` tries gigatoken first (the
+``[gigatoken]`` extra: it requires numpy) and falls back: for a ``tokenizer.json`` to tiktoken
+when the file is byte-level BPE tiktoken counts exactly (``byte_level.py``), then to Hugging Face
+``tokenizers``; for a ``.tiktoken`` file to tiktoken. The reason for a fallback is kept in
+``Vocabulary.fallback`` for the start-up log. A named backend gets no fallback.
 
 Shipped vocabularies (``source: builtin``, see ``tokenizer_data/README.md``):
     qwen3.6 (alias qwen3.5)  Qwen3.5/3.6 tokenizer.json (zipped), chat_template.jinja
@@ -22,6 +24,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.resources
+import importlib.util
 import json
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
@@ -30,10 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gateway.count.tokenizers.byte_level import tiktoken_eligibility, tiktoken_from_json
 from gateway.count.tokenizers.encoders import (
     Backend,
     Encoder,
-    GigatokenEncoder,
     HFEncoder,
     TiktokenEncoder,
 )
@@ -354,8 +357,6 @@ def _from_hf_json(
         config = _json_header(data.decode("utf-8"))
     except ValueError as exc:
         raise ConfigError(f"tokenizer file {path} is not valid JSON: {exc}") from exc
-    if settings.backend == "tiktoken":
-        raise ConfigError(f"tokenizer file {path}: backend tiktoken cannot read a tokenizer.json")
     try:
         sound, nfc = _bound_sound(config)
         specials = frozenset(
@@ -367,7 +368,14 @@ def _from_hf_json(
     template, variables = _template_files(folder)
 
     def gigatoken() -> Encoder:
-        return _gigatoken(functools.partial(gigatoken_from_json, data), False, limits)
+        _require_gigatoken()
+        return _in_child(functools.partial(gigatoken_from_json, data), "gigatoken", limits)
+
+    def tiktoken_() -> Encoder:
+        reason = tiktoken_eligibility(config)
+        if reason is not None:
+            raise ValueError(f"tiktoken cannot count this tokenizer.json exactly: {reason}")
+        return _in_child(functools.partial(tiktoken_from_json, data), "tiktoken", limits)
 
     def hf() -> Encoder:
         import tokenizers
@@ -375,8 +383,9 @@ def _from_hf_json(
         return HFEncoder(tokenizers.Tokenizer.from_str(data.decode("utf-8")))
 
     order: dict[str, list[tuple[Backend, Callable[[], Encoder]]]] = {
-        "auto": [("gigatoken", gigatoken), ("hf", hf)],
+        "auto": [("gigatoken", gigatoken), ("tiktoken", tiktoken_), ("hf", hf)],
         "gigatoken": [("gigatoken", gigatoken)],
+        "tiktoken": [("tiktoken", tiktoken_)],
         "hf": [("hf", hf)],
     }
     encoder, fallback = _first_that_loads(order[settings.backend], path, on_fallback)
@@ -418,8 +427,11 @@ def _from_tiktoken_file(
     nfc = pretokenizer in _NFC_PRETOKENIZERS
 
     def gigatoken() -> Encoder:
-        recipe = functools.partial(gigatoken_from_tiktoken, str(path), pretokenizer, dict(specials))
-        return _gigatoken(recipe, nfc, limits)
+        _require_gigatoken()
+        recipe = functools.partial(
+            gigatoken_from_tiktoken, str(path), pretokenizer, dict(specials), nfc
+        )
+        return _in_child(recipe, "gigatoken", limits)
 
     def tiktoken_() -> Encoder:
         import tiktoken
@@ -504,9 +516,9 @@ DEFAULT_MAX_RSS_MB = 384.0
 
 @dataclass(frozen=True, slots=True)
 class EncoderLimits:
-    """Where gigatoken runs: in a child process replaced once its resident memory passes
-    ``max_rss_mb`` (gateway/count/tokenizers/worker.py), or, with ``max_rss_mb=None``, in this
-    process, where its encode cache grows without bound."""
+    """Where gigatoken (and tiktoken on a tokenizer.json) runs: in a child process replaced once
+    its resident memory passes ``max_rss_mb`` (gateway/count/tokenizers/worker.py), or, with
+    ``max_rss_mb=None``, in this process, where gigatoken's encode cache grows without bound."""
 
     max_rss_mb: float | None = DEFAULT_MAX_RSS_MB
     metrics: Metrics | None = None
@@ -514,12 +526,22 @@ class EncoderLimits:
     warm_chars: int = 0
 
 
-def _gigatoken(recipe: Callable[[], Any], nfc: bool, limits: EncoderLimits) -> Encoder:
+# What the start-up log says when gigatoken is missing (a plain install: it requires numpy).
+GIGATOKEN_MISSING = "gigatoken is not installed (pip install 'shapegate[gigatoken]')"
+
+
+def _require_gigatoken() -> None:
+    """Say at once that gigatoken is missing, rather than after starting a child process."""
+    if importlib.util.find_spec("gigatoken") is None:
+        raise ModuleNotFoundError(GIGATOKEN_MISSING)
+
+
+def _in_child(recipe: Callable[[], Encoder], backend: Backend, limits: EncoderLimits) -> Encoder:
     if limits.max_rss_mb is None:
-        return GigatokenEncoder(recipe(), nfc=nfc)
+        return recipe()
     return ChildEncoder(
         recipe,
-        nfc=nfc,
+        backend=backend,
         max_rss_mb=limits.max_rss_mb,
         metrics=limits.metrics,
         warm_chars=limits.warm_chars,

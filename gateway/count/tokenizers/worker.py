@@ -1,17 +1,19 @@
-"""gigatoken in a child process, replaced when its memory passes a bound.
+"""A tokenizer in a child process, replaced when its memory passes a bound.
 
-Why: gigatoken 0.10.0 (the official package) keeps every distinct pre-token it has encoded in a
+Why, for gigatoken 0.10.0 (the official package) keeps every distinct pre-token it has encoded in a
 cache inside the tokenizer, with no bound and no way to clear it; text made of ever-new pieces
 (random CJK, base64) grows it by 3-6 MB per MB of text. Loading a fresh tokenizer in the
 gateway's own process would hold the GIL for ~1.3 s (the event loop stalls), and the allocator
 keeps part of what the old one freed. A child process gives both back: it loads off the
 gateway's GIL, and its memory returns to the system when it exits. The child is a fresh
 interpreter (``python -m gateway.count.tokenizers.worker READ_FD WRITE_FD``), not a fork or a
-multiprocessing spawn: nothing of the gateway is copied or re-imported into it.
+multiprocessing spawn: nothing of the gateway is copied or re-imported into it. tiktoken runs
+here too when it stands in for gigatoken on a tokenizer.json (``byte_level.py``): building its
+ranks parses the whole vocabulary (0.7 s, ~100 MB), which the gateway's loop never pays.
 
-Contract of ``ChildEncoder`` (an ``Encoder``, backend ``gigatoken``):
+Contract of ``ChildEncoder`` (an ``Encoder`` with the backend of its recipe):
 - ``encode``, ``decode``, ``count_many``, ``try_count_many`` answer exactly what the same
-  gigatoken tokenizer answers in-process (the child runs ``GigatokenEncoder``; ``decode``'s
+  encoder answers in-process (the child runs what the recipe builds; ``decode``'s
   ``ValueError`` for an id outside the vocabulary is raised here as the same); calls are
   serialised by ``lock``, the calling thread waits on a pipe without holding the GIL.
 - Each answer carries the child's resident memory. Past ``max_rss_mb`` (at least
@@ -49,7 +51,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from gateway.count.tokenizers.encoders import Backend, GigatokenEncoder
+from gateway.count.tokenizers.encoders import Backend, Encoder, GigatokenEncoder
 from gateway.observe.log import get_logger, swallowed
 
 if TYPE_CHECKING:
@@ -78,7 +80,7 @@ def _rss_mb() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / (1024 * 1024)
 
 
-def _answer(encoder: GigatokenEncoder, op: str, arg: Any) -> Any:
+def _answer(encoder: Encoder, op: str, arg: Any) -> Any:
     if op == "encode":
         return encoder.encode(arg)
     if op == "decode":
@@ -90,8 +92,8 @@ def _serve(inbox: Connection, outbox: Connection) -> None:
     """The child: read its recipe, build the tokenizer, warm it, then answer calls until the
     gateway closes its end of the pipe (or dies)."""
     try:
-        recipe, nfc, warm_chars = inbox.recv()
-        encoder = GigatokenEncoder(recipe(), nfc=nfc)
+        recipe, warm_chars = inbox.recv()
+        encoder: Encoder = recipe()
         encoder.count_many([_WARM_TEXT, _WARM_TEXT * 64])
         started = time.perf_counter()
         if warm_chars > 0:
@@ -135,7 +137,7 @@ def warm_text(chars: int) -> str:
     return (_WARM_TEXT * (chars // len(_WARM_TEXT) + 1))[:chars]
 
 
-def _start(recipe: Callable[[], Any], nfc: bool, warm_chars: int = 0) -> _Child:
+def _start(recipe: Callable[[], Encoder], warm_chars: int = 0) -> _Child:
     """Start a child (a fresh interpreter: nothing of this process is forked or re-imported)
     and wait until its tokenizer is loaded and warm."""
     started = time.monotonic()
@@ -165,7 +167,7 @@ def _start(recipe: Callable[[], Any], nfc: bool, warm_chars: int = 0) -> _Child:
         started,
     )
     try:
-        child.send.send((recipe, nfc, warm_chars))
+        child.send.send((recipe, warm_chars))
         if not child.recv.poll(READY_TIMEOUT_S):
             raise EncoderFailed(f"tokenizer child not ready within {READY_TIMEOUT_S:g}s")
         status, detail, rss = child.recv.recv()
@@ -217,29 +219,28 @@ def _stop(child: _Child) -> None:
 
 
 class ChildEncoder:
-    backend: Backend = "gigatoken"
     out_of_process = True
 
     def __init__(
         self,
-        recipe: Callable[[], Any],
+        recipe: Callable[[], Encoder],
         *,
-        nfc: bool,
+        backend: Backend,
         max_rss_mb: float,
         metrics: Metrics | None = None,
         warm_chars: int = 0,
     ) -> None:
-        """``recipe`` builds the gigatoken backend object in the child: a picklable callable;
-        each child encodes ``warm_chars`` characters before it answers."""
+        """``recipe`` builds the in-process encoder (of ``backend``) in the child: a picklable
+        callable; each child encodes ``warm_chars`` characters before it answers."""
         self._recipe = recipe
+        self.backend = backend
         self.warm_chars = warm_chars
         self._metrics = metrics
-        self._nfc = nfc
         self.max_rss_mb = max_rss_mb
         self.lock = threading.Lock()
         self.recycles = 0
         self._log = get_logger("tokens")
-        self._child = _start(recipe, nfc, warm_chars)
+        self._child = _start(recipe, warm_chars)
         self._next: _Child | None = None
         self._pending: threading.Thread | None = None
         self._stopped = weakref.finalize(self, _stop_all, [self._child])
@@ -341,7 +342,7 @@ class ChildEncoder:
 
     def _prepare(self) -> None:
         try:
-            self._next = _start(self._recipe, self._nfc, self.warm_chars)
+            self._next = _start(self._recipe, self.warm_chars)
         except EncoderFailed as exc:
             swallowed(self._log, self._metrics, "tokenizer.recycle", exc, "kept_the_old_child")
 
@@ -364,27 +365,29 @@ class ChildEncoder:
 
     def _replace_now(self) -> None:
         old = self._child
-        self._child = _start(self._recipe, self._nfc, self.warm_chars)
+        self._child = _start(self._recipe, self.warm_chars)
         self._stopped.detach()
         self._stopped = weakref.finalize(self, _stop_all, [self._child])
         _stop(old)
 
 
-def gigatoken_from_json(data: bytes) -> Any:
-    """A recipe: gigatoken's backend object from tokenizer.json bytes."""
+def gigatoken_from_json(data: bytes) -> GigatokenEncoder:
+    """A recipe: gigatoken from tokenizer.json bytes (gigatoken applies its normaliser)."""
     import gigatoken as gt
 
     # .backend drops the wrapper, which would keep the 13 MB JSON text alive for as_hf().
-    return gt.Tokenizer.from_json(data).backend
+    return GigatokenEncoder(gt.Tokenizer.from_json(data).backend, nfc=False)
 
 
-def gigatoken_from_tiktoken(path: str, pretokenizer: str, specials: dict[str, int]) -> Any:
-    """A recipe: gigatoken's backend object from a .tiktoken file."""
+def gigatoken_from_tiktoken(
+    path: str, pretokenizer: str, specials: dict[str, int], nfc: bool
+) -> GigatokenEncoder:
+    """A recipe: gigatoken from a .tiktoken file (``nfc``: normalise here, which a .tiktoken
+    file cannot say)."""
     import gigatoken as gt
 
-    return gt.Tokenizer.from_tiktoken(
-        path, pretokenizer=pretokenizer, special_tokens=specials
-    ).backend
+    tokenizer = gt.Tokenizer.from_tiktoken(path, pretokenizer=pretokenizer, special_tokens=specials)
+    return GigatokenEncoder(tokenizer.backend, nfc=nfc)
 
 
 def _stop_all(children: list[_Child]) -> None:

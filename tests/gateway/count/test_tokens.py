@@ -378,8 +378,8 @@ def test_cl100k_has_no_chatml_specials_so_prompts_count_whole(templated: TokenCo
             "'bad'.*no chat template",
         ),
         (
-            {"source": "builtin", "name": "qwen3.6", "backend": "tiktoken"},
-            "tiktoken cannot read a tokenizer.json",
+            {"source": "builtin", "name": "cl100k_base", "backend": "hf"},
+            "backend hf cannot read a .tiktoken file",
         ),
     ],
 )

