@@ -27,13 +27,12 @@ from __future__ import annotations
 import argparse
 import base64
 import gc
+import random
 import statistics
 import time
 from importlib import resources
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from gateway.config_check import load_settings
 from gateway.count.tokenizers.vocab import DEFAULT_MAX_RSS_MB, EncoderLimits, load_vocabulary
@@ -89,15 +88,14 @@ def _settings(max_rss_mb: float | None) -> Settings:
     return base.model_copy(update={"counting": counting})
 
 
-def _text(kind: str, rng: np.random.Generator) -> str:
+def _text(kind: str, rng: random.Random) -> str:
     if kind == "cjk":
-        points = rng.integers(0x4E00, 0x9FFF, PROMPT_BYTES // 3, dtype=np.uint32)
-        return points.astype("<u4").tobytes().decode("utf-32-le")
-    return base64.b64encode(rng.bytes(PROMPT_BYTES * 3 // 4)).decode()
+        return "".join(map(chr, rng.choices(range(0x4E00, 0x9FFF), k=PROMPT_BYTES // 3)))
+    return base64.b64encode(rng.randbytes(PROMPT_BYTES * 3 // 4)).decode()
 
 
 def _flood(counter: TokenCounter, kind: str, mb: float, seed: int) -> dict[str, Any]:
-    rng = np.random.default_rng(seed)
+    rng = random.Random(seed)
     prompts = max(10, int(mb * 2**20 / PROMPT_BYTES))
     before = tree_rss_mb()
     peaks: list[float] = []
