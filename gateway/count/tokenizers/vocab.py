@@ -530,10 +530,15 @@ class EncoderLimits:
 GIGATOKEN_MISSING = "gigatoken is not installed (pip install 'shapegate[gigatoken]')"
 
 
+class BackendUnavailable(Exception):
+    """The backend's optional package is not installed: a plain install's normal state, so
+    ``auto`` passes over it without counting an error (the reason still reaches the log)."""
+
+
 def _require_gigatoken() -> None:
     """Say at once that gigatoken is missing, rather than after starting a child process."""
     if importlib.util.find_spec("gigatoken") is None:
-        raise ModuleNotFoundError(GIGATOKEN_MISSING)
+        raise BackendUnavailable(GIGATOKEN_MISSING)
 
 
 def _in_child(recipe: Callable[[], Encoder], backend: Backend, limits: EncoderLimits) -> Encoder:
@@ -558,6 +563,11 @@ def _first_that_loads(
         try:
             encoder = build()
             _warm(encoder, path)
+        except BackendUnavailable as exc:
+            reasons.append(f"{backend}: {exc}")
+            if i + 1 < len(order):
+                continue
+            raise ConfigError(f"cannot load tokenizer file {path}: {'; '.join(reasons)}") from exc
         # pyo3's PanicException (a Rust assertion in gigatoken) derives from BaseException.
         except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt | SystemExit):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.resources
 import json
+import re
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 import tokenizers
 
+from gateway.count.tokenizers import vocab
 from gateway.count.tokenizers.byte_level import (
     GPT2_PATTERN,
     byte_decoder,
@@ -190,3 +192,17 @@ def test_backend_tiktoken_on_an_ineligible_tokenizer_json_is_a_config_error(
             ConfigError, match=r"tiktoken cannot count this tokenizer\.json exactly"
         ):
             TokenCounter.for_models([{"name": "deepseek", "tokenizer": spec}])
+
+
+def test_backend_gigatoken_when_it_is_not_installed_is_a_config_error_naming_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = vocab.importlib.util.find_spec
+    monkeypatch.setattr(
+        vocab.importlib.util,
+        "find_spec",
+        lambda name, *rest: None if name == "gigatoken" else real(name, *rest),
+    )
+    spec = {"source": "builtin", "name": "qwen3.6", "backend": "gigatoken"}
+    with pytest.raises(ConfigError, match=re.escape("pip install 'shapegate[gigatoken]'")):
+        TokenCounter.for_models([{"name": "m", "tokenizer": spec}])
