@@ -339,6 +339,15 @@ def policy_warnings(settings: Settings) -> list[str]:
                     f"of cluster {name!r}, but its engine runs at most {profile.max_num_seqs} "
                     "sequences: the rest wait inside the engine, out of the gateway's sight"
                 )
+            lend = lane.lend
+            seats = lane.slots.per_endpoint + (lend.per_endpoint if lend is not None else 0)
+            if lend is not None and name in lane.clusters and seats > profile.max_num_seqs:
+                warnings.append(
+                    f"lane {lane.name!r} lends {lend.per_endpoint} seats per endpoint of "
+                    f"cluster {name!r} beside its own {lane.slots.per_endpoint}, but its engine "
+                    f"runs at most {profile.max_num_seqs} sequences: while a request of the lane "
+                    "waits for the borrowers to drain, the excess waits inside the engine"
+                )
             if lane.max_prompt_tokens > profile.max_model_len:
                 warnings.append(
                     f"lane {lane.name!r} admits prompts up to {lane.max_prompt_tokens - 1} "

@@ -278,7 +278,8 @@ class LendSettings(_Frozen):
     to: tuple[str, ...] = Field(min_length=1)
     max_prompt_tokens: int = Field(8192, ge=1)
     max_tokens: int = Field(128, ge=1)
-    # Borrowers on one endpoint at once (keep it at most the engine's max_num_seqs).
+    # Borrowers on one endpoint at once. With the lane's own slots.per_endpoint it should fit the
+    # engine's max_num_seqs (check-config warns when a cluster's engine profile says it does not).
     per_endpoint: int = Field(4, ge=1)
     max_drain_s: float = Field(10.0, ge=0)
 

@@ -161,6 +161,23 @@ def test_production_lanes_follow_the_lessons() -> None:
     assert policy_warnings(settings) == []
 
 
+def test_lending_beyond_the_engines_seats_is_warned() -> None:
+    """A lane's own requests and its borrowers share the engine's max_num_seqs (8 here)."""
+    base = policy(profile())
+    heavy = {
+        **base["lanes"][0],
+        "name": "heavy",
+        "min_prompt_tokens": 30000,
+        "max_prompt_tokens": 32768,
+        "slots": {"lane": 4, "per_endpoint": 4},
+    }
+    base["lanes"][0]["slots"] = {"lane": 4, "per_endpoint": 4}
+    for lent, warned in ((4, False), (5, True)):
+        heavy["lend"] = {"to": ["only"], "max_prompt_tokens": 1000, "per_endpoint": lent}
+        warnings = policy_warnings(parse_settings({**base, "lanes": [base["lanes"][0], heavy]}))
+        assert any("lends" in w and "beside its own 4" in w for w in warnings) is warned, warnings
+
+
 def test_sglang_profile_renders_its_own_flags() -> None:
     engine = profile(
         version="0.5.23",
