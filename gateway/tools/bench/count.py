@@ -9,8 +9,15 @@ cache flatters the exact path):
 - ``exact``: ``count_sync`` with no bound (render, hash, encode); ``cache``: the same prompt again.
 - ``hf``: Hugging Face ``tokenizers`` encoding the same rendered prompt in the same run (the
   baseline the speed-up is a ratio against); its count must equal ours, or the run fails.
+- ``tiktoken``: the plain install's exact path (no ``[gigatoken]`` extra): the same model with
+  ``backend: tiktoken``, in a counter of its own (an empty cache), timed with ``count_sync`` on
+  the very prompts ``exact`` counted; its counts must equal HF's and ours, or the run fails.
+  ``exact_by_backend`` puts each backend's p50 beside its ratio to the HF baseline; ``exact`` is
+  labelled with the backend the policy's ``auto`` actually loaded (``exact_backend``): without
+  gigatoken that is tiktoken too, and the gigatoken figures are null (absent), not an error.
 - ``loop stall``: the longest delay of a 1 ms asyncio ticker while a 300k-token count runs
-  through ``count()`` (worker thread, GIL released) and inline on the loop.
+  through ``count()`` (worker thread, GIL released) and inline on the loop; for the plain
+  install's tiktoken too (``plain_install.loop_stall``, one core).
 - RSS after the demo tokenizers load (before the HF baseline loads), and the calibration report:
   characters and bytes per token for prose, code and JSON on every shipped vocabulary.
 Targets (from issue 3) are checked and printed; ``--smoke`` scales sizes and thresholds by 0.1 and
@@ -39,10 +46,10 @@ from gateway.config_check import load_settings
 from gateway.count.tokenizers.vocab import Vocabulary
 from gateway.count.tokens import TokenCounter
 from gateway.request.protocol import ChatPrompt, parse_request
-from gateway.settings import ModelSettings, Settings, TokenizerSettings
+from gateway.settings import ConfigError, ModelSettings, Settings, TokenizerSettings
 from gateway.shipped import resolve_policy
 from gateway.tools.bench.corpus import KINDS, Corpus
-from gateway.tools.bench.harness import package_version, tree_rss_mb, with_targets
+from gateway.tools.bench.harness import machine_line, package_version, tree_rss_mb, with_targets
 
 SIZES = (("3k", 3_000, 300), ("32k", 32_000, 40), ("300k", 300_000, 15))
 # Requests decided before the timed ones: a running gateway's tokenizer is warm (gigatoken keeps
@@ -200,6 +207,12 @@ def _measure(settings: Settings, *, smoke: bool, all_cpus: set[int] | None) -> d
     )
     rss_counted = _rss_mb() - bench_texts / 2**20
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    plain = _plain_install(
+        settings,
+        requests,
+        counter.tokenizer_id(model),
+        lambda other: _loop_stall(other, model, corpus, stall_chars, runs, seed),
+    )
     _against_hf(counter, model, settings.models[0].tokenizer, requests, smoke=smoke)
     calibration = _calibration(counter, model, corpus, chars=20_000 if smoke else 200_000)
     counter.close()
@@ -209,6 +222,7 @@ def _measure(settings: Settings, *, smoke: bool, all_cpus: set[int] | None) -> d
         "scale": scale,
         "model": model,
         "tokenizer": counter.tokenizer_id(model),
+        "exact_backend": _backend(counter.tokenizer_id(model)),
         "exact_above": exact_above,
         "versions": {
             name: package_version(name) for name in ("gigatoken", "tokenizers", "tiktoken")
@@ -223,10 +237,82 @@ def _measure(settings: Settings, *, smoke: bool, all_cpus: set[int] | None) -> d
         },
         "requests": [{k: v for k, v in r.items() if not k.startswith("_")} for r in requests],
         "loop_stall": stall,
+        "plain_install": plain,
         "calibration": calibration,
     }
     result["targets"] = _targets(result)
     return result
+
+
+def _backend(tokenizer_id: str) -> str:
+    """The backend in a tokenizer id: ``Vocabulary.id`` is ``{name}/{encoder.backend}``."""
+    return tokenizer_id.rsplit("/", 1)[-1]
+
+
+def _plain_install(
+    settings: Settings,
+    requests: list[dict[str, Any]],
+    ours: str,
+    loop_stall: Callable[[TokenCounter], dict[str, Any]],
+) -> dict[str, Any]:
+    """The plain install's exact path: the policy's first model with ``backend: tiktoken``.
+
+    Loaded as the gateway loads it (``TokenCounter.from_settings``, warm-up included), in a counter
+    of its own so its cache is empty; each request's fresh prompts counted once with
+    ``count_sync`` (``request["tiktoken"]``). Counts that differ from ours fail the run. A
+    vocabulary tiktoken cannot count exactly is reported absent, with the reason.
+    """
+    first = settings.models[0]
+    forced = first.model_copy(
+        update={"tokenizer": first.tokenizer.model_copy(update={"backend": "tiktoken"})}
+    )
+    rss_before = _rss_mb()
+    started = time.perf_counter()
+    try:
+        counter = TokenCounter.from_settings(settings.model_copy(update={"models": (forced,)}))
+    except ConfigError as exc:
+        return {"backend": None, "absent": str(exc)}
+    load_s = time.perf_counter() - started
+    rss_added = _rss_mb() - rss_before
+    try:
+        for request in requests:
+            times, counts = [], []
+            for prompt in request["_prompts"]:
+                started = time.perf_counter()
+                counts.append(counter.count_sync(first.name, prompt).tokens)
+                times.append(time.perf_counter() - started)
+            if counts != request["_counts"]:
+                raise RuntimeError(
+                    f"{request['size']}: tiktoken counts {counts}, {ours} {request['_counts']}"
+                )
+            request["tiktoken"] = _stats(times)
+            request["_tiktoken_counts"] = counts
+        stall = {"1_core": loop_stall(counter)}
+        tokenizer = counter.tokenizer_id(first.name)
+    finally:
+        counter.close()
+    return {
+        "backend": _backend(tokenizer),
+        "tokenizer": tokenizer,
+        "load_s": round(load_s, 3),
+        "rss_mb_added": round(rss_added, 1),
+        "loop_stall": stall,
+    }
+
+
+def _by_backend(request: dict[str, Any], exact_backend: str) -> dict[str, Any]:
+    """Exact-count p50 and p99 by backend, with the HF baseline's p50 over it; None: absent.
+
+    ``tiktoken`` is the plain install's counter (even when ``auto`` also loaded tiktoken)."""
+    figures: dict[str, dict[str, Any] | None] = {"gigatoken": None, "tiktoken": None}
+    if exact_backend in figures:
+        figures[exact_backend] = request["exact"]
+    figures["tiktoken"] = request.get("tiktoken", figures["tiktoken"])
+    hf_p50 = request["hf"]["p50_ms"]
+    return {
+        backend: None if stats is None else {**stats, "x_hf": round(hf_p50 / stats["p50_ms"], 1)}
+        for backend, stats in figures.items()
+    }
 
 
 def _chars_per_token(counter: TokenCounter, model: str, corpus: Corpus) -> float:
@@ -349,7 +435,7 @@ def _against_hf(
     *,
     smoke: bool,
 ) -> None:
-    """Time HF tokenizers on the very prompts counted exactly; the counts must agree."""
+    """Time HF tokenizers on the very prompts counted exactly; every backend's counts must agree."""
     import tokenizers
 
     from gateway.count.tokenizers.vocab import builtin_path, read_tokenizer_json
@@ -366,15 +452,23 @@ def _against_hf(
     for request in requests:
         runs = 1 if smoke else HF_RUNS[request["size"]]
         times = []
-        for prompt, ours in list(zip(request["_prompts"], request["_counts"], strict=True))[:runs]:
+        plain = request.get("_tiktoken_counts", request["_counts"])
+        for prompt, ours, tiktoken_count in list(
+            zip(request["_prompts"], request["_counts"], plain, strict=True)
+        )[:runs]:
             text = counter.render_chat(model, prompt)
             started = time.perf_counter()
             theirs = len(hf.encode(text, add_special_tokens=False).ids)
             times.append(time.perf_counter() - started)
-            if theirs != ours:
-                raise RuntimeError(f"{request['size']}: HF counts {theirs}, shapegate {ours}")
+            if not theirs == ours == tiktoken_count:
+                raise RuntimeError(
+                    f"{request['size']}: HF counts {theirs}, shapegate {ours} "
+                    f"(plain install's tiktoken {tiktoken_count})"
+                )
         request["hf"] = _stats(times)
         request["hf_agrees"] = True
+        request["tiktoken_agrees"] = "_tiktoken_counts" in request
+        request["exact_by_backend"] = _by_backend(request, _backend(counter.tokenizer_id(model)))
         request["speedup_exact_vs_hf"] = round(
             request["hf"]["p50_ms"] / request["exact"]["p50_ms"], 1
         )
@@ -461,10 +555,16 @@ def _table(result: dict[str, Any]) -> str:
     lines = [
         f"shapegate bench count: {result['tokenizer']} on cpus {result['cpu_affinity']}"
         f"{' (SMOKE: sizes x0.1, figures not meaningful)' if result['smoke'] else ''}",
+        machine_line(result["machine"]),
         f"exact_above={result['exact_above']}  load={result['load_s']}s  "
         f"rss after load={result['rss_mb']['after_load']} MB, after counting "
-        f"{result['rss_mb']['after_counting_less_bench_texts']} MB (gigatoken's pre-token cache "
-        "grows with every new word it sees, in a child replaced past its bound)",
+        f"{result['rss_mb']['after_counting_less_bench_texts']} MB"
+        + (
+            " (gigatoken's pre-token cache grows with every new word it sees, in a child "
+            "replaced past its bound)"
+            if result["exact_backend"] == "gigatoken"
+            else ""
+        ),
         "",
         f"{'size':>5} {'tokens':>8} {'decide p50':>11} {'how':>6} {'exact p50':>10} "
         f"{'cache p50':>10} {'HF p50':>9} {'x HF':>7} {'jinja decide':>12}",
@@ -478,9 +578,14 @@ def _table(result: dict[str, Any]) -> str:
             f"{r.get('decide_own_template', {}).get('p50_ms', float('nan')):>10.3f}ms"
         )
     lines.append("")
-    for cores, stall in result["loop_stall"].items():
+    lines += _by_backend_lines(result)
+    lines.append("")
+    plain = result["plain_install"]
+    stalls = [(result["exact_backend"], c, s) for c, s in result["loop_stall"].items()]
+    stalls += [(plain["backend"], c, s) for c, s in plain.get("loop_stall", {}).items()]
+    for backend, cores, stall in stalls:
         lines.append(
-            f"event loop, {cores}, {stall['prompt_chars']}-char count: via count() "
+            f"event loop, {backend}, {cores}, {stall['prompt_chars']}-char count: via count() "
             f"{stall['worker_thread']['count_ms']} ms, 1 ms ticker late <= "
             f"{stall['worker_thread']['max_tick_late_ms']} ms; inline "
             f"{stall['inline']['count_ms']} ms, late <= {stall['inline']['max_tick_late_ms']} ms"
@@ -495,3 +600,33 @@ def _table(result: dict[str, Any]) -> str:
             f"{c['bytes_per_token']:>9} {c['chars_over_4_vs_real']:>15}"
         )
     return with_targets(lines, result["targets"])
+
+
+def _by_backend_lines(result: dict[str, Any]) -> list[str]:
+    """Exact counts of the same prompts by backend, p50 and its ratio to HF's in this run."""
+    plain = result["plain_install"]
+    lines = [
+        "exact count of the same prompts, p50 (x HF: HF p50 over it, same run); tiktoken is the "
+        "plain install (no [gigatoken] extra)"
+        + (f", absent: {plain['absent']}" if plain["backend"] is None else ""),
+        f"{'size':>5} {'tokens':>8} {'gigatoken':>18} {'tiktoken':>18} {'HF':>10}",
+    ]
+    for r in result["requests"]:
+        cells = []
+        for backend in ("gigatoken", "tiktoken"):
+            figures = r["exact_by_backend"][backend]
+            cells.append(
+                "absent"
+                if figures is None
+                else f"{figures['p50_ms']:.3f}ms x{figures['x_hf']:<5.1f}"
+            )
+        lines.append(
+            f"{r['size']:>5} {r['tokens']:>8} {cells[0]:>18} {cells[1]:>18} "
+            f"{r['hf']['p50_ms']:>8.3f}ms"
+        )
+    if plain["backend"] is not None:
+        lines.append(
+            f"plain install counter ({plain['tokenizer']}): loaded in {plain['load_s']} s, "
+            f"+{plain['rss_mb_added']} MB RSS"
+        )
+    return lines

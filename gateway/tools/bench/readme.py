@@ -185,6 +185,7 @@ def _count(r: dict[str, Any], plots: Path) -> list[str]:
             f"| {q['cache']['p50_ms']:.3f} | {'-' if hf is None else f'{hf:.1f}'} "
             f"| {q.get('speedup_decide_vs_hf', '-')} |"
         )
+    lines += _count_by_backend(r)
     rss = r["rss_mb"]
     lines += [
         "",
@@ -193,6 +194,43 @@ def _count(r: dict[str, Any], plots: Path) -> list[str]:
         *_targets(r),
         "",
     ]
+    return lines
+
+
+def _count_by_backend(r: dict[str, Any]) -> list[str]:
+    """What a plain install (tiktoken, no ``[gigatoken]`` extra) gives up, from the same run."""
+    plain = r.get("plain_install")
+    if plain is None or "exact_by_backend" not in r["requests"][0]:
+        return []  # count.json predates the plain install's figures
+    if plain["backend"] is None:
+        return ["", f"The plain install's tiktoken path: absent ({plain['absent']})."]
+
+    def cell(figures: dict[str, Any] | None) -> str:
+        return "absent" if figures is None else f"{figures['p50_ms']:.3f} (x{figures['x_hf']})"
+
+    lines = [
+        "",
+        "Exact count of the same prompts by backend, p50 ms (x: HF p50 over it, same run). "
+        "`gigatoken` needs the `[gigatoken]` extra; a plain `pip install shapegate` counts with "
+        "`tiktoken` on ranks rewritten from the tokenizer.json (counts equal HF's).",
+        "",
+        "| size | tokens | gigatoken | tiktoken (plain install) | HF |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for q in r["requests"]:
+        by = q["exact_by_backend"]
+        lines.append(
+            f"| {q['size']} | {q['tokens']} | {cell(by['gigatoken'])} | {cell(by['tiktoken'])} "
+            f"| {q['hf']['p50_ms']:.1f} |"
+        )
+    for cores, stall in plain["loop_stall"].items():
+        lines += [
+            "",
+            f"Plain install, {cores.replace('_', ' ')}, a {stall['prompt_chars']}-character count "
+            f"through `count()`: {stall['worker_thread']['count_ms']} ms, a 1 ms ticker late by "
+            f"at most {stall['worker_thread']['max_tick_late_ms']} ms (inline: "
+            f"{stall['inline']['max_tick_late_ms']} ms).",
+        ]
     return lines
 
 

@@ -1,13 +1,19 @@
-"""``shapegate bench count --smoke``: runs end to end, writes its JSON, restores CPU affinity."""
+"""``shapegate bench count --smoke``: runs end to end, writes its JSON, restores CPU affinity.
+
+Beside gigatoken and the HF baseline it times the plain install's tiktoken on the same prompts,
+with the same counts; without gigatoken its figures are reported absent.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from gateway.count.tokenizers import vocab
 from gateway.tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -30,6 +36,12 @@ def test_bench_count_smoke_writes_results(
     assert by_size["300k"]["decide_methods"] == ["exact"]
     assert by_size["300k"]["cache_methods"] == ["cache"]
     assert all(r["hf_agrees"] and r["hf"]["p50_ms"] > 0 for r in result["requests"])
+    assert_plain_install(result)
+    assert result["exact_backend"] == "gigatoken"
+    for r in result["requests"]:  # gigatoken's figures are the exact ones, with their ratio
+        gigatoken = r["exact_by_backend"]["gigatoken"]
+        assert gigatoken["p50_ms"] == r["exact"]["p50_ms"]
+        assert gigatoken["x_hf"] == round(r["hf"]["p50_ms"] / r["exact"]["p50_ms"], 1)
     assert by_size["3k"]["tokens"] < by_size["32k"]["tokens"] < by_size["300k"]["tokens"]
     assert {(c["vocabulary"], c["kind"]) for c in result["calibration"]} == {
         (v, k)
@@ -47,5 +59,44 @@ def test_bench_count_smoke_writes_results(
     assert "1_core" in result["loop_stall"]
     out = capsys.readouterr().out
     assert "chars/tok" in out and "300k" in out
+    assert "event loop, tiktoken, 1_core" in out
     if cpus is not None:
         assert os.sched_getaffinity(0) == cpus
+
+
+def assert_plain_install(result: dict[str, Any]) -> None:
+    """The tiktoken counter timed every prompt, agreed with HF, and has its ratio and loop stall."""
+    plain = result["plain_install"]
+    assert plain["backend"] == "tiktoken" and plain["tokenizer"] == "qwen3.6/tiktoken"
+    assert plain["load_s"] > 0
+    stall = plain["loop_stall"]["1_core"]
+    assert stall["worker_thread"]["count_ms"] > 0 and stall["inline"]["count_ms"] > 0
+    for r in result["requests"]:
+        assert r["tiktoken_agrees"] is True
+        assert r["tiktoken"]["n"] == r["exact"]["n"] and r["tiktoken"]["p50_ms"] > 0
+        tiktoken = r["exact_by_backend"]["tiktoken"]
+        assert tiktoken["p50_ms"] == r["tiktoken"]["p50_ms"]
+        assert tiktoken["x_hf"] == round(r["hf"]["p50_ms"] / r["tiktoken"]["p50_ms"], 1)
+
+
+def test_bench_count_without_gigatoken_reports_it_absent(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plain install: ``auto`` loads tiktoken, the run completes, gigatoken's figures are null."""
+    monkeypatch.chdir(ROOT)
+    real = vocab.importlib.util.find_spec
+    monkeypatch.setattr(
+        vocab.importlib.util,
+        "find_spec",
+        lambda name, *rest: None if name == "gigatoken" else real(name, *rest),
+    )
+
+    assert main(["bench", "count", "--smoke", "--out", str(tmp_path)]) == 0
+
+    result = json.loads((tmp_path / "count.json").read_text())
+    assert result["tokenizer"] == "qwen3.6/tiktoken" and result["exact_backend"] == "tiktoken"
+    assert all(r["exact_by_backend"]["gigatoken"] is None for r in result["requests"])
+    assert all(r["hf_agrees"] for r in result["requests"])
+    assert_plain_install(result)
+    out = capsys.readouterr().out
+    assert "absent" in out and "event loop, gigatoken" not in out
