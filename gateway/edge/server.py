@@ -33,6 +33,7 @@ import uvicorn
 
 from gateway.edge.app import create_app
 from gateway.edge.http_protocol import guarded_protocol
+from gateway.lifetime import trim_heap
 from gateway.observe.log import configure_logging
 from gateway.settings import Settings
 from gateway.slots.host import WorkerGroup
@@ -62,10 +63,11 @@ def uvicorn_config(
 
 
 def settle_heap() -> int:
-    """Collect, then freeze every object alive now out of the cyclic collector's walks; the
-    number of frozen objects."""
+    """Collect, then freeze every object alive now out of the cyclic collector's walks, and give
+    what start-up freed back to the system; the number of frozen objects."""
     gc.collect()
     gc.freeze()
+    trim_heap()
     return gc.get_freeze_count()
 
 

@@ -52,6 +52,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from gateway.count.tokenizers.encoders import Backend, Encoder, GigatokenEncoder
+from gateway.lifetime import trim_heap
 from gateway.observe.log import get_logger, swallowed
 
 if TYPE_CHECKING:
@@ -99,6 +100,7 @@ def _serve(inbox: Connection, outbox: Connection) -> None:
         if warm_chars > 0:
             encoder.count_many([warm_text(warm_chars)])
         warm_ms = (time.perf_counter() - started) * 1000
+        trim_heap()  # what the load and the warm-up freed: the memory bound watches RSS
     # pyo3's PanicException derives from BaseException; the parent raises what it is told.
     except BaseException as exc:  # noqa: BLE001 - sent to the parent, which raises it
         outbox.send(("failed", f"{type(exc).__name__}: {str(exc)[:500]}", _rss_mb()))
