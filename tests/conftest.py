@@ -154,6 +154,9 @@ SERIAL = (
     "tests/gateway/request/test_lanes_hol.py",
     "tests/gateway/request/test_slot_accounting.py::test_a_few_hundred_mixed_requests_leave_no_slot_behind",
     "tests/reliability/test_graceful_shutdown.py",
+    # Replicas at a 1 s lease TTL and a 0.5 s Redis deadline: on two cores shared with the
+    # parallel phase, two of them missed a window in two CI runs (2026-12-01), never alone.
+    "tests/integration/test_redis_gateways.py",
 )
 
 
