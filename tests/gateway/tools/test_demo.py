@@ -95,7 +95,7 @@ def test_the_sdks_work_unchanged_against_the_demo(tmp_path: Path) -> None:
     import httpx
     import openai
 
-    base = free_port() // 100 * 100 % 50000 + 10000
+    base = free_engine_base()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     args = ["demo", "--time-scale", "0.005", "--port", str(port), "--engine-port-base", str(base)]
