@@ -560,27 +560,26 @@ def _first_that_loads(
     on_fallback: Callable[[str, BaseException, str], None] | None,
 ) -> tuple[Encoder, str | None]:
     reasons: list[str] = []
+    last: BaseException | None = None
     for i, (backend, build) in enumerate(order):
         try:
             encoder = build()
             _warm(encoder, path)
-        except BackendUnavailable as exc:
-            reasons.append(f"{backend}: {exc}")
-            if i + 1 < len(order):
-                continue
-            raise ConfigError(f"cannot load tokenizer file {path}: {'; '.join(reasons)}") from exc
         # pyo3's PanicException (a Rust assertion in gigatoken) derives from BaseException.
         except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 raise
-            reasons.append(f"{backend}: {type(exc).__name__}: {str(exc)[:200]}")
-            if i + 1 < len(order):
-                if on_fallback is not None:
-                    on_fallback(backend, exc, f"fallback_to_{order[i + 1][0]}")
+            last = exc
+            if isinstance(exc, BackendUnavailable):  # by design: reported, not counted
+                reasons.append(f"{backend}: {exc}")
                 continue
-            raise ConfigError(f"cannot load tokenizer file {path}: {'; '.join(reasons)}") from exc
+            reasons.append(f"{backend}: {type(exc).__name__}: {str(exc)[:200]}")
+            if i + 1 < len(order) and on_fallback is not None:
+                on_fallback(backend, exc, f"fallback_to_{order[i + 1][0]}")
+            continue
         return encoder, ("; ".join(reasons) or None)
-    raise ConfigError(f"cannot load tokenizer file {path}: no backend to try")
+    why = "; ".join(reasons) or "no backend to try"
+    raise ConfigError(f"cannot load tokenizer file {path}: {why}") from last
 
 
 def _warm(encoder: Encoder, path: Path) -> None:

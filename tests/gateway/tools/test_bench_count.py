@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from gateway.count.tokenizers import vocab
 from gateway.tools.cli import main
+from tests.support.plain_install import hide_gigatoken
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -84,12 +84,7 @@ def test_bench_count_without_gigatoken_reports_it_absent(
 ) -> None:
     """A plain install: ``auto`` loads tiktoken, the run completes, gigatoken's figures are null."""
     monkeypatch.chdir(ROOT)
-    real = vocab.importlib.util.find_spec
-    monkeypatch.setattr(
-        vocab.importlib.util,
-        "find_spec",
-        lambda name, *rest: None if name == "gigatoken" else real(name, *rest),
-    )
+    hide_gigatoken(monkeypatch)
 
     assert main(["bench", "count", "--smoke", "--out", str(tmp_path)]) == 0
 
