@@ -109,6 +109,8 @@ def _workers(states: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             {
                 **s.get("worker", {}),
                 "in_flight": s.get("in_flight"),
+                # Of those in flight, the ones waiting in this worker's queues for a slot.
+                "queued": sum(lane.get("queue_depth") or 0 for lane in s.get("lanes", [])),
                 "accepting": s.get("accepting"),
                 "policy_version": s.get("policy_version"),
             }

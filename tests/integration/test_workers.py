@@ -217,9 +217,11 @@ async def test_a_worker_killed_with_sigkill_leaks_no_slot_and_comes_back(
                     rid = f"k{len(tasks)}"
                     tasks.append(asyncio.create_task(post(c, gw.url, rid, chunks=30, gap=0.1)))
                 state = await gw.state(c)
-                busy = [w for w in state["workers"] if w["in_flight"] > 0]
-                full = state["lanes"][0]["slots_in_use"] == LIMIT
-                return state["workers"] if full and len(busy) == 2 else None
+                # A worker's in_flight counts its waiters too: the victim must hold slots, not
+                # only wait for them, and every request in flight is either held or waiting.
+                holding = [w["in_flight"] - w["queued"] for w in state["workers"]]
+                full = state["lanes"][0]["slots_in_use"] == LIMIT == sum(holding)
+                return state["workers"] if full and min(holding) > 0 else None
 
             workers = await wait_for(both_hold, 10, interval=0.05, what="both workers hold slots")
             victim = workers[0]

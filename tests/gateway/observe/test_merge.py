@@ -63,6 +63,7 @@ def test_admin_state_sums_what_each_worker_holds_and_keeps_the_shared_count() ->
     assert merged["clusters"][0]["endpoints"][0]["in_flight"] == 4
     assert [w["index"] for w in merged["workers"]] == [0, 1]
     assert [w["pid"] for w in merged["workers"]] == [100, 101]
+    assert [(w["in_flight"], w["queued"]) for w in merged["workers"]] == [(1, 1), (3, 2)]
     assert {(d["request_id"], d["worker"]) for d in merged["decisions"]} == {("r1", 1), ("r0", 0)}
 
 
