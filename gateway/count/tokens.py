@@ -290,12 +290,7 @@ class TokenCounter:
         """The exact count of a prompt whose ``count`` settled for its bound (``count`` itself
         when it is exact already), from the plan it kept: a cached piece costs one hash, a
         missing one is encoded as ``count`` would (inline when small, else in the worker)."""
-        if count.method != "bound" or count.plan is None:
-            return count
-        direct = self._direct(count.plan)
-        if direct is not None:
-            return direct
-        step = self._resume(count.plan, time.perf_counter())
+        step = self._looked_up(count)
         return step if isinstance(step, TokenCount) else await self._finish(step)
 
     def exact_now(self, count: TokenCount) -> TokenCount | None:
@@ -307,16 +302,21 @@ class TokenCounter:
     def start_exact(self, count: TokenCount) -> TokenCount | Unfinished:
         """``exact(count)`` when it can be had inline, else what is left once the cache was
         looked up: ``finish`` encodes only those pieces (no second lookup, no second plan)."""
+        step = self._looked_up(count)
+        if isinstance(step, TokenCount):
+            return step
+        found = self._inline(step.plan, step.texts)
+        return step if found is None else self._end(step, found)
+
+    def _looked_up(self, count: TokenCount) -> TokenCount | _Misses:
+        """``count`` once exact already, else counted whole when small, else its pieces looked
+        up in the cache: the exact count, or the pieces that still need encoding."""
         if count.method != "bound" or count.plan is None:
             return count
         direct = self._direct(count.plan)
         if direct is not None:
             return direct
-        step = self._resume(count.plan, time.perf_counter())
-        if isinstance(step, TokenCount):
-            return step
-        found = self._inline(step.plan, step.texts)
-        return step if found is None else self._end(step, found)
+        return self._resume(count.plan, time.perf_counter())
 
     async def finish(self, step: Unfinished) -> TokenCount:
         """The count ``start_exact`` left unfinished: its missing pieces encoded in the worker."""

@@ -39,7 +39,7 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 from engine_pool.cluster import EngineState, EngineView
 from engine_pool.picker import order_endpoints
@@ -77,6 +77,11 @@ class Outcome:
     # The lane whose engine served the request when it borrowed one; its priority class.
     lender: str | None = None
     priority: str = "standard"
+
+    @classmethod
+    def of(cls, key: str, record: TraceRecord, lane: str, **rest: Any) -> Outcome:
+        """The outcome of trace ``record`` in ``lane``: its shape and arrival, then ``rest``."""
+        return cls(key, record.prompt_tokens, record.output_tokens, lane, record.t, **rest)
 
     @property
     def ttft(self) -> float | None:
@@ -264,15 +269,7 @@ class FleetSim:
 
     def _reject(self, key: str, record: TraceRecord, lane: str, now: float, why: str) -> None:
         self._done.append(
-            Outcome(
-                key,
-                record.prompt_tokens,
-                record.output_tokens,
-                lane,
-                record.t,
-                rejected=why,
-                priority=self._priority(record),
-            )
+            Outcome.of(key, record, lane, rejected=why, priority=self._priority(record))
         )
 
     def _use(self, engine: _Engine) -> EndpointUse:
@@ -398,12 +395,10 @@ class FleetSim:
         info = self._open.pop(key)
         record = ticket.record
         self._done.append(
-            Outcome(
+            Outcome.of(
                 key,
-                record.prompt_tokens,
-                record.output_tokens,
+                record,
                 lane,
-                record.t,
                 cluster=info.cluster,
                 admitted=info.admitted,
                 first_token=info.first_token if info.first_token is not None else now,

@@ -293,20 +293,14 @@ def as_result(settings: Settings, plays: Sequence[Play], time_scale: float) -> F
         key = f"r{item.index}"
         if item.status != 200 or item.finished is None or item.sent is None:
             why = item.error or f"http_{item.status}"
-            outcomes.append(
-                Outcome(
-                    key, record.prompt_tokens, record.output_tokens, lane, record.t, rejected=why
-                )
-            )
+            outcomes.append(Outcome.of(key, record, lane, rejected=why))
             continue
         first = item.first_token if item.first_token is not None else item.finished
         outcomes.append(
-            Outcome(
+            Outcome.of(
                 key,
-                record.prompt_tokens,
-                record.output_tokens,
+                record,
                 lane,
-                record.t,
                 cluster=item.cluster,
                 first_token=record.t + (first - item.sent) / time_scale,
                 finished=record.t + (item.finished - item.sent) / time_scale,
