@@ -7,12 +7,13 @@ Contract:
   independently and their counts add up to the count of the whole (tested).
 - ``ChatTemplate(source, variables).render(prompt)`` renders a Hugging Face chat template the way
   transformers does (sandboxed Jinja, ``trim_blocks``/``lstrip_blocks``, ``tojson``,
-  ``raise_exception``, reasoning aliases, ``continue_final_message`` cut at a marker) with the
+  ``raise_exception``, ``continue_final_message`` cut at a marker) with the
   prompt's ``TemplateOptions`` (``add_generation_prompt``, ``continue_final_message``,
-  ``documents``, ``chat_template_kwargs`` such as ``enable_thinking``), after vLLM's message
-  preprocessing (tool-call ``arguments`` JSON strings become objects; array contents of text parts
-  only become those texts joined by newlines, vLLM's "string" content format; content with
-  media parts stays a list, for the template's own placeholders). A template that rejects
+  ``documents``, ``chat_template_kwargs`` such as ``enable_thinking``), over the conversation
+  vLLM builds from the messages (``tokenizers/conversation.py``: the template's content format,
+  developer -> system, the Claude Code billing line dropped, tool-call arguments as objects).
+  ``ChatTemplate.content_format`` is the format vLLM detects for the template ("openai" for
+  Qwen3.6's: text parts reach it as a list and it concatenates them). A template that rejects
   the messages raises ``TemplateRejected``; so does a template error on odd input.
 - The built-in ChatML honours ``add_generation_prompt`` and ``continue_final_message`` (the last
   message left open); it has no variables, so ``chat_template_kwargs`` change nothing there.
@@ -20,9 +21,12 @@ Contract:
 
 What the built-in ChatML renders, and where it differs from Qwen3.6's own template
 (``tokenizer_data/qwen3.6/chat_template.jinja``, the ``hf`` mode):
-- text: a string content as is; text parts of an array joined with "\\n" (vLLM's "string"
-  content format); ``null`` as nothing; image/audio parts render nothing (the engine's
-  placeholder tokens depend on the media and are not counted by either mode).
+- text: vLLM's "string" content format (its own ``template_chatml.jinja`` reads content as a
+  string): a string content as is; text parts of an array joined with "\\n"; ``null`` as
+  nothing; image/audio parts render nothing (the engine's placeholder tokens depend on the
+  media and are not counted). Qwen3.6's template is "openai": its text parts are concatenated.
+- role ``developer``: rendered as ``system`` (merged into one leading system message), as vLLM
+  does for templates that do not name the role.
 - ``tools``: one leading system message, ``# Tools\\n\\n<tools>\\n{json a line}\\n</tools>``.
   Qwen3.6 merges them into the system message with ~230 tokens of instructions.
 - ``tool_calls``: ``\\n<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`` after the
@@ -46,13 +50,18 @@ from jinja2 import TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from gateway.count.tokenizers.conversation import (
+    ContentFormat,
+    TemplateRejected,
+    content_format,
+    conversation,
+    names_developer,
+)
 from gateway.request.protocol import ChatPrompt
 
+__all__ = ["GENERATION_PROMPT", "ChatTemplate", "TemplateRejected", "chatml_pieces"]
+
 GENERATION_PROMPT = "<|im_start|>assistant\n"
-
-
-class TemplateRejected(ValueError):
-    """The chat template refused the messages (as the engine would, with a 400)."""
 
 
 def _text(content: Any) -> str:
@@ -67,23 +76,8 @@ def _text(content: Any) -> str:
     return ""
 
 
-def _is_text_part(part: Any) -> bool:
-    return isinstance(part, dict) and isinstance(part.get("text"), str)
-
-
 def _dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
-
-
-def _arguments(raw: Any) -> Any:
-    """A tool call's ``arguments`` as vLLM hands them to the template: parsed when JSON."""
-    if isinstance(raw, str):
-        try:
-            return json.loads(raw)
-        except ValueError:
-            # Not an error to record: vLLM hands such arguments to the template as the string.
-            return raw
-    return raw
 
 
 def _tool_calls_text(calls: Any) -> str:
@@ -94,7 +88,7 @@ def _tool_calls_text(calls: Any) -> str:
         function = call.get("function", call) if isinstance(call, dict) else {}
         if not isinstance(function, dict):
             continue
-        body = {"name": function.get("name"), "arguments": _arguments(function.get("arguments"))}
+        body = {"name": function.get("name"), "arguments": function.get("arguments")}
         out.append(f"\n<tool_call>\n{_dumps(body)}\n</tool_call>")
     return "".join(out)
 
@@ -105,11 +99,13 @@ def chatml_pieces(prompt: ChatPrompt) -> list[str]:
     if prompt.tools:
         lines = "\n".join(_dumps(tool) for tool in prompt.tools)
         pieces.append(f"<|im_start|>system\n# Tools\n\n<tools>\n{lines}\n</tools><|im_end|>\n")
-    for message in prompt.messages:
+    # vLLM's conversation for a template that reads content as a string and names no
+    # developer role (its own template_chatml.jinja): parts joined with "\n", developer -> system.
+    for message in conversation(prompt, "string", developer_role=False):
         calls = _tool_calls_text(message["tool_calls"]) if "tool_calls" in message else ""
         # One join: a 1 MB message is copied once, not once per "+".
-        role = str(message.get("role"))
-        text = _text(message.get("content"))
+        role = str(message["role"])
+        text = message["content"]
         pieces.append("".join(("<|im_start|>", role, "\n", text, calls, "<|im_end|>\n")))
     if prompt.options.continue_final_message and len(pieces) > 1:
         pieces[-1] = pieces[-1].removesuffix("<|im_end|>\n")
@@ -167,10 +163,12 @@ class ChatTemplate:
         env.globals["strftime_now"] = lambda fmt: datetime.now().astimezone().strftime(fmt)
         self._template = env.from_string(source)  # raises TemplateSyntaxError on a bad template
         self._variables = dict(variables)
+        self.content_format: ContentFormat = content_format(env.parse(source))
+        self.developer_role = names_developer(source)
 
     def render(self, prompt: ChatPrompt) -> str:
         options = prompt.options
-        messages = [self._prepare(message) for message in prompt.messages]
+        messages = conversation(prompt, self.content_format, self.developer_role)
         final = None
         if options.continue_final_message:
             messages[-1], final = _tag_final(messages[-1])
@@ -188,36 +186,7 @@ class ChatTemplate:
             raise TemplateRejected(f"chat template failed: {type(exc).__name__}: {exc}") from exc
         return rendered if final is None else _cut_at_tag(rendered, final)
 
-    @staticmethod
-    def _prepare(message: dict[str, Any]) -> dict[str, Any]:
-        reasoning = next(
-            (message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None
-        )
-        if reasoning is not None:
-            # transformers fills every name a template may read reasoning under.
-            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
-        content = message.get("content")
-        if isinstance(content, list) and all(_is_text_part(part) for part in content):
-            # vLLM's "string" content format (what it detects for templates that do not loop
-            # over message['content'] themselves, Qwen's included): text parts joined by "\n".
-            # Content with media parts stays a list: the template renders its own placeholders
-            # for them (Qwen's vision tokens), as transformers renders it.
-            message = {**message, "content": _text(content)}
-        calls = message.get("tool_calls")
-        if not isinstance(calls, list):
-            return message
-        prepared = []
-        for call in calls:
-            if isinstance(call, dict) and isinstance(call.get("function"), dict):
-                function = dict(call["function"])
-                function["arguments"] = _arguments(function.get("arguments"))
-                prepared.append({**call, "function": function})
-            else:
-                prepared.append(call)
-        return {**message, "tool_calls": prepared}
 
-
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # transformers' marker for continue_final_message: appended to the final text, cut after render.
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 

@@ -70,13 +70,17 @@ class ToolParam(BaseModel):  # vLLM's ChatCompletionToolsParam
 
 
 def vllm_chat_ready(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """vLLM's chat preprocessing: string content format, tool-call arguments parsed."""
+    """vLLM 0.32's chat preprocessing for Qwen3.6's template, which it reads as the "openai"
+    content format: text parts reach the template as a list (the template concatenates them),
+    a tool message's parts joined with "\\n"; tool-call arguments parsed."""
     out = []
     for original in messages:
         message = dict(original)
         content = message.get("content")
         if isinstance(content, list):
-            message["content"] = "\n".join(p["text"] for p in content if "text" in p)
+            parts = [{"type": "text", "text": p["text"]} for p in content if "text" in p]
+            tool = message.get("role") == "tool"
+            message["content"] = "\n".join(p["text"] for p in parts) if tool else parts
         if message.get("tool_calls"):
             calls = []
             for call in message["tool_calls"]:
