@@ -144,11 +144,14 @@ def read_request(
     model = settings.model(request.model)
     if model is None:
         raise ModelNotFound(f"The model `{request.model}` does not exist.", param="model")
-    if model.max_model_len and (request.max_tokens or 0) >= model.max_model_len:
+    # vLLM 0.32's own check (TokenizeParams): a budget up to the whole context is accepted and
+    # the engine shortens the output to the context the prompt leaves.
+    if model.max_model_len and (request.max_tokens or 0) > model.max_model_len:
+        param = request.max_tokens_param
         raise BadRequest(
-            f"'max_tokens' of {request.max_tokens} leaves no room for a prompt in the "
-            f"model's context of {model.max_model_len} tokens",
-            param="max_tokens",
+            f"{param}={request.max_tokens} cannot be greater than "
+            f"max_model_len={model.max_model_len}. Please request fewer output tokens.",
+            param=param,
         )
     return request, model
 

@@ -60,6 +60,8 @@ class RoutedRequest:
     include_usage: bool
     max_tokens: int | None
     body_bytes: int
+    # The field the output budget came from (vLLM names it in its errors).
+    max_tokens_param: str = "max_tokens"
     # Responses only: the stored response this one continues (gateway/request/response_affinity.py).
     previous_response_id: str | None = None
 
@@ -95,7 +97,8 @@ def _loads(body: bytes) -> Any:
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
 
 
-def _max_tokens(data: dict[str, Any]) -> int | None:
+def _max_tokens(data: dict[str, Any]) -> tuple[int | None, str]:
+    """The output budget and the field it came from (``max_completion_tokens`` first)."""
     for field in ("max_completion_tokens", "max_tokens"):
         value = data.get(field)
         if value is None:
@@ -104,8 +107,8 @@ def _max_tokens(data: dict[str, Any]) -> int | None:
             raise BadRequest(f"'{field}' must be an integer", param=field)
         if value < 1:
             raise BadRequest(f"'{field}' must be at least 1, got {value}", param=field)
-        return value
-    return None
+        return value, field
+    return None, "max_tokens"
 
 
 # Part types vLLM's chat parser accepts (vllm/entrypoints/chat_utils.py); the OpenAI ones are
@@ -246,12 +249,14 @@ def parse_request(endpoint: Endpoint, body: bytes) -> RoutedRequest:
     prompt: Prompt = (
         _chat_prompt(data) if endpoint == "chat" else completion_prompt(data.get("prompt"))
     )
+    max_tokens, max_tokens_param = _max_tokens(data)
     return RoutedRequest(
         endpoint=endpoint,
         model=model,
         prompt=prompt,
         stream=stream,
         include_usage=include_usage,
-        max_tokens=_max_tokens(data),
+        max_tokens=max_tokens,
         body_bytes=len(body),
+        max_tokens_param=max_tokens_param,
     )

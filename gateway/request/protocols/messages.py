@@ -144,5 +144,6 @@ def parse_messages(body: bytes) -> RoutedRequest:
         stream=stream_of(data),
         include_usage=True,
         max_tokens=positive_int(data, "max_tokens"),
+        max_tokens_param="max_completion_tokens",
         body_bytes=len(body),
     )

@@ -144,6 +144,7 @@ def parse_responses(body: bytes) -> RoutedRequest:
         stream=stream_of(data),
         include_usage=True,
         max_tokens=positive_int(data, "max_output_tokens"),
+        max_tokens_param="max_output_tokens",
         body_bytes=len(body),
         previous_response_id=previous,
     )
