@@ -33,10 +33,12 @@ Contract:
   vLLM renders the template and tokenizes the result with Hugging Face semantics, which match
   added tokens anywhere in the text.
 - Completions: each prompt counts its text plus what the tokenizer's post-processor adds (a BOS;
-  none for Qwen); token-id prompts count as they are. For a batch of prompts the count is the
-  LARGEST single prompt: each is its own sequence in the engine, and the lane protects against
-  one long prefill, not against the sum. ``prompt_bytes`` covers all of them. Token-id prompts
-  answer ``method="exact"`` with ``tokenizer="token_ids"`` (no tokenizer ran).
+  none for Qwen); token-id prompts count as they are. For a batch of prompts ``tokens`` is the
+  SUM, what vLLM reports as the batch's ``usage.prompt_tokens`` and what the engine prefills
+  (each prompt is its own sequence, all admitted at once); ``largest`` is the largest single
+  prompt, which is what must fit a context (``request/lanes.py`` ``lane_tokens`` uses both).
+  A bound is the sum of the prompts' bounds. ``prompt_bytes`` covers all of them. Token-id
+  prompts answer ``method="exact"`` with ``tokenizer="token_ids"`` (no tokenizer ran).
 - Counts are Python ints. A template that rejects the messages raises ``BadRequest`` (the engine
   would answer 400); an unknown model raises ``ModelNotFound``.
 """
@@ -90,10 +92,17 @@ class TokenCount:
     seconds: float
     # What ``TokenCounter.exact`` needs to finish a bound without planning the prompt again.
     plan: _Plan | None = field(default=None, repr=False, compare=False)
+    # The largest single sequence of a batch (None: one sequence, ``tokens`` itself).
+    largest: int | None = None
 
     @property
     def exact(self) -> int | None:
         return None if self.method == "bound" else self.tokens
+
+    @property
+    def longest(self) -> int:
+        """The largest single sequence: what must fit a context (``tokens`` but for batches)."""
+        return self.tokens if self.largest is None else self.largest
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +137,8 @@ class _Plan:
     encoded: tuple[bytes | None, ...]  # UTF-8 of the non-ASCII pieces, kept for the cache key
     sequences: tuple[tuple[int, int], ...]
     extra: int
-    bound: int
+    bound: int  # the sum of the sequences' bounds
+    largest_bound: int
     prompt_bytes: int
 
 
@@ -335,8 +345,10 @@ class TokenCounter:
             return None
         # Not in shapegate_count_seconds, which times counts on the request's path: this one
         # overlaps the engine's work.
-        tokens = max(found) + plan.extra
-        return TokenCount(int(tokens), "exact", plan.vocab.id, plan.prompt_bytes, 0.0)
+        sizes = [n + plan.extra for n in found]
+        return TokenCount(
+            int(sum(sizes)), "exact", plan.vocab.id, plan.prompt_bytes, 0.0, largest=_many(sizes)
+        )
 
     async def _finish(self, step: _Misses) -> TokenCount:
         found = self._inline(step.plan, step.texts)
@@ -440,24 +452,36 @@ class TokenCounter:
             for piece, data in zip(pieces, encoded, strict=True)
         ]
 
-        def bound_of(sizes: list[int]) -> int:
-            return max((sum(sizes[a:b]) + extra for a, b in sequences), default=0)
+        def bounds_of(sizes: list[int]) -> list[int]:
+            return [sum(sizes[a:b]) + extra for a, b in sequences] or [0]
 
-        bound = bound_of(raw)
+        bounds = bounds_of(raw)
         if not vocab.bound_sound:
-            bound = 2**62  # no provable bound: every count is exact
-        elif vocab.nfc and bound < exact_above and any(data is not None for data in encoded):
+            bounds = [2**62]  # no provable bound: every count is exact
+        elif vocab.nfc and sum(bounds) < exact_above and any(d is not None for d in encoded):
             # (ASCII is its own NFC form: an all-ASCII prompt's bound needs no second pass.)
-            bound = bound_of([_nfc_len(piece, n) for piece, n in zip(pieces, raw, strict=True)])
-        return _Plan(vocab, tuple(pieces), tuple(encoded), tuple(sequences), extra, bound, sum(raw))
+            bounds = bounds_of([_nfc_len(piece, n) for piece, n in zip(pieces, raw, strict=True)])
+        return _Plan(
+            vocab,
+            tuple(pieces),
+            tuple(encoded),
+            tuple(sequences),
+            extra,
+            sum(bounds),
+            max(bounds),
+            sum(raw),
+        )
 
     def _answer(self, plan: _Plan | None, prompt: Prompt, started: float) -> TokenCount:
         """The count that needs no tokenizer: the bound, or the length of token-id prompts."""
         if plan is not None:
-            return self._done(plan.bound, "bound", plan.vocab.id, plan.prompt_bytes, started, plan)
+            largest = plan.largest_bound if len(plan.sequences) > 1 else None
+            return self._done(
+                plan.bound, "bound", plan.vocab.id, plan.prompt_bytes, started, plan, largest
+            )
         assert isinstance(prompt, CompletionPrompt)
-        tokens = max((len(ids) for ids in prompt.token_ids), default=0)
-        return self._done(tokens, "exact", "token_ids", 0, started)
+        sizes = [len(ids) for ids in prompt.token_ids]
+        return self._done(sum(sizes), "exact", "token_ids", 0, started, largest=_many(sizes))
 
     def _begin(self, model: str, prompt: Prompt, exact_above: int) -> TokenCount | _Misses:
         """The answer when no piece needs encoding (bound, token ids, all cached), else what to
@@ -499,10 +523,10 @@ class TokenCounter:
     def _total(
         self, plan: _Plan, counts: list[int | None], method: Method, started: float
     ) -> TokenCount:
-        tokens = max(
-            sum(counts[i] or 0 for i in range(a, b)) + plan.extra for a, b in plan.sequences
+        sizes = [sum(counts[i] or 0 for i in range(a, b)) + plan.extra for a, b in plan.sequences]
+        return self._done(
+            sum(sizes), method, plan.vocab.id, plan.prompt_bytes, started, largest=_many(sizes)
         )
-        return self._done(tokens, method, plan.vocab.id, plan.prompt_bytes, started)
 
     def _done(
         self,
@@ -512,11 +536,17 @@ class TokenCounter:
         prompt_bytes: int,
         started: float,
         plan: _Plan | None = None,
+        largest: int | None = None,
     ) -> TokenCount:
         seconds = time.perf_counter() - started
         if self._metrics is not None:
             self._metrics.child(self._metrics.count_seconds, method).observe(seconds)
-        return TokenCount(int(tokens), method, tokenizer, prompt_bytes, seconds, plan)
+        return TokenCount(int(tokens), method, tokenizer, prompt_bytes, seconds, plan, largest)
+
+
+def _many(sizes: list[int]) -> int | None:
+    """A batch's largest sequence; None for a single one (its count is its size)."""
+    return int(max(sizes)) if len(sizes) > 1 else None
 
 
 def _fallback_logger(

@@ -1,10 +1,16 @@
 """The lane decision: a pure function of the token count, the policy and a health snapshot.
 
+    lane_tokens(total, largest, lanes) -> int             (the figure that picks the lane)
     choose_lane(prompt_tokens, lanes, healthy) -> Decision
     choose_named_lane(name, lanes, healthy) -> Decision   (routes with no text to count)
     pin_to_cluster(decision, cluster, lanes) -> Decision  (stateful Responses follow-ups)
 
-- The lane is the one whose ``[min_prompt_tokens, max_prompt_tokens)`` range holds the count.
+- The figure is ``lane_tokens``: the prompt tokens the engine prefills (a batch's total: vLLM
+  admits every prompt of a batched completions or embeddings request at once, so the batch is
+  that much prefill work in front of the lane's other requests), but context fit is per
+  prompt: a batch whose every prompt fits the top lane is not refused for its total, it goes to
+  the top lane. Only a single prompt above every range is ``no_lane``.
+- The lane is the one whose ``[min_prompt_tokens, max_prompt_tokens)`` range holds the figure.
   Lanes never overlap (settings validate it), so order only matters for reading.
 - Its primary clusters are used while at least one of them is healthy. Only when every primary
   is down are the emergency clusters used (reason ``primary_unhealthy``). A busy primary is never
@@ -51,6 +57,14 @@ class Decision:
     @property
     def lane_name(self) -> str:
         return self.lane.name if self.lane is not None else "none"
+
+
+def lane_tokens(total: int, largest: int, lanes: Sequence[LaneSettings]) -> int:
+    """The figure that picks the lane: ``total`` (the prefill work), held below the top lane's
+    ceiling when the ``largest`` single prompt fits under it (a batch is never refused for a
+    total its prompts do not need as one context)."""
+    top = max(lane.max_prompt_tokens for lane in lanes)
+    return min(total, top - 1) if largest < top else total
 
 
 def lane_for(prompt_tokens: int, lanes: Sequence[LaneSettings]) -> LaneSettings | None:

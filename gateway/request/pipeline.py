@@ -68,6 +68,7 @@ from gateway.request.lanes import (
     choose_named_lane,
     endpoint_limit,
     exact_count_above,
+    lane_tokens,
     no_lane_message,
     pin_to_cluster,
 )
@@ -326,14 +327,19 @@ class Pipeline:
             count = await policy.counter.count(
                 model.name, request.prompt, exact_above=policy.exact_above
             )
-            decision = choose_lane(count.tokens, settings.lanes, healthy)
+            # The prefill work picks the lane; each prompt of a batch need only fit a context.
+            decision = choose_lane(
+                lane_tokens(count.tokens, count.longest, settings.lanes), settings.lanes, healthy
+            )
         decision, pinned = await self._pin(request, decision, settings.lanes)
         want = self._want(policy, scope, decision, count.tokens, request, model.name)
         self.recorder.decided(
             record, replace(Routed.of(request, count, decision, healthy), priority=want.priority)
         )
         if decision.lane is None:
-            raise PromptTooLong(no_lane_message(count.tokens, settings.lanes), param="input_tokens")
+            raise PromptTooLong(
+                no_lane_message(count.longest, settings.lanes), param="input_tokens"
+            )
         if not decision.clusters:
             raise NoHealthyCluster(
                 f"no healthy cluster for lane '{decision.lane.name}'", retry_after_s=5

@@ -6,14 +6,14 @@ table is also the one endpoint -> upstream path map. Every route here runs the w
 
     path                                   endpoint        prompt counted as            errors
     /v1/chat/completions                   chat            chat template                openai
-    /v1/completions                        completions     largest prompt               openai
+    /v1/completions                        completions     sum of the prompts           openai
     /v1/responses                          responses       chat template (vLLM's        openai
                                                            conversion of the items)
     /v1/messages                           messages        chat template (vLLM's        anthropic
                                                            conversion of the blocks)
-    /v1/embeddings, /pooling               embeddings ...  largest input (or chat)      openai
-    /v1/score, /score                      score           largest pair                 openai
-    /v1/rerank, /rerank, /v2/rerank        rerank          largest query+document       openai
+    /v1/embeddings, /pooling               embeddings ...  sum of the inputs (or chat)  openai
+    /v1/score, /score                      score           sum of the pairs             openai
+    /v1/rerank, /rerank, /v2/rerank        rerank          sum of query+document pairs  openai
     /tokenize, /detokenize                 tokenize ...    its prompt / its token ids   openai
     /v1/audio/transcriptions, .../translations  (multipart) not counted: routes.multipart_lane
 

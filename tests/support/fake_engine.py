@@ -4,9 +4,10 @@ Each request's body may carry ``"fake": {...}`` (forwarded untouched by the gate
 engine how to behave: ``mode`` one of ``ok`` (default), ``error`` (status + vLLM error body),
 ``hang`` (never answer), ``slow_first_byte`` (``delay`` before anything), ``stall`` (send
 ``chunks`` chunks then go silent), ``drop`` (send ``chunks`` then cut the connection).
-``chunks`` and ``gap`` shape a stream. The engine records, per ``x-request-id``, when the
-request arrived and when its connection was closed or the response completed, so tests can
-check that abandoned requests were closed upstream.
+``chunks`` and ``gap`` shape a stream; ``prompt_tokens`` is the usage it reports (default 1).
+The engine records, per ``x-request-id``, when the request arrived and when its connection
+was closed or the response completed, so tests can check that abandoned requests were closed
+upstream.
 """
 
 from __future__ import annotations
@@ -132,6 +133,7 @@ class FakeEngine:
         mode = fake.get("mode", "ok")
         chunks = int(fake.get("chunks", 3))
         gap = float(fake.get("gap", 0.0))
+        prompt_tokens = int(fake.get("prompt_tokens", 1))
         if mode == "hang":
             await asyncio.Event().wait()
         if mode == "slow_first_byte":
@@ -173,8 +175,8 @@ class FakeEngine:
                         }
                     ],
                     "usage": {
-                        "prompt_tokens": 1,
-                        "total_tokens": 1 + chunks,
+                        "prompt_tokens": prompt_tokens,
+                        "total_tokens": prompt_tokens + chunks,
                         "completion_tokens": chunks,
                     },
                 }

@@ -288,18 +288,32 @@ def test_none_template_counts_the_texts_only(templated: TokenCounter) -> None:
     )
 
 
-def test_a_completions_batch_counts_its_largest_prompt(counter: TokenCounter) -> None:
+def test_a_completions_batch_counts_the_sum_and_keeps_its_largest_prompt(
+    counter: TokenCounter,
+) -> None:
+    """Defect 3: vLLM's usage.prompt_tokens for a batch is the sum of its prompts (10 vs 12, 6 vs
+    9 measured); the largest single prompt is what must fit a context."""
     short, long = fresh("short"), fresh("a much longer prompt " * 50)
+    sizes = [len(counter.encode(MODEL, short)), len(counter.encode(MODEL, long))]
 
-    count = counter.count_sync(MODEL, CompletionPrompt(texts=(short, long)))
-
-    assert count.tokens == len(counter.encode(MODEL, long))
+    for exact_above in (0, 10**9):  # counted exactly, and settled by the bound then finished
+        count = counter.count_sync(MODEL, CompletionPrompt(texts=(short, long)), exact_above=0)
+        if exact_above:
+            bound = counter.count_sync(
+                MODEL, CompletionPrompt(texts=(short, long)), exact_above=exact_above
+            )
+            assert bound.method == "bound" and bound.tokens >= sum(sizes)
+            assert bound.longest >= max(sizes)
+            count = counter.exact_now(bound) or count
+        assert (count.tokens, count.longest) == (sum(sizes), max(sizes))
     assert count.prompt_bytes == len(short) + len(long)
+    single = counter.count_sync(MODEL, CompletionPrompt(texts=(long,)))
+    assert single.largest is None and single.longest == single.tokens == max(sizes)
 
 
 def test_token_id_prompts_count_as_they_are(counter: TokenCounter) -> None:
     count = counter.count_sync(MODEL, CompletionPrompt(token_ids=((1, 2, 3), tuple(range(10)))))
-    assert (count.tokens, count.method) == (10, "exact")
+    assert (count.tokens, count.longest, count.method) == (13, 10, "exact")
 
 
 def test_aliases_and_unknown_models(templated: TokenCounter) -> None:

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from gateway.request.lanes import choose_lane, exact_count_above, no_lane_message
+from gateway.request.lanes import choose_lane, exact_count_above, lane_tokens, no_lane_message
 from gateway.settings import parse_settings
 from tests.conftest import lanes_config
 
@@ -45,3 +45,18 @@ def test_the_no_lane_message_is_true_above_and_inside_a_hole() -> None:
     assert no_lane_message(35_000, holed) == (
         "no lane takes a prompt of 35000 tokens (lanes take 0-32767, 40000-999999)"
     )
+
+
+def test_a_batch_is_laned_by_its_total_but_refused_only_for_a_prompt_too_long() -> None:
+    """Prefill work is the sum (every prompt of a batch is admitted at once); context fit is per
+    prompt: a batch of prompts that each fit goes to the top lane whatever its total."""
+    lanes = policy().lanes  # type: ignore[attr-defined]
+    # Four prompts of 10,000 tokens: each would be fast, together they are 40,000 of prefill.
+    assert choose_lane(lane_tokens(40_000, 10_000, lanes), lanes, {}).lane_name == "heavy"
+    # A single prompt: its count is its figure.
+    assert lane_tokens(20_000, 20_000, lanes) == 20_000
+    # Four prompts of 300,000: the total is past every lane, each fits the heavy lane.
+    assert lane_tokens(1_200_000, 300_000, lanes) == 999_999
+    assert choose_lane(lane_tokens(1_200_000, 300_000, lanes), lanes, {}).lane_name == "heavy"
+    # One prompt past every lane: no lane, whatever the others.
+    assert choose_lane(lane_tokens(1_100_000, 1_000_000, lanes), lanes, {}).reason == "no_lane"

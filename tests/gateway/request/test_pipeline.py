@@ -276,3 +276,41 @@ async def test_a_request_reaches_a_cluster_that_lists_its_model_by_alias(gateway
                 answer = await client.post(url + "/v1/chat/completions", json=body, headers=JSON)
                 assert answer.status_code == 200, answer.text
                 assert answer.headers["x-shapegate-cluster"] == "fast"
+
+
+async def test_a_batched_completion_reports_the_sum_of_its_prompts_and_no_drift(
+    gateway: str, engines: Any, counter: Any
+) -> None:
+    """Defect 3: vLLM's usage for a batch is the sum of its prompts; the header and the drift
+    check must say the same (they said the largest: 10 vs 12, 6 vs 9 against vLLM 0.32)."""
+    prompts = ["Say hi.", "Count to three, slowly.", "Name a colour."]
+    sizes = [len(counter.encode("qwen3.6", p)) for p in prompts]
+    body = {"model": "qwen3.6", "prompt": prompts, "max_tokens": 2}
+    async with httpx.AsyncClient(base_url=gateway) as client:
+        with capture_logs() as logs:
+            reply = await client.post(
+                "/v1/completions", json={**body, "fake": {"prompt_tokens": sum(sizes)}}
+            )
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["prompt_tokens"] == sum(sizes)
+    assert int(reply.headers["x-shapegate-prompt-tokens"]) == sum(sizes) > max(sizes)
+    assert not [e for e in logs if e["event"] == "count.drift"]
+    (finished,) = [e for e in logs if e["event"] == "route.finished"]
+    assert finished["prompt_tokens"] == finished["engine_prompt_tokens"] == sum(sizes)
+
+
+async def test_a_batch_whose_total_passes_the_threshold_takes_the_heavy_lane(
+    gateway: str, engines: Any
+) -> None:
+    """Prefill work picks the lane: prompts that are each small are one large prefill together."""
+    prompt = "The quick brown fox jumps over the lazy dog. " * 100  # ~1000 tokens
+    async with httpx.AsyncClient(base_url=gateway) as client:
+        alone = await client.post("/v1/completions", json={"model": "qwen3.6", "prompt": prompt})
+        batch = await client.post(
+            "/v1/completions", json={"model": "qwen3.6", "prompt": [prompt] * 3}
+        )
+    assert alone.headers["x-shapegate-lane"] == "fast"
+    assert batch.headers["x-shapegate-lane"] == "heavy"
+    assert int(batch.headers["x-shapegate-prompt-tokens"]) == 3 * int(
+        alone.headers["x-shapegate-prompt-tokens"]
+    )
