@@ -229,7 +229,8 @@ class QueueSettings(_Frozen):
 
 class TimeoutSettings(_Frozen):
     connect_s: float = Field(5.0, gt=0)
-    # First byte deadline = first_byte_s + first_byte_per_1k_tokens_s * prompt_tokens / 1000.
+    # First byte deadline = first_byte_s + first_byte_per_1k_tokens_s * prompt_tokens / 1000, for
+    # streamed requests (a non-streamed answer arrives whole, under total_s).
     first_byte_s: float = Field(30.0, gt=0)
     first_byte_per_1k_tokens_s: float = Field(0.0, ge=0)
     # Longest silence between two chunks of a streaming response.

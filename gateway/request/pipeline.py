@@ -509,7 +509,7 @@ class Pipeline:
             ours["x-shapegate-prompt-tokens-bound"] = str(exact.bound)
         url = grant.url.rstrip("/") + target.route.path
         async with self.upstream.open(
-            url, body, headers, watch, exact.meanwhile, fresh=target.fresh
+            url, body, headers, watch, exact.meanwhile, fresh=target.fresh, whole=not request.stream
         ) as response:
             record.status = response.status
             self.failover.answered(target.cluster, grant.url, response.status)

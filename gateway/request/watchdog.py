@@ -4,6 +4,8 @@ A heavy lane is legitimately slow: its first byte waits for a prefill of minutes
 byte deadline grows with the prompt: ``first_byte_s + first_byte_per_1k_tokens_s * tokens/1000``.
 The other deadlines are the lane's own: connect, the longest silence between two stream chunks
 (idle), and the whole request (total, counted from the moment the upstream request is sent).
+The first-byte deadline bounds streamed requests only: a non-streamed answer's headers come
+with its last token (vLLM), so the proxy waits for them under the total deadline.
 
 ``deadlines_for`` is pure. ``Watch.within(kind)`` bounds one await by the tighter of that phase's
 deadline and what is left of the total, and turns a hit into ``DeadlineHit`` naming the phase,

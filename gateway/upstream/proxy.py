@@ -1,15 +1,18 @@
 """Forwarding to an engine and relaying its bytes back, unchanged.
 
 Contract:
-- ``Upstream.open(url, body, headers, watch, meanwhile, fresh=False)`` sends the client's
-  original body bytes (never a re-serialisation) and yields an ``UpstreamResponse`` once the
-  engine answered with headers; ``meanwhile`` (optional, synchronous) runs once the request is
-  written, before the wait for the answer: work that overlaps the engine's instead of delaying
-  the request. It raises ``EngineUnreachable`` (502, safe to send elsewhere: the engine sent no
-  byte) for a refused, reset or closed connection before any answer byte, with ``stale`` set
-  when that connection was a kept-alive one; ``UpstreamError`` (502) for any other failure; and
-  ``DeadlineHit`` (504) for a connect or first-byte deadline. ``fresh=True`` opens a new
-  connection rather than reusing an idle one.
+- ``Upstream.open(url, body, headers, watch, meanwhile, fresh=False, whole=False)`` sends the
+  client's original body bytes (never a re-serialisation) and yields an ``UpstreamResponse``
+  once the engine answered with headers; ``meanwhile`` (optional, synchronous) runs once the
+  request is written, before the wait for the answer: work that overlaps the engine's instead
+  of delaying the request. It raises ``EngineUnreachable`` (502, safe to send elsewhere: the
+  engine sent no byte) for a refused, reset or closed connection before any answer byte, with
+  ``stale`` set when that connection was a kept-alive one; ``UpstreamError`` (502) for any
+  other failure; and ``DeadlineHit`` (504) for a connect, first-byte or total deadline.
+  ``fresh=True`` opens a new connection rather than reusing an idle one. ``whole=True`` says
+  the engine answers with the whole response at once (a non-streamed request: vLLM sends the
+  headers only when generation ends), so the wait for the headers is bounded by the total
+  deadline, not the first-byte one.
 - Leaving the ``async with`` always closes the upstream response: a response read to its end
   returns its connection to the pool, any other is closed, synchronously (no await, so no
   cancellation can interrupt it): an engine whose client left sees its connection closed and
@@ -18,6 +21,7 @@ Contract:
   encoding removed, nothing else decoded, no buffering): everything received since the last
   chunk in one piece, so a burst of SSE events costs one write to the client, not one each. The
   first chunk is bounded by the first-byte deadline, later ones by the idle one.
+  ``read(watch)`` reads a whole body within what is left of the total deadline.
 - Only an allowlist of client headers reaches the engine (built in, plus the policy's
   ``routes.forward_headers``); the client's Authorization only if the cluster says so; a
   per-cluster engine key replaces it when set. Hop-by-hop headers never pass in either
@@ -124,9 +128,9 @@ class UpstreamResponse:
     headers: list[tuple[bytes, bytes]]
     _conn: Connection
 
-    async def chunks(self, watch: Watch) -> AsyncIterator[bytes]:
+    async def chunks(self, watch: Watch, first: Phase = "first_byte") -> AsyncIterator[bytes]:
         conn = self._conn
-        phase: Phase = "first_byte"
+        phase = first
         while True:
             try:
                 if conn.has_bytes():
@@ -143,7 +147,7 @@ class UpstreamResponse:
             yield chunk
 
     async def read(self, watch: Watch) -> bytes:
-        parts = [chunk async for chunk in self.chunks(watch)]
+        parts = [chunk async for chunk in self.chunks(watch, "total")]
         return b"".join(parts)
 
 
@@ -201,6 +205,7 @@ class Upstream:
         meanwhile: Callable[[], None] | None = None,
         *,
         fresh: bool = False,
+        whole: bool = False,
     ) -> AsyncIterator[UpstreamResponse]:
         try:
             origin, target = self._origin_of(url)
@@ -208,8 +213,11 @@ class Upstream:
             raise UpstreamError(f"engine request failed: {exc}") from exc
         head = request_head("POST", target, origin.authority, headers, len(body))
         conn: Connection | None = None
+        # A non-streamed answer's headers come with its last token: the whole decode is the
+        # wait for them, which only the total deadline bounds.
+        waiting: Phase = "total" if whole else "first_byte"
         try:
-            with watch.within("first_byte"):
+            with watch.within(waiting):
                 try:
                     conn = await self._pool.request(
                         origin, head, body, watch.deadlines.connect_s, fresh=fresh

@@ -314,3 +314,31 @@ async def test_a_batch_whose_total_passes_the_threshold_takes_the_heavy_lane(
     assert int(batch.headers["x-shapegate-prompt-tokens"]) == 3 * int(
         alone.headers["x-shapegate-prompt-tokens"]
     )
+
+
+async def test_a_non_streamed_answer_is_bounded_by_the_total_deadline_not_the_first_byte(
+    engines: Any, gateway_at: Any
+) -> None:
+    """Defect 4: vLLM sends a non-streamed answer's headers only when generation ends, so its
+    wait for them is the whole decode: the total deadline bounds it. A streamed request keeps
+    the first-byte deadline (its headers and first token come as soon as prefill ends)."""
+    config = lanes_config([engines["fast"][1]], [engines["heavy"][1]], threshold=THRESHOLD)
+    config["lanes"][0]["timeouts"] = {
+        "connect_s": 2,
+        "first_byte_s": 0.3,
+        "idle_s": 5,
+        "total_s": 2.5,
+    }
+    late = {"mode": "slow_first_byte", "delay": 1.0}  # past first_byte_s, within total_s
+    async with gateway_at(config) as (url, _), httpx.AsyncClient(base_url=url) as client:
+        plain = await client.post("/v1/chat/completions", json=chat("hi", fake=late))
+        streamed = await client.post(
+            "/v1/chat/completions", json=chat("hi", stream=True, fake=late)
+        )
+        hung = await client.post("/v1/chat/completions", json=chat("hi", fake={"mode": "hang"}))
+    assert plain.status_code == 200, plain.text
+    assert plain.json()["choices"][0]["message"]["content"]
+    assert streamed.status_code == 504
+    assert "first byte deadline of 0.3s" in streamed.json()["error"]["message"]
+    assert hung.status_code == 504
+    assert "total deadline of 2.5s" in hung.json()["error"]["message"]
