@@ -10,8 +10,9 @@ Contract:
   tokens(wait_s)`` before the response headers go out waits at most ``wait_s`` for it.
   ``settle()`` at the end gives the figure (None only when the worker had not finished, or
   failed: ``error``).
-- ``engine_usage(payload)``: ``usage.prompt_tokens`` and ``usage.completion_tokens`` from a
-  JSON body or the last SSE event that carries usage (None for each where absent).
+- ``engine_usage(payload)``: the engine's prompt and output tokens from a JSON body or the last
+  SSE events that carry usage, on every route (``prompt_tokens``/``completion_tokens``; the
+  ``input_tokens``/``output_tokens`` of Responses and Messages); None for each where absent.
 - ``sse_events(data)`` and ``trim_tail(tail)``: the SSE data events of a relayed stream, for an
   output-token estimate when the engine sends no usage (each content event carries one token
   on vLLM and SGLang; fewer events than tokens with speculative decoding or a stream interval,
@@ -36,23 +37,86 @@ class EngineUsage:
 
 
 def engine_usage(payload: bytes) -> EngineUsage:
-    """The engine's ``usage`` from a JSON body or the last SSE event that carries it."""
-    at = payload.rfind(b'"usage"')
-    if at < 0:
-        return EngineUsage(None, None)
-    start = payload.rfind(b"{", 0, at)
-    end = payload.find(b"\n", at)
-    for blob in (payload, payload[start : end if end > 0 else None]):
-        try:
-            usage = orjson.loads(blob.removeprefix(b"data: ")).get("usage") or {}
-        except (orjson.JSONDecodeError, AttributeError):
+    """The engine's usage from a JSON body or the last SSE events that carry it, on every route:
+    ``prompt_tokens``/``completion_tokens`` (chat, completions), ``input_tokens``/
+    ``output_tokens`` (Responses: the body's or ``response.completed``'s ``response.usage``;
+    Messages: the body's ``usage``, ``message_start``'s ``message.usage`` and
+    ``message_delta``'s ``usage``, where Anthropic's cache counts are added back to the input).
+    The newest usage object wins; a figure it lacks is taken from the one before."""
+    prompt: int | None = None
+    completion: int | None = None
+    end = len(payload)
+    for _ in range(USAGE_LOOKBACK):
+        at = payload.rfind(USAGE_KEY, 0, end)
+        if at < 0:
+            break
+        end = at
+        usage = _object_after(payload, at + len(USAGE_KEY))
+        if usage is None:  # "usage": null on a chunk without it
             continue
-        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-        return EngineUsage(
-            prompt if isinstance(prompt, int) else None,
-            completion if isinstance(completion, int) else None,
-        )
-    return EngineUsage(None, None)
+        found_prompt, found_completion = _figures(usage)
+        prompt = found_prompt if prompt is None else prompt
+        completion = found_completion if completion is None else completion
+        if prompt is not None and completion is not None:
+            break
+    return EngineUsage(prompt, completion)
+
+
+USAGE_KEY = b'"usage"'
+# Usage objects looked at, newest first: a Messages stream has two (message_start, then
+# message_delta), a chat stream with --enable-force-include-usage one a chunk.
+USAGE_LOOKBACK = 4
+# A usage object is a few hundred bytes; past this, what follows the key is not one.
+USAGE_MAX_BYTES = 4096
+
+
+def _object_after(payload: bytes, at: int) -> dict[str, object] | None:
+    """The JSON object that follows ``"usage"`` at ``at`` (None for null or anything else).
+    Read by matching braces: a Responses ``response.completed`` event holds the whole answer,
+    longer than the tail the relay keeps, so its line may have lost its start."""
+    start = at
+    while start < len(payload) and payload[start] in b" \t\r\n:":
+        start += 1
+    if start >= len(payload) or payload[start] != ord("{"):
+        return None
+    depth, quoted, escaped = 0, False, False
+    for i in range(start, min(len(payload), start + USAGE_MAX_BYTES)):
+        byte = payload[i]
+        if escaped:
+            escaped = False
+        elif quoted:
+            escaped = byte == ord("\\")
+            quoted = byte != ord('"')
+        elif byte == ord('"'):
+            quoted = True
+        elif byte == ord("{"):
+            depth += 1
+        elif byte == ord("}"):
+            depth -= 1
+            if depth == 0:
+                try:
+                    found = orjson.loads(payload[start : i + 1])
+                except orjson.JSONDecodeError:
+                    return None
+                return found if isinstance(found, dict) else None
+    return None
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _figures(usage: dict[str, object]) -> tuple[int | None, int | None]:
+    prompt = _int(usage.get("prompt_tokens"))
+    if prompt is None:
+        prompt = _int(usage.get("input_tokens"))
+        if prompt is not None:  # Anthropic counts cached input apart from input_tokens
+            for cached in ("cache_read_input_tokens", "cache_creation_input_tokens"):
+                prompt += _int(usage.get(cached)) or 0
+    completion = _int(usage.get("completion_tokens"))
+    if completion is None:
+        completion = _int(usage.get("output_tokens"))
+    return prompt, completion
 
 
 EVENT = b"data: {"

@@ -5,6 +5,8 @@ engine how to behave: ``mode`` one of ``ok`` (default), ``error`` (status + vLLM
 ``hang`` (never answer), ``slow_first_byte`` (``delay`` before anything), ``stall`` (send
 ``chunks`` chunks then go silent), ``drop`` (send ``chunks`` then cut the connection).
 ``chunks`` and ``gap`` shape a stream; ``prompt_tokens`` is the usage it reports (default 1).
+``payload`` (a JSON object) is sent as the whole non-streamed answer, ``events`` (strings) as
+the stream's bytes, for routes whose answers are not chat's (Responses, Messages).
 The engine records, per ``x-request-id``, when the request arrived and when its connection
 was closed or the response completed, so tests can check that abandoned requests were closed
 upstream.
@@ -158,6 +160,30 @@ class FakeEngine:
                 }
             )
             await send({"type": "http.response.body", "body": payload})
+            return
+        if "payload" in fake and not data.get("stream"):
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"application/json")],
+                }
+            )
+            await send({"type": "http.response.body", "body": orjson.dumps(fake["payload"])})
+            return
+        if "events" in fake:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8")],
+                }
+            )
+            for event in fake["events"]:
+                await send(
+                    {"type": "http.response.body", "body": event.encode(), "more_body": True}
+                )
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         if not data.get("stream"):
             payload = orjson.dumps(

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from structlog.testing import capture_logs
 
@@ -16,10 +18,14 @@ from gateway.count.drift import DriftWatch
 from gateway.count.tokens import TokenCounter
 from gateway.observe.log import get_logger
 from gateway.observe.metrics import Metrics
+from gateway.request.protocols.messages import parse_messages
+from gateway.request.protocols.responses import parse_responses
 from gateway.settings import parse_settings
 from gateway.tools.sim_support import RegistryCounter
 from tests.conftest import MODEL, chat, lanes_config
+from tests.support.fake_engine import FakeEngine
 from tests.support.prom import parse
+from tests.support.servers import serve_asgi
 
 QUESTION = "What is the capital of France?"  # ChatML: 15 tokens; Qwen3.6's template: 17
 
@@ -88,3 +94,102 @@ def test_drift_warnings_are_rate_limited_per_model_and_route() -> None:
     ]
     chat_badge = next(b for b in watch.as_json() if b["route"] == "chat")
     assert (chat_badge["compared"], chat_badge["drifted"]) == (16, 15)
+
+
+async def test_responses_and_messages_usage_feeds_drift_and_output_tokens(
+    counter: TokenCounter, gateway_at: Any
+) -> None:
+    """Defect 5: /v1/responses and /v1/messages report input_tokens/output_tokens (in the body,
+    in response.completed, in message_start/message_delta); the gateway reads them for the
+    drift check and the output-token figures, streamed or not."""
+    responses = {"model": "qwen3.6", "input": QUESTION, "max_output_tokens": 3}
+    messages = {
+        "model": "qwen3.6",
+        "max_tokens": 3,
+        "messages": [{"role": "user", "content": QUESTION}],
+    }
+    ours = {
+        name: counter.count_sync("qwen3.6", routed.prompt).tokens
+        for name, routed in (
+            ("responses", parse_responses(orjson.dumps(responses))),
+            ("messages", parse_messages(orjson.dumps(messages))),
+        )
+    }
+
+    def usage_body(prompt: int) -> dict[str, Any]:
+        return {
+            "object": "response",
+            "output": [],
+            "usage": {"input_tokens": prompt, "output_tokens": 3},
+        }
+
+    def anthropic_events(prompt: int) -> list[str]:
+        start = {
+            "type": "message_start",
+            "message": {
+                "type": "message",
+                "content": [],
+                "usage": {"input_tokens": prompt, "output_tokens": 0},
+            },
+        }
+        delta = {
+            "type": "message_delta",
+            "delta": {"stop_reason": "max_tokens"},
+            "usage": {"input_tokens": prompt, "output_tokens": 3},
+        }
+        return [
+            f"event: message_start\ndata: {json.dumps(start)}\n\n",
+            f"event: message_delta\ndata: {json.dumps(delta)}\n\n",
+            'event: message_stop\ndata: {"type": "message_stop"}\n\n',
+        ]
+
+    engine = FakeEngine()
+    async with (
+        serve_asgi(engine) as engine_url,
+        gateway_at(lanes_config([engine_url], [engine_url])) as (url, _),
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        with capture_logs() as logs:
+            sent = [
+                (
+                    "/v1/responses",
+                    {**responses, "fake": {"payload": usage_body(ours["responses"])}},
+                ),
+                (
+                    "/v1/messages",
+                    {
+                        **messages,
+                        "stream": True,
+                        "fake": {"events": anthropic_events(ours["messages"])},
+                    },
+                ),
+                # An engine that counts 2 more than we do: drift, on the messages route.
+                (
+                    "/v1/messages",
+                    {
+                        **messages,
+                        "fake": {
+                            "payload": {
+                                "type": "message",
+                                "usage": {"input_tokens": ours["messages"] + 2, "output_tokens": 3},
+                            }
+                        },
+                    },
+                ),
+            ]
+            for path, body in sent:
+                reply = await client.post(path, json=body)
+                assert reply.status_code == 200, reply.text
+    finished = [e for e in logs if e["event"] == "route.finished"]
+    assert [(e["engine_prompt_tokens"], e["output_tokens"]) for e in finished] == [
+        (ours["responses"], 3),
+        (ours["messages"], 3),
+        (ours["messages"] + 2, 3),
+    ]
+    assert [e["count_drift"] for e in finished] == [0, 0, 2]
+    (drift,) = [e for e in logs if e["event"] == "count.drift"]
+    assert (drift["route"], drift["ours"], drift["theirs"]) == (
+        "messages",
+        ours["messages"],
+        ours["messages"] + 2,
+    )

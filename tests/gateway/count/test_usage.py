@@ -14,7 +14,14 @@ from structlog.testing import capture_logs
 
 from engine_pool.sim.server import run_sim
 from gateway.count.tokens import TokenCount, TokenCounter
-from gateway.count.usage import TAIL_MAX, ExactCount, engine_usage, sse_events, trim_tail
+from gateway.count.usage import (
+    TAIL_MAX,
+    EngineUsage,
+    ExactCount,
+    engine_usage,
+    sse_events,
+    trim_tail,
+)
 from gateway.request.protocol import parse_request
 from gateway.tools.sim_support import RegistryCounter
 from gateway.tuning.trace import read_trace
@@ -114,6 +121,74 @@ def test_engine_usage_reads_json_bodies_and_the_last_sse_usage_event() -> None:
     assert (engine_usage(stream).prompt_tokens, engine_usage(stream).completion_tokens) == (9, 1)
     assert engine_usage(b'data: {"choices":[]}\n\n').prompt_tokens is None
     assert sse_events(stream) == 2
+
+
+def sse(event: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+def test_engine_usage_reads_responses_and_messages_usage() -> None:
+    """Defect 5: Responses and Messages report input_tokens/output_tokens, JSON and streamed."""
+    responses = {
+        "object": "response",
+        "output": [],
+        "usage": {
+            "input_tokens": 21,
+            "output_tokens": 5,
+            "input_tokens_details": {"cached_tokens": 0},
+            "total_tokens": 26,
+        },
+    }
+    assert engine_usage(orjson.dumps(responses)) == EngineUsage(21, 5)
+    # The final event carries the whole answer; the relay's tail may have lost its start.
+    long_text = 'word, "quoted" {brace} ' * 2000
+    completed = {
+        **responses,
+        "output": [{"type": "message", "content": [{"type": "output_text", "text": long_text}]}],
+    }
+    stream = (
+        sse(
+            "response.created",
+            {"type": "response.created", "response": {**responses, "usage": None}},
+        )
+        + sse("response.output_text.delta", {"type": "response.output_text.delta", "delta": "hi"})
+        + sse("response.completed", {"type": "response.completed", "response": completed})
+    )
+    assert engine_usage(stream) == EngineUsage(21, 5)
+    assert engine_usage(stream[-TAIL_MAX:]) == EngineUsage(21, 5)
+
+    message = {"type": "message", "content": [], "usage": {"input_tokens": 30, "output_tokens": 7}}
+    assert engine_usage(orjson.dumps(message)) == EngineUsage(30, 7)
+    start = {
+        "type": "message_start",
+        "message": {**message, "usage": {"input_tokens": 30, "output_tokens": 0}},
+    }
+    delta = {"type": "text_delta", "text": "ok"}
+    anthropic = (
+        sse("message_start", start)
+        + sse("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta})
+        + sse(
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": "end_turn"},
+                "usage": {"input_tokens": 30, "output_tokens": 7},
+            },
+        )
+        + sse("message_stop", {"type": "message_stop"})
+    )
+    assert engine_usage(anthropic) == EngineUsage(30, 7)
+    # Anthropic's own shape: output only on message_delta, input on message_start, cached input
+    # counted apart (and added back: the prompt is all of it).
+    start["message"]["usage"] = {
+        "input_tokens": 4,
+        "cache_read_input_tokens": 26,
+        "output_tokens": 1,
+    }
+    anthropic = sse("message_start", start) + sse(
+        "message_delta", {"type": "message_delta", "delta": {}, "usage": {"output_tokens": 7}}
+    )
+    assert engine_usage(anthropic) == EngineUsage(30, 7)
 
 
 async def test_exact_count_finishes_meanwhile_or_at_the_latest_when_settled(
