@@ -113,8 +113,10 @@ class TokenizerSettings(_Frozen):
     # tiktoken_file only: the special tokens the rank file cannot carry, content -> id
     # ({"<|im_start|>": 248045, ...}); matched in text as one token each.
     special_tokens: dict[str, int] = Field(default_factory=dict)
-    # How chat messages become the prompt the engine sees.
-    chat_template: Literal["chatml", "hf", "none"] = "chatml"
+    # How chat messages become the prompt the engine sees: ``hf`` the model's own template (what
+    # vLLM renders), ``chatml`` the built-in ChatML, ``none`` the texts alone; ``auto`` is ``hf``
+    # when the tokenizer ships a template, else ``chatml``.
+    chat_template: Literal["auto", "chatml", "hf", "none"] = "auto"
     # Which encoder runs the exact count; ``auto`` prefers gigatoken and logs the fallback.
     backend: Literal["auto", "gigatoken", "tiktoken", "hf"] = "auto"
 

@@ -28,7 +28,11 @@ Contract:
      the GIL held it would stall the loop for the whole count).
 - Chat prompts: ``chat_template: chatml`` renders the built-in ChatML (``tokenizers/templates.py``
   lists what it renders and where it differs from Qwen3.6's own template), ``hf`` renders the
-  model's Jinja template, ``none`` counts the message texts joined by newlines.
+  model's Jinja template, ``none`` counts the message texts joined by newlines; ``auto`` (the
+  default) is ``hf`` when the tokenizer ships a template, else ``chatml``. ``template_of(model)``
+  is the mode in use; ``template_warnings(settings)`` names every model whose policy renders
+  another template than the one its tokenizer ships (what vLLM renders): check-config prints
+  them.
 - Special-token strings inside messages (``<|im_end|>`` in user text) count as the special token:
   vLLM renders the template and tokenizes the result with Hugging Face semantics, which match
   added tokens anywhere in the text.
@@ -202,7 +206,10 @@ class TokenCounter:
                 loaded[shared] = vocab
                 warm[model.name] = tokens
             template = None
-            if spec.chat_template == "hf":
+            mode = spec.chat_template
+            if mode == "auto":
+                mode = "chatml" if vocab.chat_template is None else "hf"
+            if mode == "hf":
                 if vocab.chat_template is None:
                     raise ConfigError(
                         f"model {model.name!r}: chat_template hf, but no chat template "
@@ -218,7 +225,7 @@ class TokenCounter:
                         f"{vocab.origin} does not compile: {exc}",
                         (*key, "chat_template"),
                     ) from exc
-            entry = _Model(vocab, spec.chat_template, template)
+            entry = _Model(vocab, mode, template)
             for name in (model.name, *model.aliases):
                 models[name] = entry
             log.info(
@@ -228,7 +235,7 @@ class TokenCounter:
                 backend=vocab.encoder.backend,
                 fallback=vocab.fallback,
                 origin=vocab.origin,
-                chat_template=spec.chat_template,
+                chat_template=mode,
                 bound="sound" if vocab.bound_sound else "disabled",
                 piece_cache=vocab.split_token is not None,
                 load_ms=round((time.perf_counter() - started) * 1000, 1),
@@ -390,6 +397,26 @@ class TokenCounter:
 
     def tokenizer_id(self, model: str) -> str:
         return self._model(model).vocab.id
+
+    def template_of(self, model: str) -> str:
+        """The chat template mode in use for ``model`` (``auto`` resolved)."""
+        return self._model(model).chat_template
+
+    def template_warnings(self, settings: Settings) -> list[str]:
+        """Every model whose policy renders another chat template than the one its tokenizer
+        ships, which is the one vLLM renders: its chat counts will not be the engine's."""
+        warnings = []
+        for model in settings.models:
+            entry = self._models.get(model.name)
+            if entry is None or entry.vocab.chat_template is None or entry.chat_template == "hf":
+                continue
+            warnings.append(
+                f"model {model.name!r} renders chat prompts with chat_template "
+                f"{entry.chat_template!r}, but its tokenizer ships its own chat template, the "
+                "one vLLM renders: chat counts will differ from the engine's (for Qwen3.6, 2 "
+                "tokens on a plain chat, ~200 with tools); set chat_template: hf"
+            )
+        return warnings
 
     def close(self) -> None:
         if self._executor is not None:

@@ -420,7 +420,7 @@ class Pipeline:
                         decision="prompt_tokens_unknown",
                         request_id=record.request_id,
                     )
-            self.recorder.engine_counted(record, model.name, model.tokenizer.chat_template)
+            self.recorder.engine_counted(record, model.name, policy.counter.template_of(model.name))
             if engine_down.cancelled_caught and not out.finished:
                 raise UpstreamError(f"engine was marked down mid-request: {engine.evidence}")
 

@@ -124,12 +124,16 @@ def describe_policy(settings: Settings) -> str:
 def _check_config(args: argparse.Namespace) -> int:
     try:
         policy = load_policy(resolve_policy(args.config))
-        policy.load_counter()
+        counter = policy.load_counter()
     except ConfigError as exc:
         print(f"shapegate: {exc}", file=sys.stderr)
         return 2
+    try:
+        warnings = [*counter.template_warnings(policy.settings), *policy_warnings(policy.settings)]
+    finally:
+        counter.close()
     print(describe_policy(policy.settings))
-    sys.stderr.writelines(f"shapegate: warning: {w}\n" for w in policy_warnings(policy.settings))
+    sys.stderr.writelines(f"shapegate: warning: {w}\n" for w in warnings)
     return 0
 
 

@@ -2,10 +2,15 @@
 
     shapegate init --engine http://127.0.0.1:9101 [--engine URL ...] [--heavy-engine URL ...]
                    [--model NAME] [--tokenizer qwen3.6 | PATH] [--max-model-len N]
-                   [--threshold N] [--out shapegate.yaml] [--force]
+                   [--threshold N] [--output-tokens N] [--chat-template MODE]
+                   [--out shapegate.yaml] [--force]
 
-With only ``--engine``, one lane takes every prompt up to the model's context. With
+With only ``--engine``, one lane takes every prompt up to the model's context less
+``--output-tokens`` (default 4096): room left for the answer, so a prompt that would leave the
+engine fewer output tokens than that is refused (400) rather than cut short. With
 ``--heavy-engine`` too, prompts of ``--threshold`` tokens or more go to a heavy lane of their own.
+Chat prompts are counted with the model's own chat template (``hf``, what vLLM renders) when the
+tokenizer ships one (the shipped Qwen3.6 does), else ChatML.
 The file is written only if it passes the same checks as ``shapegate check-config`` (tokenizer
 loaded, lanes covering the context, slot limits); exit code 2 otherwise, and an existing file is
 never replaced without ``--force``.
@@ -18,7 +23,7 @@ import sys
 from pathlib import Path
 
 from gateway.config_check import parse_policy
-from gateway.count.tokenizers.vocab import BUILTIN_NAMES
+from gateway.count.tokenizers.vocab import BUILTIN_NAMES, builtin_path
 from gateway.settings import ConfigError
 
 
@@ -26,9 +31,16 @@ def _flow(values: list[str]) -> str:
     return "[" + ", ".join(values) + "]"
 
 
+def _ships_template(name: str) -> bool:
+    """Whether a shipped vocabulary has its model's chat template beside it."""
+    with builtin_path(name) as path:
+        return (path.parent / "chat_template.jinja").exists()
+
+
 def _tokenizer(args: argparse.Namespace) -> str:
     if args.tokenizer in BUILTIN_NAMES:
-        template = args.chat_template or "chatml"
+        # The model's own template is the one vLLM renders: counts then equal the engine's.
+        template = args.chat_template or ("hf" if _ships_template(args.tokenizer) else "chatml")
         return f"{{source: builtin, name: {args.tokenizer}, chat_template: {template}}}"
     # A folder (or file) holding a Hugging Face tokenizer.json, and its chat template beside it.
     template = args.chat_template or "hf"
@@ -65,7 +77,7 @@ def _lane(name: str, low: int, high: int, slots: tuple[int, int], heavy: bool) -
 
 def render_policy(args: argparse.Namespace) -> str:
     """The annotated YAML ``init`` writes; pure over the parsed flags."""
-    top = args.max_model_len
+    top = args.max_model_len - args.output_tokens
     heavy = bool(args.heavy_engine)
     clusters = f"""\
   - name: {"fast" if heavy else "main"}
@@ -97,8 +109,9 @@ models:
   - name: {args.model}
     # Prompt tokens are counted with this tokenizer and chat template, offline, at every request.
     tokenizer: {_tokenizer(args)}
-    # The engine's --max-model-len; lanes below cover every prompt up to it.
-    max_model_len: {top}
+    # The engine's --max-model-len. The lanes below stop {args.output_tokens} tokens short of it:
+    # room for the answer; a longer prompt is refused with 400 rather than cut to a short answer.
+    max_model_len: {args.max_model_len}
 
 clusters:
 {clusters}
@@ -117,8 +130,19 @@ def _init(args: argparse.Namespace) -> int:
     if out.exists() and not args.force:
         print(f"shapegate init: {out} exists; pass --force to replace it", file=sys.stderr)
         return 2
-    if args.heavy_engine and not 0 < args.threshold < args.max_model_len:
-        print("shapegate init: --threshold must lie between 0 and --max-model-len", file=sys.stderr)
+    if not 0 <= args.output_tokens < args.max_model_len:
+        print(
+            "shapegate init: --output-tokens must lie between 0 and --max-model-len",
+            file=sys.stderr,
+        )
+        return 2
+    top = args.max_model_len - args.output_tokens
+    if args.heavy_engine and not 0 < args.threshold < top:
+        print(
+            f"shapegate init: --threshold must lie between 0 and {top} (--max-model-len less "
+            "--output-tokens)",
+            file=sys.stderr,
+        )
         return 2
     text = render_policy(args)
     try:
@@ -162,11 +186,17 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--chat-template",
         choices=("chatml", "hf", "none"),
         default=None,
-        help="how chat messages become the prompt (default: chatml for a shipped tokenizer, "
-        "hf, the model's own template, for a folder)",
+        help="how chat messages become the prompt (default: hf, the model's own template, what "
+        "vLLM renders; chatml for a shipped tokenizer with no template)",
     )
     init.add_argument(
         "--max-model-len", type=int, default=131072, help="the engines' context, in tokens"
+    )
+    init.add_argument(
+        "--output-tokens",
+        type=int,
+        default=4096,
+        help="room kept for the answer: lanes end this many tokens short of --max-model-len",
     )
     init.add_argument(
         "--threshold",

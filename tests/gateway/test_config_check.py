@@ -139,6 +139,41 @@ def test_the_good_policy_passes(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "heavy: 4096 <= prompt tokens < 1048576" in capsys.readouterr().out
 
 
+def test_a_template_other_than_the_models_own_is_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Defect 7: counting must follow the engine, which renders the model's own template. A
+    policy that renders another one passes with a warning; ``hf`` and the default (``auto``:
+    the model's own when its tokenizer ships one) pass clean."""
+    path = tmp_path / "policy.yaml"
+    for template, warned in (("chatml", True), ("none", True), ("hf", False), (None, False)):
+        line = "" if template is None else f", chat_template: {template}"
+        path.write_text(GOOD.replace(", chat_template: chatml", line))
+        assert main(["check-config", str(path)]) == 0
+        err = capsys.readouterr().err
+        assert ("its tokenizer ships its own chat template" in err) is warned, (template, err)
+        if warned:
+            assert f"model 'qwen3.6' renders chat prompts with chat_template {template!r}" in err
+    # A tokenizer with no template of its own (cl100k): ChatML is all there is, no warning.
+    cl100k = "{source: tiktoken_encoding, name: cl100k_base}"
+    path.write_text(GOOD.replace("{source: builtin, name: qwen3.6, chat_template: chatml}", cl100k))
+    assert main(["check-config", str(path)]) == 0
+    assert "chat template" not in capsys.readouterr().err
+
+
+def test_the_default_template_is_the_models_own() -> None:
+    own = TokenCounter.for_models(
+        [
+            {"name": "q", "tokenizer": {"source": "builtin", "name": "qwen3.6"}},
+            {"name": "c", "tokenizer": {"source": "tiktoken_encoding", "name": "cl100k_base"}},
+        ]
+    )
+    try:
+        assert (own.template_of("q"), own.template_of("c")) == ("hf", "chatml")
+    finally:
+        own.close()
+
+
 def test_a_tracing_section_passes_and_needs_the_otel_extra(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

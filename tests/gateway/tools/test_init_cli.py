@@ -43,9 +43,31 @@ def test_a_two_lane_policy_passes_check_config(
     assert main(["check-config", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "fast: 0 <= prompt tokens < 16384" in printed
-    assert "heavy: 16384 <= prompt tokens < 262144" in printed
+    # The lanes stop 4096 tokens (the default --output-tokens) short of the context.
+    assert "heavy: 16384 <= prompt tokens < 258048" in printed
+    assert "max_model_len: 262144" in out.read_text()
+    assert "chat_template: hf" in out.read_text()  # the model's own, what vLLM renders
+    assert "warning" not in capsys.readouterr().err
     assert "slots: lane 128, per endpoint 64" in printed
     assert "# " in out.read_text()  # annotated
+
+
+def test_init_leaves_room_for_the_answer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A prompt that fills the context leaves the engine nothing to answer with: init's lanes
+    end --output-tokens short of --max-model-len, so such a prompt is refused up front."""
+    out = tmp_path / "one.yaml"
+    args = ["init", "--engine", "http://127.0.0.1:9101", "--max-model-len", "32768"]
+    assert main([*args, "--output-tokens", "1000", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["check-config", str(out)]) == 0
+    assert "main: 0 <= prompt tokens < 31768" in capsys.readouterr().out
+    assert main([*args, "--output-tokens", "32768", "--out", str(out), "--force"]) == 2
+    assert "--output-tokens must lie between 0 and --max-model-len" in capsys.readouterr().err
+    heavy = [*args, "--heavy-engine", "http://127.0.0.1:9201", "--threshold", "30000"]
+    assert main([*heavy, "--out", str(out), "--force"]) == 2  # 30000 >= 32768 - 4096
+    assert "--threshold must lie between 0 and 28672" in capsys.readouterr().err
 
 
 async def test_init_then_serve_against_a_sim_engine(tmp_path: Path, counter: TokenCounter) -> None:
