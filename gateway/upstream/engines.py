@@ -5,7 +5,8 @@ A cluster is probed with the health settings of the lane(s) it serves. When it s
 (primary in one, emergency in another), the most lenient settings win: a heavy engine must never
 be judged by a fast lane's clock.
 
-Events become: ``engine.state_changed`` (info, once per transition, with evidence) and
+Events become: ``engine.state_changed`` (once per transition, with evidence: a warning when the
+engine goes down, info otherwise) and
 ``shapegate_engine_up``; ``engine.slow`` (a warning and ``watchdog_events{kind=probe_timeout}``,
 an alert that evicts nothing); load gauges. Every failed probe and scrape counts in
 ``shapegate_engine_check_failures_total{cluster, endpoint, check}``: an engine failing is the
@@ -99,7 +100,10 @@ class EngineEvents:
 
     def __call__(self, event: MonitorEvent) -> None:
         if isinstance(event, StateChange):
-            self._log.info(
+            # An engine leaving routing is an operator's news (a warning); back up, or slow but
+            # routable, is information.
+            emit = self._log.info if event.new.routable else self._log.warning
+            emit(
                 "engine.state_changed",
                 cluster=event.cluster,
                 endpoint=event.url,

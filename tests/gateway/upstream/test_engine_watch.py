@@ -13,8 +13,13 @@ import httpx
 import pytest
 from structlog.testing import capture_logs
 
+from engine_pool.cluster import EngineState
+from engine_pool.registry import StateChange
 from engine_pool.sim.server import run_sim
 from gateway.count.tokens import TokenCounter
+from gateway.observe.log import get_logger
+from gateway.observe.metrics import Metrics
+from gateway.settings import parse_settings
 from gateway.tools.sim_support import RegistryCounter
 from gateway.upstream import engines
 from tests.conftest import lanes_config
@@ -316,3 +321,18 @@ async def test_an_engine_slow_to_first_token_among_its_peers_is_shown_slow_and_s
     assert metrics.value("shapegate_engine_slow", endpoint=good.url) == 0
     warned = [e for e in logs if e["event"] == "engine.slow_requests"]
     assert [e["endpoint"] for e in warned] == [slow.url]
+
+
+def test_an_engine_going_down_is_a_warning_and_coming_back_is_info() -> None:
+    """An engine leaving routing is what an operator must see: warning level (it was info)."""
+    settings = parse_settings(lanes_config(["http://a"], ["http://b"]), environ={})
+    events = engines.EngineEvents(settings, Metrics(), get_logger("test"))
+    with capture_logs() as logs:
+        events(StateChange("fast", "http://a", EngineState.UP, EngineState.DOWN, "refused"))
+        events(StateChange("fast", "http://a", EngineState.DOWN, EngineState.UP, "answers"))
+        events(StateChange("fast", "http://a", EngineState.UP, EngineState.SLOW, "probe 3s"))
+    assert [(e["new"], e["log_level"]) for e in logs] == [
+        ("down", "warning"),
+        ("up", "info"),
+        ("slow", "info"),
+    ]
