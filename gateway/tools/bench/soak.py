@@ -116,7 +116,7 @@ def policy(fast: list[str], heavy: list[str], port: int) -> dict[str, Any]:
         "models": [
             {
                 "name": "qwen3.6",
-                "tokenizer": {"source": "builtin", "name": "qwen3.6", "chat_template": "chatml"},
+                "tokenizer": {"source": "builtin", "name": "qwen3.6", "chat_template": "hf"},
             }
         ],
         "clusters": [
