@@ -156,7 +156,9 @@ async def test_down_engine_deadlines_and_swallowed_errors_are_listed(gateway_at:
         ):
             r = await client.post(
                 "/v1/chat/completions",
-                json=chat("x", fake={"mode": "hang"}),
+                # Streamed: its wait for the first byte is first_byte_s (a non-streamed one
+                # waits for the whole answer, under total_s).
+                json=chat("x", stream=True, fake={"mode": "hang"}),
                 headers={"x-request-id": "hangs-1"},
             )
             assert r.status_code == 504

@@ -191,7 +191,10 @@ async def test_requests_are_counted_by_outcome(gateway_at: Any) -> None:
         failed = await client.post(
             "/v1/chat/completions", json=chat("b", fake={"mode": "error", "status": 503})
         )
-        hung = await client.post("/v1/chat/completions", json=chat("c", fake={"mode": "hang"}))
+        # Streamed, so first_byte_s bounds it (a non-streamed answer comes whole, under total_s).
+        hung = await client.post(
+            "/v1/chat/completions", json=chat("c", stream=True, fake={"mode": "hang"})
+        )
         unknown = await client.post("/v1/chat/completions", json={**chat("d"), "model": "nope"})
         with pytest.raises(httpx.ReadTimeout):
             await client.post(
