@@ -10,15 +10,18 @@ Routes (vLLM's shapes, see ``wire.py`` and ``wire_apis.py``):
                            AUDIO_PROMPT_TOKENS (Whisper's 30 s window is 1500 encoder frames)
                            and AUDIO_OUTPUT_TOKENS of text: ``{"text": ...}``
     GET  /version
-    GET  /v1/models        GET /health (200, or 503 when dead)
+    GET  /v1/models        GET /health (200 while the server answers; vLLM exits when dead)
     POST /tokenize         GET /metrics (vLLM names, simulated seconds)
     GET  /sim/requests[?request_id=]   what the engine saw of each request (records.py)
     GET  /sim/state        scheduler snapshot and simulated clock
     GET  /sim/faults       POST /sim/faults  (a FaultSpec as JSON; ``{}`` clears)
 
-Errors are vLLM's (Anthropic-shaped on /v1/messages): 400 ``BadRequestError`` (with ``param``;
-``input_tokens`` when prompt plus max_tokens exceed ``max_model_len``), 404 ``NotFoundError``
-for an unknown model. ``hang`` is a
+Only the routes of the profile's ``tasks`` exist (a generate-only model 404s the pooling and
+audio routes with ``{"detail": "Not Found"}``, as vLLM does). Chat messages get vLLM's
+preprocessing (``vllm_rules.py``); a completions batch is served one sequence a prompt; sampling
+parameters vLLM refuses answer 400. Errors are vLLM's (Anthropic-shaped on /v1/messages):
+400 ``BadRequestError`` (with ``param``; ``input_tokens`` when prompt plus max_tokens exceed
+``max_model_len``), 404 ``NotFoundError`` for an unknown model. ``hang`` is a
 pure ASGI middleware (it must not answer at all); the other faults live in ``serving.py``.
 FastAPI is allowed here because this is the simulator, not the gateway.
 """
@@ -30,6 +33,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
@@ -39,9 +43,9 @@ from starlette.background import BackgroundTask
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine_pool.engine_api import Endpoint
-from engine_pool.sim import wire, wire_apis
+from engine_pool.sim import vllm_rules, wire, wire_apis
 from engine_pool.sim.counting import PromptCounter, RequestRejected, SimRequest
-from engine_pool.sim.engine import RequestStream, SimEngine
+from engine_pool.sim.engine import EngineCrashed, RequestStream, SimEngine
 from engine_pool.sim.faults import FaultError, FaultSpec, FaultState
 from engine_pool.sim.profile import EngineProfile
 from engine_pool.sim.serving import (
@@ -49,8 +53,10 @@ from engine_pool.sim.serving import (
     FinishReason,
     GenerateEndpoint,
     Generation,
+    full_batch_body,
     full_body,
     race_disconnect,
+    stream_batch_body,
     stream_body,
 )
 
@@ -63,6 +69,12 @@ ID_PREFIX = {
     "completions": "cmpl-",
     "responses": "resp_",
     "messages": "chatcmpl-",
+}
+GENERATE_PATHS: dict[str, GenerateEndpoint] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/responses": "responses",
+    "/v1/messages": "messages",
 }
 # The sim's own routes beyond the generating ones, as vLLM serves them (the gateway's table,
 # gateway/request/routes.py, forwards each of these paths unchanged).
@@ -81,7 +93,6 @@ AUDIO_PATHS: dict[str, Endpoint] = {
 }
 
 ApplyFaults = Callable[[FaultSpec], Awaitable[None]]
-DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,13 +144,24 @@ class HangMiddleware:
 def _output(
     parts: SimParts, endpoint: GenerateEndpoint, max_tokens: int | None, prompt_tokens: int
 ) -> tuple[int, FinishReason]:
-    """Output tokens and finish reason: max_tokens exactly (ignore_eos-like), else a default."""
-    out = parts.profile.output
+    """Output tokens and finish reason: max_tokens exactly (ignore_eos-like), else a default.
+    vLLM caps the output at the context left (``get_max_tokens``): ``max_tokens`` equal to
+    ``max_model_len`` is served, shortened to ``max_model_len - prompt_tokens``."""
+    out, context_left = parts.profile.output, parts.profile.max_model_len - prompt_tokens
     if max_tokens is not None:
-        return max_tokens, "length"
+        return min(max_tokens, context_left), "length"
     if endpoint == "completions":  # vLLM's CompletionRequest.max_tokens defaults to 16
-        return out.completions_default_tokens, "length"
-    return min(out.default_tokens, parts.profile.max_model_len - prompt_tokens), "stop"
+        return min(out.completions_default_tokens, context_left), "length"
+    return min(out.default_tokens, context_left), "stop"
+
+
+def _too_long(parts: SimParts, requested: int, prompt_tokens: int) -> bool:
+    """vLLM's context check: the prompt must leave room for the output it asks for; a request
+    for the whole context (``max_tokens == max_model_len``) is served with what is left."""
+    max_model_len = parts.profile.max_model_len
+    if prompt_tokens >= max_model_len:
+        return True
+    return requested != max_model_len and prompt_tokens + requested > max_model_len
 
 
 async def _validate(parts: SimParts, endpoint: Endpoint, body: bytes) -> Response | SimRequest:
@@ -153,7 +175,7 @@ async def _validate(parts: SimParts, endpoint: Endpoint, body: bytes) -> Respons
         message = f"The model `{routed.model}` does not exist."
         return _error(404, message, "NotFoundError", "model", endpoint=endpoint)
     if faults.spec.dead or parts.engine.failed:
-        return _error(500, DEAD_MESSAGE, "InternalServerError", endpoint=endpoint)
+        return _error(500, wire.ENGINE_DEAD_MESSAGE, "InternalServerError", endpoint=endpoint)
     injected = faults.draw_error()
     if injected == 500:
         return _error(500, "injected fault: internal server error", "InternalServerError")
@@ -164,62 +186,98 @@ async def _validate(parts: SimParts, endpoint: Endpoint, body: bytes) -> Respons
     return routed
 
 
+def _json(body: bytes) -> Any:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None  # the reader answers it with its own 400
+
+
 async def _prepare(
     parts: SimParts, request: Request, endpoint: GenerateEndpoint
-) -> Response | tuple[Generation, bool]:
-    """Validate as vLLM does (and roll the fault dice): an error response, or what to generate."""
+) -> Response | tuple[list[Generation], bool]:
+    """Validate as vLLM does (and roll the fault dice): an error response, or what to generate
+    (one ``Generation`` a prompt: a completions batch has several)."""
     profile = parts.profile
     body = await request.body()
+    data = _json(body)
+    if endpoint == "chat" and (preprocessed := vllm_rules.preprocess_chat(data)) is not None:
+        data, body = preprocessed, orjson.dumps(preprocessed)
     routed = await _validate(parts, endpoint, body)
     if isinstance(routed, Response):
         return routed
-    if routed.prompts > 1:
-        return _error(
-            400, "the simulator serves one prompt per request", "BadRequestError", "prompt"
-        )
-    # Off the event loop: a 300k-token prompt must not stall every other stream.
-    prompt_tokens = await asyncio.to_thread(parts.counter.count, routed)
+    try:
+        # Off the event loop: a 300k-token prompt must not stall every other stream.
+        counts = await asyncio.to_thread(parts.counter.counts, routed)
+    except RequestRejected as exc:  # the template refused the messages
+        return _error(400, exc.message, "BadRequestError", exc.param, endpoint=endpoint)
     requested = routed.max_tokens or 0
-    if prompt_tokens + requested > profile.max_model_len or prompt_tokens >= profile.max_model_len:
-        message = wire.context_too_long_message(profile.max_model_len, requested, prompt_tokens)
-        return _error(400, message, "BadRequestError", "input_tokens", endpoint=endpoint)
+    for prompt_tokens in counts:
+        if _too_long(parts, requested, prompt_tokens):
+            message = wire.context_too_long_message(profile.max_model_len, requested, prompt_tokens)
+            return _error(400, message, "BadRequestError", "input_tokens", endpoint=endpoint)
+    rejected = vllm_rules.sampling_error(data)
+    if rejected is not None:
+        return _error(400, rejected.message, "BadRequestError", rejected.param, endpoint=endpoint)
     previous = routed.previous_response_id
     if previous is not None and previous not in parts.stored:
         message = f"Response with id '{previous}' not found."
         return _error(404, message, "invalid_request_error", "previous_response_id")
-    output_tokens, finish = _output(parts, endpoint, routed.max_tokens, prompt_tokens)
-    request_id = request.headers.get("x-request-id") or wire.random_id()
-    gen = Generation(
-        endpoint=endpoint,
-        request_id=request_id,
-        response_id=ID_PREFIX[endpoint] + request_id,
-        created=int(time.time()),
-        model=profile.model,
-        prompt_tokens=prompt_tokens,
-        output_tokens=output_tokens,
-        finish_reason=finish,
-        include_usage=routed.include_usage,
-        request=orjson.loads(body) if endpoint == "responses" else {},
+    stream_options = data.get("stream_options") if isinstance(data, dict) else None
+    include_usage, continuous = vllm_rules.usage_flags(
+        stream_options, profile.enable_force_include_usage
     )
-    if endpoint == "responses" and gen.request.get("store", True) is not False:
-        parts.stored[gen.response_id] = None
+    if endpoint not in ("chat", "completions"):
+        include_usage, continuous = routed.include_usage, False
+    request_id = request.headers.get("x-request-id") or wire.random_id()
+    created = int(time.time())
+    echoed = data if endpoint == "responses" and isinstance(data, dict) else {}
+    gens = []
+    for index, prompt_tokens in enumerate(counts):
+        output_tokens, finish = _output(parts, endpoint, routed.max_tokens, prompt_tokens)
+        gens.append(
+            Generation(
+                endpoint=endpoint,
+                request_id=request_id if len(counts) == 1 else f"{request_id}-{index}",
+                response_id=ID_PREFIX[endpoint] + request_id,
+                created=created,
+                model=profile.model,
+                prompt_tokens=prompt_tokens,
+                output_tokens=output_tokens,
+                finish_reason=finish,
+                include_usage=include_usage,
+                request=echoed,
+                continuous_usage=continuous,
+                index=index,
+            )
+        )
+    if endpoint == "responses" and echoed.get("store", True) is not False:
+        parts.stored[gens[0].response_id] = None
         while len(parts.stored) > STORED_RESPONSES:
             parts.stored.popitem(last=False)
-    return gen, routed.stream
+    return gens, routed.stream
 
 
 async def _generate(parts: SimParts, request: Request, endpoint: GenerateEndpoint) -> Response:
     prepared = await _prepare(parts, request, endpoint)
     if isinstance(prepared, Response):
         return prepared
-    gen, streaming = prepared
+    gens, streaming = prepared
     engine, faults = parts.engine, parts.faults
-    stream = engine.submit(
-        gen.request_id,
-        endpoint=endpoint,
-        prompt_tokens=gen.prompt_tokens,
-        output_tokens=gen.output_tokens,
-    )
+    streams = [
+        engine.submit(
+            gen.request_id,
+            endpoint=endpoint,
+            prompt_tokens=gen.prompt_tokens,
+            output_tokens=gen.output_tokens,
+        )
+        for gen in gens
+    ]
+
+    def abort_all() -> None:
+        for stream in streams:
+            engine.abort(stream.key)
+
     handed_off = False
     try:
         delay = faults.spec.first_byte_delay_s
@@ -230,14 +288,22 @@ async def _generate(parts: SimParts, request: Request, endpoint: GenerateEndpoin
                 return Response(status_code=499)
         if streaming:
             handed_off = True  # from here the response aborts the request however it ends
-            return EngineStreamingResponse(
-                stream_body(gen, engine, stream, faults), on_close=lambda: engine.abort(stream.key)
+            body = (
+                stream_body(gens[0], engine, streams[0], faults)
+                if len(gens) == 1
+                else stream_batch_body(gens, engine, streams, faults)
             )
-        stayed, body = await race_disconnect(request.receive, full_body(gen, stream))
-        return JSONResponse(body) if stayed else Response(status_code=499)
+            return EngineStreamingResponse(body, on_close=abort_all)
+        whole = full_body(gens[0], streams[0]) if len(gens) == 1 else full_batch_body(gens, streams)
+        try:
+            stayed, answer = await race_disconnect(request.receive, whole)
+        except EngineCrashed:  # the engine died under it: vLLM answers 500
+            return _error(500, wire.ENGINE_DEAD_MESSAGE, "InternalServerError", endpoint=endpoint)
+        # vLLM sends nothing, headers included, before the whole answer is ready.
+        return JSONResponse(answer) if stayed else Response(status_code=499)
     finally:
         if not handed_off:
-            engine.abort(stream.key)  # a no-op once finished; frees the seat if abandoned
+            abort_all()  # a no-op once finished; frees the seats if abandoned
 
 
 def create_app(parts: SimParts, apply_faults: ApplyFaults) -> FastAPI:
@@ -246,24 +312,14 @@ def create_app(parts: SimParts, apply_faults: ApplyFaults) -> FastAPI:
     app = FastAPI(title=f"shapegate sim ({profile.name})", openapi_url=None, docs_url=None)
     app.add_middleware(HangMiddleware, faults=faults)
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await _generate(parts, request, "chat")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await _generate(parts, request, "completions")
-
-    @app.post("/v1/responses")
-    async def responses(request: Request) -> Response:
-        return await _generate(parts, request, "responses")
-
-    @app.post("/v1/messages")
-    async def messages(request: Request) -> Response:
-        return await _generate(parts, request, "messages")
-
+    # vLLM registers only the routes of the tasks its model serves: the others answer
+    # FastAPI's own 404 {"detail": "Not Found"}.
+    if "generate" in profile.tasks:
+        for path, generating in GENERATE_PATHS.items():
+            app.add_api_route(path, _generate_handler(parts, generating), methods=["POST"])
     for path, endpoint in POOLING_PATHS.items():
-        app.add_api_route(path, _pool_handler(parts, endpoint), methods=["POST"])
+        if vllm_rules.TASK_OF[endpoint] in profile.tasks:
+            app.add_api_route(path, _pool_handler(parts, endpoint), methods=["POST"])
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
@@ -276,8 +332,9 @@ def create_app(parts: SimParts, apply_faults: ApplyFaults) -> FastAPI:
             return _error(400, exc.message, "BadRequestError", exc.param)
         return JSONResponse({"prompt": text})
 
-    for path, endpoint in AUDIO_PATHS.items():
-        app.add_api_route(path, _audio_handler(parts, endpoint), methods=["POST"])
+    if "transcription" in profile.tasks:
+        for path, endpoint in AUDIO_PATHS.items():
+            app.add_api_route(path, _audio_handler(parts, endpoint), methods=["POST"])
 
     @app.get("/version")
     async def version() -> JSONResponse:
@@ -289,7 +346,9 @@ def create_app(parts: SimParts, apply_faults: ApplyFaults) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=503 if faults.spec.dead or engine.failed else 200)
+        # 200 while the server answers at all: after an engine-core death vLLM's server exits
+        # within ~0.5 s, before its health route ever reports the death.
+        return Response(status_code=200)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
@@ -346,6 +405,15 @@ def create_app(parts: SimParts, apply_faults: ApplyFaults) -> FastAPI:
         )
 
     return app
+
+
+def _generate_handler(
+    parts: SimParts, endpoint: GenerateEndpoint
+) -> Callable[[Request], Awaitable[Response]]:
+    async def handle(request: Request) -> Response:
+        return await _generate(parts, request, endpoint)
+
+    return handle
 
 
 def _pool_handler(parts: SimParts, endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:

@@ -56,7 +56,7 @@ def test_sim_subprocess_serves_until_sigterm() -> None:
             "--model",
             "tiny",
             "--faults",
-            "dead",
+            "error_500_rate=1",
         ),
         cwd=ROOT,
         env=checkout_env(),
@@ -64,7 +64,10 @@ def test_sim_subprocess_serves_until_sigterm() -> None:
         stderr=subprocess.PIPE,
     )
     try:
-        assert wait_for_health(url, proc) == 503  # started dead, as asked
+        assert wait_for_health(url, proc) == 200
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        refused = httpx.post(f"{url}/v1/chat/completions", json=chat)
+        assert refused.status_code == 500  # started with the faults asked
         assert httpx.post(f"{url}/sim/faults", json={}).status_code == 200
         time.sleep(0.05)
         assert httpx.get(f"{url}/health").status_code == 200
