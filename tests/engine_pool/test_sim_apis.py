@@ -15,17 +15,14 @@ import pytest
 
 from engine_pool.sim.server import SimServer, run_sim
 from engine_pool.sim.wire import output_text
-from gateway.count.tokens import TokenCounter
 from gateway.request.routes import ENGINE_ROUTES
 from gateway.tools.sim_support import RegistryCounter
 from tests.support.sim_profiles import every_task
 
 
 @pytest.fixture
-async def sim(counter: TokenCounter) -> AsyncIterator[SimServer]:
-    async with run_sim(
-        every_task(), time_scale=0.01, counter=RegistryCounter(counter, "qwen3.6")
-    ) as server:
+async def sim(engine_counter: RegistryCounter) -> AsyncIterator[SimServer]:
+    async with run_sim(every_task(), time_scale=0.01, counter=engine_counter) as server:
         yield server
 
 
