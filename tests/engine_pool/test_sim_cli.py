@@ -57,6 +57,7 @@ def test_sim_subprocess_serves_until_sigterm() -> None:
             "tiny",
             "--faults",
             "error_500_rate=1",
+            "--enable-force-include-usage",
         ),
         cwd=ROOT,
         env=checkout_env(),
@@ -80,6 +81,10 @@ def test_sim_subprocess_serves_until_sigterm() -> None:
             },
         )
         assert r.status_code == 200 and r.json()["model"] == "tiny"
+        # vLLM's --enable-force-include-usage: usage on every chunk, unasked.
+        streamed = httpx.post(f"{url}/v1/chat/completions", json={**chat, "stream": True})
+        chunks = [line for line in streamed.text.split("\n\n") if line.startswith("data: {")]
+        assert len(chunks) == 5 and all('"usage":' in chunk for chunk in chunks)
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=15)
     finally:

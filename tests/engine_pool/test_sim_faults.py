@@ -156,6 +156,23 @@ async def test_dead_engine_dies_as_vllm_does(sim: SimServer) -> None:
         assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
 
 
+async def test_an_engine_loop_failure_ends_as_an_engine_core_death(
+    sim: SimServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The simulator's own engine loop failing ends as vLLM's engine core dying does: the
+    request in it gets 500, then the server exits (no /health 503 phase)."""
+
+    def broken(now: float) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(sim.engine._scheduler, "step", broken)
+    async with httpx.AsyncClient(base_url=sim.url) as client:
+        r = await client.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 500 and r.json()["error"]["message"] == ENGINE_DEAD_MESSAGE
+        assert sim.engine.failed
+        await wait_for(lambda: not sim.listening, 3, what="the server exits")
+
+
 async def test_dead_engine_restarts_after_restart_after_s(start_sim: SimFactory) -> None:
     async with (
         start_sim(dead=True, exit_after_s=0.1, restart_after_s=0.2) as sim,
