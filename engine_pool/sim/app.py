@@ -17,9 +17,9 @@ Routes (vLLM's shapes, see ``wire.py`` and ``wire_apis.py``):
     GET  /sim/faults       POST /sim/faults  (a FaultSpec as JSON; ``{}`` clears)
 
 Only the routes of the profile's ``tasks`` exist (a generate-only model 404s the pooling and
-audio routes with ``{"detail": "Not Found"}``, as vLLM does). Chat messages get vLLM's
-preprocessing (``vllm_rules.py``); a completions batch is served one sequence a prompt; sampling
-parameters vLLM refuses answer 400. Errors are vLLM's (Anthropic-shaped on /v1/messages):
+audio routes with ``{"detail": "Not Found"}``, as vLLM does). The generating routes live in
+``generation.py`` (vLLM 0.32's rules: ``vllm_rules.py``), what every route shares in
+``handling.py``. Errors are vLLM's (Anthropic-shaped on /v1/messages):
 400 ``BadRequestError`` (with ``param``; ``input_tokens`` when prompt plus max_tokens exceed
 ``max_model_len``), 404 ``NotFoundError`` for an unknown model. ``hang`` is a
 pure ASGI middleware (it must not answer at all); the other faults live in ``serving.py``.
@@ -30,10 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
@@ -44,38 +41,18 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine_pool.engine_api import Endpoint
 from engine_pool.sim import vllm_rules, wire, wire_apis
-from engine_pool.sim.counting import PromptCounter, RequestRejected, SimRequest
-from engine_pool.sim.engine import EngineCrashed, RequestStream, SimEngine
+from engine_pool.sim.counting import RequestRejected
+from engine_pool.sim.engine import RequestStream
 from engine_pool.sim.faults import FaultError, FaultSpec, FaultState
-from engine_pool.sim.profile import EngineProfile
-from engine_pool.sim.serving import (
-    EngineStreamingResponse,
-    FinishReason,
-    GenerateEndpoint,
-    Generation,
-    full_batch_body,
-    full_body,
-    race_disconnect,
-    stream_batch_body,
-    stream_body,
-)
+from engine_pool.sim.generation import GENERATE_PATHS, generate_handler
+from engine_pool.sim.handling import SimParts
+from engine_pool.sim.handling import error as _error
+from engine_pool.sim.handling import validate as _validate
+from engine_pool.sim.serving import race_disconnect
 
 SIM_VERSION = "0.33.0+sim"
 AUDIO_PROMPT_TOKENS = 1500
 AUDIO_OUTPUT_TOKENS = 16
-STORED_RESPONSES = 10_000
-ID_PREFIX = {
-    "chat": "chatcmpl-",
-    "completions": "cmpl-",
-    "responses": "resp_",
-    "messages": "chatcmpl-",
-}
-GENERATE_PATHS: dict[str, GenerateEndpoint] = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-    "/v1/responses": "responses",
-    "/v1/messages": "messages",
-}
 # The sim's own routes beyond the generating ones, as vLLM serves them (the gateway's table,
 # gateway/request/routes.py, forwards each of these paths unchanged).
 POOLING_PATHS: dict[str, Endpoint] = {
@@ -93,32 +70,6 @@ AUDIO_PATHS: dict[str, Endpoint] = {
 }
 
 ApplyFaults = Callable[[FaultSpec], Awaitable[None]]
-
-
-@dataclass(frozen=True, slots=True)
-class SimParts:
-    profile: EngineProfile
-    engine: SimEngine
-    faults: FaultState
-    counter: PromptCounter
-    # Responses this engine stored (vLLM keeps them in its own memory): a follow-up naming one
-    # it does not hold is answered 404, as vLLM does. The most recent STORED_RESPONSES are kept.
-    stored: OrderedDict[str, None] = field(default_factory=OrderedDict)
-
-
-def _error(
-    status: int,
-    message: str,
-    type_: str,
-    param: str | None = None,
-    headers: dict[str, str] | None = None,
-    *,
-    endpoint: Endpoint | None = None,
-) -> JSONResponse:
-    if endpoint == "messages":  # vLLM's Anthropic server answers in Anthropic's error shape
-        body = wire_apis.anthropic_error_body(message, status)
-        return JSONResponse(body, status, headers=headers)
-    return JSONResponse(wire.error_body(message, type_, status, param), status, headers=headers)
 
 
 class HangMiddleware:
@@ -141,171 +92,6 @@ class HangMiddleware:
         await self.app(scope, receive, send)
 
 
-def _output(
-    parts: SimParts, endpoint: GenerateEndpoint, max_tokens: int | None, prompt_tokens: int
-) -> tuple[int, FinishReason]:
-    """Output tokens and finish reason: max_tokens exactly (ignore_eos-like), else a default.
-    vLLM caps the output at the context left (``get_max_tokens``): ``max_tokens`` equal to
-    ``max_model_len`` is served, shortened to ``max_model_len - prompt_tokens``."""
-    out, context_left = parts.profile.output, parts.profile.max_model_len - prompt_tokens
-    if max_tokens is not None:
-        return min(max_tokens, context_left), "length"
-    if endpoint == "completions":  # vLLM's CompletionRequest.max_tokens defaults to 16
-        return min(out.completions_default_tokens, context_left), "length"
-    return min(out.default_tokens, context_left), "stop"
-
-
-def _too_long(parts: SimParts, requested: int, prompt_tokens: int) -> bool:
-    """vLLM's context check: the prompt must leave room for the output it asks for; a request
-    for the whole context (``max_tokens == max_model_len``) is served with what is left."""
-    max_model_len = parts.profile.max_model_len
-    if prompt_tokens >= max_model_len:
-        return True
-    return requested != max_model_len and prompt_tokens + requested > max_model_len
-
-
-async def _validate(parts: SimParts, endpoint: Endpoint, body: bytes) -> Response | SimRequest:
-    """Parse as vLLM does and roll the fault dice: an error response, or the request."""
-    profile, faults = parts.profile, parts.faults
-    try:
-        routed = parts.counter.read(endpoint, body)
-    except RequestRejected as exc:
-        return _error(400, exc.message, "BadRequestError", exc.param, endpoint=endpoint)
-    if routed.model not in profile.served_names:
-        message = f"The model `{routed.model}` does not exist."
-        return _error(404, message, "NotFoundError", "model", endpoint=endpoint)
-    if faults.spec.dead or parts.engine.failed:
-        return _error(500, wire.ENGINE_DEAD_MESSAGE, "InternalServerError", endpoint=endpoint)
-    injected = faults.draw_error()
-    if injected == 500:
-        return _error(500, "injected fault: internal server error", "InternalServerError")
-    if injected == 429:
-        return _error(
-            429, "injected fault: too many requests", "RateLimitError", headers={"retry-after": "1"}
-        )
-    return routed
-
-
-def _json(body: bytes) -> Any:
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None  # the reader answers it with its own 400
-
-
-async def _prepare(
-    parts: SimParts, request: Request, endpoint: GenerateEndpoint
-) -> Response | tuple[list[Generation], bool]:
-    """Validate as vLLM does (and roll the fault dice): an error response, or what to generate
-    (one ``Generation`` a prompt: a completions batch has several)."""
-    profile = parts.profile
-    body = await request.body()
-    data = _json(body)
-    if endpoint == "chat" and (preprocessed := vllm_rules.preprocess_chat(data)) is not None:
-        data, body = preprocessed, orjson.dumps(preprocessed)
-    routed = await _validate(parts, endpoint, body)
-    if isinstance(routed, Response):
-        return routed
-    try:
-        # Off the event loop: a 300k-token prompt must not stall every other stream.
-        counts = await asyncio.to_thread(parts.counter.counts, routed)
-    except RequestRejected as exc:  # the template refused the messages
-        return _error(400, exc.message, "BadRequestError", exc.param, endpoint=endpoint)
-    requested = routed.max_tokens or 0
-    for prompt_tokens in counts:
-        if _too_long(parts, requested, prompt_tokens):
-            message = wire.context_too_long_message(profile.max_model_len, requested, prompt_tokens)
-            return _error(400, message, "BadRequestError", "input_tokens", endpoint=endpoint)
-    rejected = vllm_rules.sampling_error(data)
-    if rejected is not None:
-        return _error(400, rejected.message, "BadRequestError", rejected.param, endpoint=endpoint)
-    previous = routed.previous_response_id
-    if previous is not None and previous not in parts.stored:
-        message = f"Response with id '{previous}' not found."
-        return _error(404, message, "invalid_request_error", "previous_response_id")
-    stream_options = data.get("stream_options") if isinstance(data, dict) else None
-    include_usage, continuous = vllm_rules.usage_flags(
-        stream_options, profile.enable_force_include_usage
-    )
-    if endpoint not in ("chat", "completions"):
-        include_usage, continuous = routed.include_usage, False
-    request_id = request.headers.get("x-request-id") or wire.random_id()
-    created = int(time.time())
-    echoed = data if endpoint == "responses" and isinstance(data, dict) else {}
-    gens = []
-    for index, prompt_tokens in enumerate(counts):
-        output_tokens, finish = _output(parts, endpoint, routed.max_tokens, prompt_tokens)
-        gens.append(
-            Generation(
-                endpoint=endpoint,
-                request_id=request_id if len(counts) == 1 else f"{request_id}-{index}",
-                response_id=ID_PREFIX[endpoint] + request_id,
-                created=created,
-                model=profile.model,
-                prompt_tokens=prompt_tokens,
-                output_tokens=output_tokens,
-                finish_reason=finish,
-                include_usage=include_usage,
-                request=echoed,
-                continuous_usage=continuous,
-                index=index,
-            )
-        )
-    if endpoint == "responses" and echoed.get("store", True) is not False:
-        parts.stored[gens[0].response_id] = None
-        while len(parts.stored) > STORED_RESPONSES:
-            parts.stored.popitem(last=False)
-    return gens, routed.stream
-
-
-async def _generate(parts: SimParts, request: Request, endpoint: GenerateEndpoint) -> Response:
-    prepared = await _prepare(parts, request, endpoint)
-    if isinstance(prepared, Response):
-        return prepared
-    gens, streaming = prepared
-    engine, faults = parts.engine, parts.faults
-    streams = [
-        engine.submit(
-            gen.request_id,
-            endpoint=endpoint,
-            prompt_tokens=gen.prompt_tokens,
-            output_tokens=gen.output_tokens,
-        )
-        for gen in gens
-    ]
-
-    def abort_all() -> None:
-        for stream in streams:
-            engine.abort(stream.key)
-
-    handed_off = False
-    try:
-        delay = faults.spec.first_byte_delay_s
-        if delay > 0:
-            faults.injected["first_byte_delay"] += 1
-            stayed, _ = await race_disconnect(request.receive, asyncio.sleep(delay))
-            if not stayed:
-                return Response(status_code=499)
-        if streaming:
-            handed_off = True  # from here the response aborts the request however it ends
-            body = (
-                stream_body(gens[0], engine, streams[0], faults)
-                if len(gens) == 1
-                else stream_batch_body(gens, engine, streams, faults)
-            )
-            return EngineStreamingResponse(body, on_close=abort_all)
-        whole = full_body(gens[0], streams[0]) if len(gens) == 1 else full_batch_body(gens, streams)
-        try:
-            stayed, answer = await race_disconnect(request.receive, whole)
-        except EngineCrashed:  # the engine died under it: vLLM answers 500
-            return _error(500, wire.ENGINE_DEAD_MESSAGE, "InternalServerError", endpoint=endpoint)
-        # vLLM sends nothing, headers included, before the whole answer is ready.
-        return JSONResponse(answer) if stayed else Response(status_code=499)
-    finally:
-        if not handed_off:
-            abort_all()  # a no-op once finished; frees the seats if abandoned
-
-
 def create_app(parts: SimParts, apply_faults: ApplyFaults) -> FastAPI:
     """The ASGI app of one simulated engine; ``apply_faults`` may crash or restart the server."""
     profile, engine, faults = parts.profile, parts.engine, parts.faults
@@ -316,7 +102,7 @@ def create_app(parts: SimParts, apply_faults: ApplyFaults) -> FastAPI:
     # FastAPI's own 404 {"detail": "Not Found"}.
     if "generate" in profile.tasks:
         for path, generating in GENERATE_PATHS.items():
-            app.add_api_route(path, _generate_handler(parts, generating), methods=["POST"])
+            app.add_api_route(path, generate_handler(parts, generating), methods=["POST"])
     for path, endpoint in POOLING_PATHS.items():
         if vllm_rules.TASK_OF[endpoint] in profile.tasks:
             app.add_api_route(path, _pool_handler(parts, endpoint), methods=["POST"])
@@ -405,15 +191,6 @@ def create_app(parts: SimParts, apply_faults: ApplyFaults) -> FastAPI:
         )
 
     return app
-
-
-def _generate_handler(
-    parts: SimParts, endpoint: GenerateEndpoint
-) -> Callable[[Request], Awaitable[Response]]:
-    async def handle(request: Request) -> Response:
-        return await _generate(parts, request, endpoint)
-
-    return handle
 
 
 def _pool_handler(parts: SimParts, endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:

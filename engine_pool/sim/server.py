@@ -35,10 +35,11 @@ from typing import Any
 import structlog
 import uvicorn
 
-from engine_pool.sim.app import SimParts, create_app
+from engine_pool.sim.app import create_app
 from engine_pool.sim.counting import PromptCounter
 from engine_pool.sim.engine import SimEngine
 from engine_pool.sim.faults import FaultSpec, FaultState
+from engine_pool.sim.handling import SimParts
 from engine_pool.sim.profile import EngineProfile, load_profile
 from engine_pool.sim.records import RequestRecord
 from engine_pool.sim.serving import DroppedConnection
