@@ -15,6 +15,7 @@ import pytest
 from engine_pool.sim.profile import EngineProfile, load_profile
 from engine_pool.sim.server import SimServer, run_sim
 from gateway.tools.sim_support import RegistryCounter
+from tests.engine_pool.test_sim_wire import SHAPES, assert_shape
 
 MODEL = "qwen3.6"
 
@@ -162,6 +163,7 @@ async def test_a_batched_prompt_is_one_choice_each_and_usage_is_the_sum(
     chunks = data_events(streamed.content)
     token_chunks = [c for c in chunks if c["choices"]]
     assert sorted(c["choices"][0]["index"] for c in token_chunks) == [0] * 4 + [1] * 4
+    assert_shape(token_chunks[0], SHAPES["completion_stream_batch_content"])
     assert all(c["id"] == token_chunks[0]["id"] for c in chunks)
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
         "prompt_tokens": sum(singles),
@@ -186,6 +188,7 @@ async def test_continuous_usage_stats_put_usage_on_every_chunk(client: httpx.Asy
     assert [c["usage"]["completion_tokens"] for c in chunks] == [0, 1, 2, 3, 3]
     assert all(c["usage"]["prompt_tokens"] == prompt for c in chunks)
     assert list(chunks[1]) == ["id", "object", "created", "model", "choices", "usage"]
+    assert_shape(chunks[1], SHAPES["chat_stream_content_continuous_usage"])
     # continuous_usage_stats without include_usage: vLLM sends no usage at all.
     r = await client.post(
         "/v1/chat/completions",
@@ -253,6 +256,8 @@ async def test_sampling_parameters_vllm_refuses_are_400(
     ):
         r = await client.post(path, json=body)
         assert r.status_code == 400, (path, r.text)
+        if param == "temperature":
+            assert_shape(r.json(), SHAPES["error_sampling_params"])
         assert r.json() == {
             "error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}
         }
@@ -273,7 +278,8 @@ async def test_a_generate_only_model_404s_the_pooling_routes(
     client: httpx.AsyncClient, path: str
 ) -> None:
     r = await client.post(path, json={"model": MODEL, "input": "hi"})
-    assert r.status_code == 404 and r.json() == {"detail": "Not Found"}
+    assert r.status_code == 404
+    assert_shape(r.json(), SHAPES["route_not_served"])
 
 
 async def test_a_generate_only_model_404s_the_audio_routes(client: httpx.AsyncClient) -> None:
