@@ -9,6 +9,7 @@ from typing import Any
 import hypothesis
 import pytest
 
+from engine_pool.sim.profile import load_profile
 from engine_pool.sim.server import SimServer, run_sim
 from gateway.count.tokens import TokenCounter
 from gateway.edge.app import create_app
@@ -107,6 +108,14 @@ def counter() -> TokenCounter:
     return TokenCounter.from_settings(
         parse_settings(lanes_config(["http://x"], ["http://y"]), environ={})
     )
+
+
+@pytest.fixture(scope="session")
+def engine_counter() -> RegistryCounter:
+    """What a simulated engine counts with when nothing else is asked: its profile's tokenizer
+    and the model's own chat template (``hf``), as vLLM renders it ("hello" is 11 tokens, where
+    the gateway's ChatML policy above counts 9). Loaded once for the whole run."""
+    return RegistryCounter.for_profile(load_profile("h100-fast"))
 
 
 def chat(text: str, **extra: Any) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
     shapegate sim --port 9101 --profile h100-fast [--time-scale 0.01] [--host 127.0.0.1]
                   [--model NAME] [--faults 'dead' | 'error_500_rate=0.2,drop_after_chunks=3'
-                  | '{"hang": true}'] [--seed N]
+                  | '{"hang": true}'] [--seed N] [--enable-force-include-usage]
 
 Exit codes: 0 after a signal, 2 for a bad profile, fault or argument. Ready when it logs
 ``sim.started`` (and ``GET /health`` answers). Profiles are names under ``configs/engines/`` or
@@ -62,6 +62,12 @@ def register(
         "--seed", type=int, default=None, help="seed for fault rates (default: random)"
     )
     parser.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="vLLM's flag of that name: every streamed chunk carries usage (default: the "
+        "profile's enable_force_include_usage)",
+    )
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -111,5 +117,7 @@ def run(
         return 2
     if args.model:
         profile = profile.model_copy(update={"model": args.model})
+    if args.enable_force_include_usage:
+        profile = profile.model_copy(update={"enable_force_include_usage": True})
     configure_logging(args.log_level)
     return asyncio.run(_serve(profile, args, faults, counter_for(profile)))

@@ -18,7 +18,10 @@ event loop); every reader raises ``RequestRejected(message, param)`` for what vL
 - ``read_form(endpoint, content_type, body)`` reads a multipart/form-data body (the audio
   routes): only its ``model`` matters; its prompt is empty.
 - ``count(request)``: the exact prompt tokens of a request a reader returned (a pooling
-  request's largest sequence, as the gateway counts it).
+  request's largest sequence, as the gateway counts it). A prompt the chat template refuses
+  (an unknown role: "Unexpected message role.") raises ``RequestRejected``, as vLLM answers 400.
+- ``counts(request)``: the exact prompt tokens of each prompt of a completions batch, in order
+  (one entry for any other request); vLLM serves each as its own sequence.
 - ``pooled(request)``: the texts a pooling request pools, one per input (a pair joined for score
   and rerank; a chat rendered by its template; token ids written out).
 - ``detokenize(request)``: the text of a ``/detokenize`` request's token ids (special tokens
@@ -41,7 +44,7 @@ class SimRequest:
     stream: bool
     include_usage: bool
     max_tokens: int | None
-    # Prompts in the request: a completions batch has more than one (the sim serves one).
+    # Prompts in the request: a completions batch has more than one (one choice each).
     prompts: int
     # The reader's own parsed prompt, handed back to its ``count``; the sim never looks inside.
     prompt: object
@@ -66,6 +69,8 @@ class PromptCounter(Protocol):
     ) -> SimRequest: ...
 
     def count(self, request: SimRequest) -> int: ...
+
+    def counts(self, request: SimRequest) -> list[int]: ...
 
     def pooled(self, request: SimRequest) -> list[str]: ...
 

@@ -11,9 +11,12 @@ Contract:
   of the step that produced them (first token: the step that completes the prefill).
 - ``abort(key)`` removes the request from the scheduler at once: its seat and KV are free for
   the very next step. Idempotent; a no-op for a finished request.
-- ``crash()`` aborts everything (the engine process died); open streams raise ``EngineCrashed``.
+- ``crash(reason)`` aborts everything (the engine died); open streams raise ``EngineCrashed``
+  with that reason.
 - The engine loop is a background task started by ``start()`` and cancelled by ``stop()``; if it
-  ever fails, it logs ``error.swallowed`` and the engine reports itself dead (``failed``).
+  ever fails, it logs ``error.swallowed``, the engine reports itself dead (``failed``), its
+  requests end as an engine-core death ends them (``engine_dead``) and ``on_failure`` is called
+  (the server then exits, as vLLM's does).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import Callable
 
 import structlog
 
@@ -33,7 +37,13 @@ log = structlog.get_logger(component="sim.engine")
 
 
 class EngineCrashed(Exception):
-    """The engine died while this request was in it."""
+    """The engine died while this request was in it; ``reason`` says how (``crash``: the
+    process is gone, its connections with it; ``engine_dead``: the engine core died under a
+    live API server, which still answers)."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(key)
+        self.reason = reason
 
 
 class RequestStream:
@@ -44,7 +54,7 @@ class RequestStream:
         self._generated = 0
         self._delivered = 0
         self._finished = False
-        self._crashed = False
+        self._crashed: str | None = None
         self._event = asyncio.Event()
 
     @property
@@ -56,17 +66,17 @@ class RequestStream:
         self._finished = finished
         self._event.set()
 
-    def _crash(self) -> None:
-        self._crashed = True
+    def _crash(self, reason: str) -> None:
+        self._crashed = reason
         self._event.set()
 
     async def next_tokens(self) -> tuple[int, int, bool]:
         """Wait for new tokens: (index of the first new one, how many, is this the end)."""
-        while self._delivered == self._generated and not self._crashed:
+        while self._delivered == self._generated and self._crashed is None:
             self._event.clear()
             await self._event.wait()
-        if self._crashed:
-            raise EngineCrashed(self.key)
+        if self._crashed is not None:
+            raise EngineCrashed(self.key, self._crashed)
         start, self._delivered = self._delivered, self._generated
         return start, self._generated - start, self._finished
 
@@ -86,6 +96,7 @@ class SimEngine:
         self.metrics = metrics or SimMetrics(profile.model)
         self.requests = RequestLog()
         self.failed = False
+        self.on_failure: Callable[[], object] | None = None
         self._scheduler = Scheduler(profile.scheduler, profile.costs)
         self._streams: dict[str, RequestStream] = {}
         self._ids = itertools.count()
@@ -148,7 +159,7 @@ class SimEngine:
             stream = self._streams.pop(key, None)
             if stream is not None:
                 self._mark_aborted(stream.record, reason)
-                stream._crash()
+                stream._crash(reason)
 
     def _mark_aborted(self, record: RequestRecord, reason: str) -> None:
         record.aborted_s = self.now()
@@ -193,7 +204,9 @@ class SimEngine:
                 decision="engine_failed",
             )
             self.failed = True
-            self.crash(reason="engine_failed")
+            self.crash(reason="engine_dead")
+            if self.on_failure is not None:
+                self.on_failure()
 
     def _deliver(self, result: StepResult) -> None:
         wall = time.time()

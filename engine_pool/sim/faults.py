@@ -6,7 +6,11 @@ with ``POST /sim/faults``; ``{}`` clears everything):
     crash               stop listening (connection refused) and reset every open connection;
                         ``restart_after_s`` brings the listener back after that many seconds
     hang                accept connections and read requests, never answer (``/sim/*`` still works)
-    dead                ``GET /health`` answers 503 and new generations fail with 500
+    dead                the engine core died, as vLLM 0.32 shows it: running requests end (a
+                        stream with an error event and ``[DONE]``, a non-streamed one with 500),
+                        new generations answer 500, ``GET /health`` still answers 200; after
+                        ``exit_after_s`` (0.5 s) the server exits (connection refused), and
+                        ``restart_after_s`` brings it back healthy after that many seconds
     first_byte_delay_s  hold the response (headers included) this long before the first byte
     stall_after_tokens  a stream stops sending after this many tokens, for ``stall_for_s``
                         seconds, or for ever when that is unset
@@ -39,6 +43,7 @@ class FaultSpec(BaseModel):
     restart_after_s: float | None = Field(None, gt=0)
     hang: bool = False
     dead: bool = False
+    exit_after_s: float = Field(0.5, gt=0)
     first_byte_delay_s: float = Field(0.0, ge=0)
     stall_after_tokens: int | None = Field(None, ge=0)
     stall_for_s: float | None = Field(None, gt=0)

@@ -9,6 +9,13 @@ Contract:
   (``NotImplementedError: Concurrent Partial Prefill is not supported``).
 - The KV capacity must hold at least one ``max_model_len`` sequence (vLLM refuses to start
   otherwise), so no admissible request can wait forever.
+- ``tasks`` are what the model serves, as vLLM derives them from the model (``generate`` for a
+  causal LM; ``embed``, ``score``, ``transcription`` for pooling or speech models). vLLM only
+  registers the routes of the tasks its model supports: any other route answers FastAPI's
+  404 ``{"detail": "Not Found"}``. The default is a generate-only model, like the shipped ones.
+- ``enable_force_include_usage`` is vLLM's ``--enable-force-include-usage`` (default off): every
+  stream carries usage on every chunk, whatever the request's ``stream_options``.
+- ``tokenizer.chat_template`` defaults to ``hf``: vLLM renders the model's own chat template.
 
 Example::
 
@@ -19,7 +26,7 @@ Example::
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -73,6 +80,11 @@ class CostParams(_Frozen):
     decode_kv_read_cap_tokens: int = Field(ge=1)
 
 
+# What a model serves (vLLM's supported tasks, reduced to the route families they open).
+Task = Literal["generate", "embed", "score", "transcription"]
+ALL_TASKS: tuple[Task, ...] = ("generate", "embed", "score", "transcription")
+
+
 class OutputSettings(_Frozen):
     # Tokens a chat request generates when it sets no max_tokens (the sim's stand-in for EOS).
     default_tokens: int = Field(37, ge=1)
@@ -89,12 +101,14 @@ class EngineProfile(_Frozen):
     # A model's ``tokenizer`` as the gateway's config spells it (gateway/settings.py,
     # TokenizerSettings); the ``PromptCounter`` handed to the sim loads and validates it.
     tokenizer: dict[str, Any] = Field(
-        default_factory=lambda: {"source": "builtin", "name": "qwen3.6", "chat_template": "chatml"}
+        default_factory=lambda: {"source": "builtin", "name": "qwen3.6", "chat_template": "hf"}
     )
     max_model_len: int = Field(ge=1)
     scheduler: SchedulerLimits
     costs: CostParams
     output: OutputSettings = OutputSettings()
+    tasks: tuple[Task, ...] = Field(("generate",), min_length=1)
+    enable_force_include_usage: bool = False
 
     @model_validator(mode="after")
     def _kv_holds_one_sequence(self) -> EngineProfile:

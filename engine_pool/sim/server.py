@@ -8,6 +8,10 @@ Contract:
 - ``await set_faults(spec)`` replaces the faults. ``crash`` closes the listening socket
   (connection refused) and resets every open connection, as a dead process would; clearing it
   (or ``restart_after_s``) listens again on the same port with the same engine records.
+  ``dead`` is vLLM's engine-core death: every running request ends at once (streams with an
+  error event), the server keeps answering (new generations 500, ``/health`` 200) for
+  ``exit_after_s``, then exits as ``crash`` does; ``restart_after_s`` brings it back after that.
+  The engine loop failing (a simulator bug) ends the same way.
 - ``run_sim(profile, time_scale=0.01)`` is the test helper: ``async with run_sim(...) as sim``
   gives ``sim.url``, ``sim.engine`` (records, snapshot), ``sim.faults`` and ``sim.set_faults``.
   ``counter`` (engine_pool/sim/counting.py) reads and counts the prompts; pass one to many
@@ -31,10 +35,11 @@ from typing import Any
 import structlog
 import uvicorn
 
-from engine_pool.sim.app import SimParts, create_app
+from engine_pool.sim.app import create_app
 from engine_pool.sim.counting import PromptCounter
 from engine_pool.sim.engine import SimEngine
 from engine_pool.sim.faults import FaultSpec, FaultState
+from engine_pool.sim.handling import SimParts
 from engine_pool.sim.profile import EngineProfile, load_profile
 from engine_pool.sim.records import RequestRecord
 from engine_pool.sim.serving import DroppedConnection
@@ -89,6 +94,8 @@ class SimServer:
         self._task: asyncio.Task[None] | None = None
         self._restart: asyncio.Task[None] | None = None
         self._deferred: asyncio.Task[None] | None = None
+        self._dying: asyncio.Task[None] | None = None
+        self.engine.on_failure = lambda: self._die(0.5, restart_after_s=None)
 
     @property
     def url(self) -> str:
@@ -118,7 +125,7 @@ class SimServer:
         )
 
     async def stop(self) -> None:
-        for task in (self._restart, self._deferred):
+        for task in (self._restart, self._deferred, self._dying):
             if task is not None:
                 task.cancel()
         # Like a process exit: every request ends, every connection is reset. A graceful drain
@@ -132,6 +139,18 @@ class SimServer:
         if self._restart is not None:
             self._restart.cancel()
             self._restart = None
+        if self._dying is not None and not spec.dead:
+            self._dying.cancel()
+            self._dying = None
+        if spec.dead and not spec.crash:
+            if not self.listening:
+                await self._listen()
+            if self._dying is None:
+                self.faults.injected["dead"] += 1
+                self.engine.crash(reason="engine_dead")
+                log.info("sim.engine_dead", url=self.url, exit_after_s=spec.exit_after_s)
+                self._die(spec.exit_after_s, spec.restart_after_s)
+            return
         if spec.crash and self.listening:
             self.faults.injected["crash"] += 1
             self.engine.crash()
@@ -153,6 +172,22 @@ class SimServer:
             await self.set_faults(spec)
 
         self._deferred = asyncio.create_task(crash_soon())
+
+    def _die(self, exit_after_s: float, restart_after_s: float | None) -> None:
+        """vLLM after its engine core died: the API server lives on for a moment (health 200,
+        requests 500), then exits."""
+
+        async def exit_soon() -> None:
+            await asyncio.sleep(exit_after_s)
+            await self._close()
+            log.info("sim.exited", url=self.url)
+            if restart_after_s is not None:
+                await asyncio.sleep(restart_after_s)
+                self._dying = None  # set_faults would otherwise cancel the task running it
+                await self.set_faults(self.faults.spec.model_copy(update={"dead": False}))
+
+        if self._dying is None:
+            self._dying = asyncio.create_task(exit_soon())
 
     async def _restart_after(self, seconds: float) -> None:
         await asyncio.sleep(seconds)

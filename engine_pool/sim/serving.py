@@ -8,7 +8,15 @@ Contract:
   Messages their typed events (``wire_apis.py``), one delta per token. Whatever ends it (done,
   client gone, crash), its ``finally`` aborts the request in the engine, which frees its seat
   and KV at once.
-- ``full_body(gen, stream)`` waits for the last token and returns the JSON body.
+- ``stream_batch_body(gens, engine, streams, faults)``: a completions batch, one ``Generation``
+  and engine request per prompt, their chunks interleaved as the engine produces them (each
+  with its prompt's ``index``), then one usage chunk of the sums when asked.
+- Continuous usage (``Generation.continuous_usage``): every chunk carries the usage so far.
+- An engine-core death (``EngineCrashed`` with reason ``engine_dead``) ends a stream with the
+  route's error event (then ``[DONE]`` on chat and completions), as vLLM does; a crash (the
+  process is gone) cuts the connection.
+- ``full_body(gen, stream)`` waits for the last token and returns the JSON body;
+  ``full_batch_body(gens, streams)`` the same for a completions batch (one choice a prompt).
 - ``race_disconnect(receive, coro)`` runs ``coro`` until it finishes or the client disconnects
   (vLLM's ``with_cancellation``): a non-streaming handler is otherwise never cancelled.
 - Faults: ``stall_after_tokens`` pauses a stream, ``drop_after_chunks`` (every SSE event counts,
@@ -52,6 +60,10 @@ class Generation:
     include_usage: bool
     # The request body's fields a Responses answer echoes (instructions, tools, ...).
     request: dict[str, Any] = field(default_factory=dict)
+    # Usage on every chunk (continuous_usage_stats, or --enable-force-include-usage).
+    continuous_usage: bool = False
+    # The prompt's place in a completions batch (its choices' ``index``).
+    index: int = 0
 
 
 class Framer(Protocol):
@@ -60,25 +72,40 @@ class Framer(Protocol):
     def opening(self) -> list[bytes]: ...
     def token(self, index: int, last: bool) -> bytes: ...
     def closing(self) -> list[bytes]: ...
+    def error(self, message: str) -> list[bytes]: ...
 
 
 class _OpenAIFramer:
     def __init__(self, gen: Generation) -> None:
         self.gen = gen
 
+    def _so_far(self, completion_tokens: int) -> dict[str, int] | None:
+        if not self.gen.continuous_usage:
+            return None
+        return wire.usage(self.gen.prompt_tokens, completion_tokens)
+
     def opening(self) -> list[bytes]:
         gen = self.gen
         if gen.endpoint == "chat":
-            return [wire.chat_role_chunk(gen.response_id, gen.created, gen.model)]
+            usage = self._so_far(0)
+            return [wire.chat_role_chunk(gen.response_id, gen.created, gen.model, usage)]
         return []
 
     def token(self, index: int, last: bool) -> bytes:
         gen = self.gen
         text = wire.output_text(index, 1)
         finish = gen.finish_reason if last else None
+        usage = self._so_far(index + 1)
         if gen.endpoint == "chat":
-            return wire.chat_content_chunk(gen.response_id, gen.created, gen.model, text, finish)
-        return wire.completion_chunk(gen.response_id, gen.created, gen.model, text, finish)
+            return wire.chat_content_chunk(
+                gen.response_id, gen.created, gen.model, text, finish, usage
+            )
+        return wire.completion_chunk(
+            gen.response_id, gen.created, gen.model, text, finish, usage, gen.index
+        )
+
+    def error(self, message: str) -> list[bytes]:
+        return [wire.stream_error(message, "InternalServerError", 500), wire.DONE]
 
     def closing(self) -> list[bytes]:
         gen = self.gen
@@ -111,6 +138,11 @@ class _TypedFramer:
     def closing(self) -> list[bytes]:
         gen = self.gen
         return self.events.closing(gen.finish_reason, gen.prompt_tokens, gen.output_tokens)
+
+    def error(self, message: str) -> list[bytes]:
+        if self.gen.endpoint == "messages":
+            return [wire_apis.event("error", wire_apis.anthropic_error_body(message, 500))]
+        return [wire_apis.event("error", {"type": "error", "code": "500", "message": message})]
 
 
 def framer(gen: Generation) -> Framer:
@@ -161,7 +193,11 @@ async def stream_body(
             try:
                 start, count, last = await stream.next_tokens()
             except EngineCrashed as exc:
-                raise DroppedConnection("engine crashed") from exc
+                if exc.reason != "engine_dead":
+                    raise DroppedConnection("engine crashed") from exc
+                for chunk in frames.error(wire.ENGINE_DEAD_MESSAGE):
+                    yield chunk
+                return
             if not opened:  # sent with the first token, as vLLM sends its first chunk
                 for chunk in frames.opening():
                     await sender.before_chunk(carries_token=False)
@@ -177,6 +213,64 @@ async def stream_body(
             yield chunk
     finally:
         engine.abort(stream.key)
+
+
+async def _pump(
+    index: int,
+    stream: RequestStream,
+    queue: asyncio.Queue[tuple[int, int, int, bool] | EngineCrashed],
+) -> None:
+    try:
+        while True:
+            start, count, last = await stream.next_tokens()
+            queue.put_nowait((index, start, count, last))
+            if last:
+                return
+    except EngineCrashed as exc:
+        queue.put_nowait(exc)
+
+
+async def stream_batch_body(
+    gens: list[Generation],
+    engine: SimEngine,
+    streams: list[RequestStream],
+    faults: FaultState,
+) -> AsyncIterator[bytes]:
+    """A completions batch as one SSE stream: each prompt's chunks under its index."""
+    sender = _Sender(faults)
+    frames = [_OpenAIFramer(gen) for gen in gens]
+    queue: asyncio.Queue[tuple[int, int, int, bool] | EngineCrashed] = asyncio.Queue()
+    pumps = [asyncio.ensure_future(_pump(i, s, queue)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(gens)
+        while remaining:
+            item = await queue.get()
+            if isinstance(item, EngineCrashed):
+                if item.reason != "engine_dead":
+                    raise DroppedConnection("engine crashed") from item
+                for chunk in frames[0].error(wire.ENGINE_DEAD_MESSAGE):
+                    yield chunk
+                return
+            i, start, count, last = item
+            for index in range(start, start + count):
+                await sender.before_chunk(carries_token=True)
+                yield frames[i].token(index, last and index == start + count - 1)
+            remaining -= last
+        first = gens[0]
+        if first.include_usage:
+            prompt = sum(g.prompt_tokens for g in gens)
+            output = sum(g.output_tokens for g in gens)
+            await sender.before_chunk(carries_token=False)
+            yield wire.completion_usage_chunk(
+                first.response_id, first.created, first.model, prompt, output
+            )
+        await sender.before_chunk(carries_token=False)
+        yield wire.DONE
+    finally:
+        for task in pumps:
+            task.cancel()
+        for stream in streams:
+            engine.abort(stream.key)
 
 
 class EngineStreamingResponse(StreamingResponse):
@@ -219,6 +313,26 @@ async def full_body(gen: Generation, stream: RequestStream) -> dict[str, Any]:
         return wire_apis.message_full(gen.response_id, gen.model, text, gen.finish_reason, *args)
     build = wire.chat_response if gen.endpoint == "chat" else wire.completion_response
     return build(gen.response_id, gen.created, gen.model, text, gen.finish_reason, *args)
+
+
+async def full_batch_body(gens: list[Generation], streams: list[RequestStream]) -> dict[str, Any]:
+    """The body of a completions batch: one choice per prompt, the usage summed."""
+    choices = []
+    for gen, stream in zip(gens, streams, strict=True):
+        last = False
+        while not last:
+            _, _, last = await stream.next_tokens()
+        text = wire.output_text(0, gen.output_tokens)
+        choices.append(wire.completion_choice(gen.index, text, gen.finish_reason))
+    first = gens[0]
+    return wire.completion_batch_response(
+        first.response_id,
+        first.created,
+        first.model,
+        choices,
+        sum(g.prompt_tokens for g in gens),
+        sum(g.output_tokens for g in gens),
+    )
 
 
 async def _until_disconnect(receive: Receive) -> None:

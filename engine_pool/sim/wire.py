@@ -9,7 +9,13 @@ Modelled on vLLM main (2026) ``vllm/entrypoints/openai/chat_completion/{protocol
   content chunks carry ``token_ids: null``; the last content chunk adds ``finish_reason`` and
   ``stop_reason``. Nothing carries ``usage`` except the final usage chunk, which is dumped with
   ``exclude_none`` and has ``choices: []`` (older vLLM, <= 0.6, also sent ``"usage": null`` on
-  every chunk when include_usage was set; current vLLM does not).
+  every chunk when include_usage was set; current vLLM does not), unless the stream has
+  continuous usage (``stream_options.continuous_usage_stats``, or the server's
+  ``--enable-force-include-usage``): then every chunk carries the usage so far after its
+  ``choices``.
+- a completions batch (``prompt`` a list) streams each prompt's chunks with its ``index``; its
+  usage, streamed or not, is the sum over the prompts.
+- an error after a stream started is ``data: {"error": {...}}`` then ``[DONE]``.
 - non-streaming bodies are ``JSONResponse(model.model_dump())``: every field, nulls included.
 - errors are ``{"error": {"message", "type", "param", "code"}}`` with ``code`` the status.
 
@@ -25,6 +31,8 @@ from typing import Any
 import orjson
 
 DONE = b"data: [DONE]\n\n"
+# vLLM's message when its engine core has died (EngineDeadError).
+ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 
 # Synthetic output: token i of a response is WORDS[i % len(WORDS)].
 WORDS = (" lorem", " ipsum", " dolor", " sit", " amet", " consectetur", " adipiscing", " elit")
@@ -71,7 +79,9 @@ def _head(id_: str, object_: str, created: int, model: str) -> dict[str, Any]:
     return {"id": id_, "object": object_, "created": created, "model": model}
 
 
-def chat_role_chunk(id_: str, created: int, model: str) -> bytes:
+def chat_role_chunk(
+    id_: str, created: int, model: str, usage_so_far: dict[str, int] | None = None
+) -> bytes:
     choice = {
         "index": 0,
         "delta": {"role": "assistant", "content": ""},
@@ -79,12 +89,20 @@ def chat_role_chunk(id_: str, created: int, model: str) -> bytes:
         "finish_reason": None,
     }
     body = _head(id_, "chat.completion.chunk", created, model)
-    body.update(choices=[choice], prompt_token_ids=None, prompt_text=None)
+    body["choices"] = [choice]
+    if usage_so_far is not None:
+        body["usage"] = usage_so_far
+    body.update(prompt_token_ids=None, prompt_text=None)
     return sse(body)
 
 
 def chat_content_chunk(
-    id_: str, created: int, model: str, text: str, finish_reason: str | None
+    id_: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    usage_so_far: dict[str, int] | None = None,
 ) -> bytes:
     choice: dict[str, Any] = {
         "index": 0,
@@ -97,6 +115,8 @@ def chat_content_chunk(
     choice["token_ids"] = None
     body = _head(id_, "chat.completion.chunk", created, model)
     body["choices"] = [choice]
+    if usage_so_far is not None:
+        body["usage"] = usage_so_far
     return sse(body)
 
 
@@ -118,10 +138,16 @@ def _usage_chunk(
 
 
 def completion_chunk(
-    id_: str, created: int, model: str, text: str, finish_reason: str | None
+    id_: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    usage_so_far: dict[str, int] | None = None,
+    index: int = 0,
 ) -> bytes:
     choice = {
-        "index": 0,
+        "index": index,
         "text": text,
         "logprobs": None,
         "finish_reason": finish_reason,
@@ -131,6 +157,8 @@ def completion_chunk(
     }
     body = _head(id_, "text_completion", created, model)
     body["choices"] = [choice]
+    if usage_so_far is not None:
+        body["usage"] = usage_so_far
     return sse(body)
 
 
@@ -200,17 +228,9 @@ def chat_response(
     return _full_tail(body)
 
 
-def completion_response(
-    id_: str,
-    created: int,
-    model: str,
-    text: str,
-    finish_reason: str,
-    prompt_tokens: int,
-    completion_tokens: int,
-) -> dict[str, Any]:
-    choice = {
-        "index": 0,
+def completion_choice(index: int, text: str, finish_reason: str) -> dict[str, Any]:
+    return {
+        "index": index,
         "text": text,
         "logprobs": None,
         "finish_reason": finish_reason,
@@ -220,9 +240,41 @@ def completion_response(
         "prompt_token_ids": None,
         "routed_experts": None,
     }
-    body = _full_body(id_, "text_completion", created, model, choice)
+
+
+def completion_response(
+    id_: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+) -> dict[str, Any]:
+    choice = completion_choice(0, text, finish_reason)
+    return completion_batch_response(
+        id_, created, model, [choice], prompt_tokens, completion_tokens
+    )
+
+
+def completion_batch_response(
+    id_: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    prompt_tokens: int,
+    completion_tokens: int,
+) -> dict[str, Any]:
+    """A completions body of one choice per prompt; the usage is their sum."""
+    body = _full_body(id_, "text_completion", created, model, choices[0])
+    body["choices"] = choices
     body["usage"] = _full_usage(prompt_tokens, completion_tokens)
     return _full_tail(body)
+
+
+def stream_error(message: str, type_: str, code: int) -> bytes:
+    """An error after the stream started (the status line already said 200)."""
+    return sse(error_body(message, type_, code))
 
 
 def model_list(

@@ -95,7 +95,22 @@ class RegistryCounter:
 
     def count(self, request: SimRequest) -> int:
         # exact_above=0: the engine always counts exactly, never settles for a bound.
-        return self._counter.count_sync(self._model, _prompt(request), exact_above=0).tokens
+        try:
+            return self._counter.count_sync(self._model, _prompt(request), exact_above=0).tokens
+        except BadRequest as exc:  # the chat template refused the messages: vLLM's 400
+            raise RequestRejected(exc.message, None) from exc
+
+    def counts(self, request: SimRequest) -> list[int]:
+        """Each prompt of a completions batch counted on its own (vLLM's one sequence each)."""
+        prompt = _prompt(request)
+        if not isinstance(prompt, CompletionPrompt) or request.prompts <= 1:
+            return [self.count(request)]
+        singles = [CompletionPrompt(texts=(text,)) for text in prompt.texts]
+        singles += [CompletionPrompt(token_ids=(ids,)) for ids in prompt.token_ids]
+        return [
+            self._counter.count_sync(self._model, single, exact_above=0).tokens
+            for single in singles
+        ]
 
     def pooled(self, request: SimRequest) -> list[str]:
         prompt = _prompt(request)

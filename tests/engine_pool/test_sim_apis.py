@@ -1,5 +1,7 @@
 """The simulated engine serves the rest of vLLM's API in vLLM's shapes: Responses and Anthropic
-Messages (bodies and typed SSE events), embeddings, pooling, score, rerank, detokenize, audio."""
+Messages (bodies and typed SSE events), embeddings, pooling, score, rerank, detokenize, audio.
+The pooling and audio routes exist only for a model that serves those tasks: these tests run an
+engine whose model serves every task (tests/support/sim_profiles.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +13,17 @@ import httpx
 import orjson
 import pytest
 
-from engine_pool.sim.server import SimServer
+from engine_pool.sim.server import SimServer, run_sim
 from engine_pool.sim.wire import output_text
 from gateway.request.routes import ENGINE_ROUTES
+from gateway.tools.sim_support import RegistryCounter
+from tests.support.sim_profiles import every_task
+
+
+@pytest.fixture
+async def sim(engine_counter: RegistryCounter) -> AsyncIterator[SimServer]:
+    async with run_sim(every_task(), time_scale=0.01, counter=engine_counter) as server:
+        yield server
 
 
 @pytest.fixture

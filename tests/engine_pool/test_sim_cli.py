@@ -56,7 +56,8 @@ def test_sim_subprocess_serves_until_sigterm() -> None:
             "--model",
             "tiny",
             "--faults",
-            "dead",
+            "error_500_rate=1",
+            "--enable-force-include-usage",
         ),
         cwd=ROOT,
         env=checkout_env(),
@@ -64,7 +65,10 @@ def test_sim_subprocess_serves_until_sigterm() -> None:
         stderr=subprocess.PIPE,
     )
     try:
-        assert wait_for_health(url, proc) == 503  # started dead, as asked
+        assert wait_for_health(url, proc) == 200
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        refused = httpx.post(f"{url}/v1/chat/completions", json=chat)
+        assert refused.status_code == 500  # started with the faults asked
         assert httpx.post(f"{url}/sim/faults", json={}).status_code == 200
         time.sleep(0.05)
         assert httpx.get(f"{url}/health").status_code == 200
@@ -77,6 +81,10 @@ def test_sim_subprocess_serves_until_sigterm() -> None:
             },
         )
         assert r.status_code == 200 and r.json()["model"] == "tiny"
+        # vLLM's --enable-force-include-usage: usage on every chunk, unasked.
+        streamed = httpx.post(f"{url}/v1/chat/completions", json={**chat, "stream": True})
+        chunks = [line for line in streamed.text.split("\n\n") if line.startswith("data: {")]
+        assert len(chunks) == 5 and all('"usage":' in chunk for chunk in chunks)
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=15)
     finally:

@@ -11,7 +11,6 @@ import pytest
 
 from engine_pool.sim.records import RequestRecord
 from engine_pool.sim.server import SimServer, run_sim
-from gateway.count.tokens import TokenCounter
 from gateway.tools.sim_support import RegistryCounter
 
 
@@ -25,10 +24,8 @@ def chat(content: str, max_tokens: int, stream: bool = False) -> dict[str, objec
 
 
 @pytest.fixture
-async def sim(counter: TokenCounter) -> AsyncIterator[SimServer]:
-    async with run_sim(
-        "h100-heavy", time_scale=0.02, counter=RegistryCounter(counter, "qwen3.6")
-    ) as server:
+async def sim(engine_counter: RegistryCounter) -> AsyncIterator[SimServer]:
+    async with run_sim("h100-heavy", time_scale=0.02, counter=engine_counter) as server:
         yield server
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
@@ -15,8 +16,9 @@ import pytest
 
 from engine_pool.sim.faults import FaultError, FaultSpec, parse_fault_arg
 from engine_pool.sim.server import SimServer, run_sim
-from gateway.count.tokens import TokenCounter
+from engine_pool.sim.wire import ENGINE_DEAD_MESSAGE
 from gateway.tools.sim_support import RegistryCounter
+from tests.support.waiting import wait_for
 
 CHAT = {"model": "qwen3.6", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 STREAM = {**CHAT, "stream": True}
@@ -25,14 +27,14 @@ SimFactory = Callable[..., AbstractAsyncContextManager[SimServer]]
 
 
 @pytest.fixture
-def start_sim(counter: TokenCounter) -> SimFactory:
+def start_sim(engine_counter: RegistryCounter) -> SimFactory:
     def start(**faults: Any) -> AbstractAsyncContextManager[SimServer]:
         return run_sim(
             "h100-fast",
             time_scale=0.01,
             faults=faults or None,
             seed=1,
-            counter=RegistryCounter(counter, "qwen3.6"),
+            counter=engine_counter,
         )
 
     return start
@@ -110,13 +112,82 @@ async def test_hang_accepts_and_never_answers_but_admin_works(sim: SimServer) ->
     assert sim.faults.injected["hang"] == 2
 
 
-async def test_dead_engine_fails_health_and_generation(start_sim: SimFactory) -> None:
-    async with start_sim(dead=True) as sim, httpx.AsyncClient(base_url=sim.url) as client:
-        assert (await client.get("/health")).status_code == 503
+async def test_dead_engine_dies_as_vllm_does(sim: SimServer) -> None:
+    """vLLM 0.32 when its engine core dies (measured): running requests end at once (a stream
+    with an error event then [DONE], a non-streamed one with 500), new requests answer 500
+    while /health still answers 200, and ~0.5 s later the server exits. No /health 503 phase.
+    (The test gives the dying phase 1.5 s so that a loaded machine cannot end it early.)"""
+    assert FaultSpec(dead=True).exit_after_s == 0.5
+    slow = {**CHAT, "max_tokens": 5_000}
+    async with httpx.AsyncClient(base_url=sim.url, timeout=10) as client:
+        async with client.stream(
+            "POST", "/v1/chat/completions", json={**slow, "stream": True}
+        ) as r:
+            waiting = asyncio.create_task(client.post("/v1/chat/completions", json=slow))
+            await wait_for(lambda: sim.engine.snapshot().running == 2, 5, what="both run")
+            started = time.monotonic()
+            await sim.set_faults({"dead": True, "exit_after_s": 1.5})
+            events = await read_events(r)
+        assert r.status_code == 200
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert events[-1] == "data: [DONE]"
+        assert error["code"] == 500 and error["message"] == ENGINE_DEAD_MESSAGE
+        answered = await waiting
+        assert answered.status_code == 500
+        assert answered.json()["error"]["type"] == "InternalServerError"
+        fresh = await client.post("/v1/chat/completions", json=CHAT)
+        assert fresh.status_code == 500 and fresh.json()["error"]["message"] == ENGINE_DEAD_MESSAGE
+        assert (await client.get("/health")).status_code == 200  # vLLM has no 503 phase
+        assert time.monotonic() - started < 1.5
+
+        async def refused() -> bool:
+            try:
+                await client.get("/health")
+            except httpx.ConnectError:
+                return True
+            except httpx.RemoteProtocolError:
+                return False  # a kept-alive connection reset as the server exits: try anew
+            return False
+
+        await wait_for(refused, 3, what="the server exits")
+        assert time.monotonic() - started >= 1.45
+        assert sim.faults.injected["dead"] == 1
+        await sim.set_faults({})  # an operator restarts it
+        assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+
+
+async def test_an_engine_loop_failure_ends_as_an_engine_core_death(
+    sim: SimServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The simulator's own engine loop failing ends as vLLM's engine core dying does: the
+    request in it gets 500, then the server exits (no /health 503 phase)."""
+
+    def broken(now: float) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(sim.engine._scheduler, "step", broken)
+    async with httpx.AsyncClient(base_url=sim.url) as client:
         r = await client.post("/v1/chat/completions", json=CHAT)
-        assert r.status_code == 500 and r.json()["error"]["type"] == "InternalServerError"
-        await sim.set_faults({})
-        assert (await client.get("/health")).status_code == 200
+        assert r.status_code == 500 and r.json()["error"]["message"] == ENGINE_DEAD_MESSAGE
+        assert sim.engine.failed
+        await wait_for(lambda: not sim.listening, 3, what="the server exits")
+
+
+async def test_dead_engine_restarts_after_restart_after_s(start_sim: SimFactory) -> None:
+    async with (
+        start_sim(dead=True, exit_after_s=0.1, restart_after_s=0.2) as sim,
+        httpx.AsyncClient(base_url=sim.url) as client,
+    ):
+
+        async def healthy_again() -> bool:
+            try:
+                r = await client.post("/v1/chat/completions", json=CHAT)
+            except httpx.TransportError:
+                return False
+            return r.status_code == 200
+
+        await wait_for(healthy_again, 5, what="restarted")
+        assert not sim.faults.spec.dead
 
 
 async def test_slow_first_byte_holds_even_the_headers(sim: SimServer) -> None:

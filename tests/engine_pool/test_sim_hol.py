@@ -15,7 +15,6 @@ import httpx
 from engine_pool.sim.profile import load_profile
 from engine_pool.sim.server import run_sim
 from engine_pool.sim.simulate import Arrival, simulate
-from gateway.count.tokens import TokenCounter
 from gateway.tools.sim_support import RegistryCounter
 
 SCALE = 0.005  # 200x: the monster's ~3 simulated minutes of prefill take ~0.9 s
@@ -44,12 +43,14 @@ async def first_token_wall(client: httpx.AsyncClient, content: str, request_id: 
     return ttft
 
 
-async def test_small_request_waits_for_the_whole_monster_prefill(counter: TokenCounter) -> None:
+async def test_small_request_waits_for_the_whole_monster_prefill(
+    engine_counter: RegistryCounter,
+) -> None:
     monster_text = " hello" * 359_000
     small_text = " world" * 3_000
     profile = load_profile("h100-shared")
     async with (
-        run_sim(profile, time_scale=SCALE, counter=RegistryCounter(counter, "qwen3.6")) as sim,
+        run_sim(profile, time_scale=SCALE, counter=engine_counter) as sim,
         httpx.AsyncClient(base_url=sim.url, timeout=30) as client,
     ):
         monster = asyncio.create_task(first_token_wall(client, monster_text, "monster"))

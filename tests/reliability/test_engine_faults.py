@@ -18,6 +18,7 @@ import orjson
 import pytest
 
 from engine_pool.sim.server import SimServer, run_sim
+from engine_pool.sim.wire import ENGINE_DEAD_MESSAGE
 from gateway.count.tokens import TokenCounter
 from gateway.tools.sim_support import RegistryCounter
 from tests.conftest import JSON, lanes_config
@@ -29,6 +30,7 @@ from tests.reliability.reliability_support import (
     slots_metric,
     timed_logs,
 )
+from tests.support.waiting import wait_for
 
 TIMEOUTS = {"connect_s": 1, "first_byte_s": 1.0, "idle_s": 0.6, "total_s": 20}
 
@@ -247,10 +249,41 @@ async def test_engine_errors_reach_the_client_in_the_openai_shape(
 
 
 async def test_dead_engine_answers_500_and_nothing_is_held(rig: Rig) -> None:
-    await rig.sim.set_faults({"dead": True})
+    await rig.sim.set_faults({"dead": True, "exit_after_s": 5})
     r = await rig.post("dead", chat_body("hi", stream=True, max_tokens=5))
     assert r.status_code == 500 and r.json()["error"]["code"] == 500
+    assert r.json()["error"]["message"] == ENGINE_DEAD_MESSAGE
     assert rig.finished("dead")["outcome"] == "upstream_error"
+    await rig.nothing_held()
+
+
+@pytest.mark.parametrize(
+    "rig", [{"health": {"interval_s": 0.2, "timeout_s": 1, "up_after_successes": 1}}], indirect=True
+)
+async def test_an_engine_core_death_reaches_the_client_and_takes_the_engine_out(rig: Rig) -> None:
+    """vLLM 0.32 when its engine core dies: the stream under way ends with vLLM's error event,
+    new requests answer 500 while its /health still answers 200 (there is no 503 phase), and
+    ~0.5 s later the server exits. The client gets the error event then [DONE]; the gateway
+    takes the engine out of routing once it is gone (probes or requests refused), and nothing
+    is held."""
+
+    async def die() -> None:
+        await rig.sim.set_faults({"dead": True})
+
+    payload = await rig.stream_until("dying", chat_body("hi", stream=True, max_tokens=200), 4, die)
+    error, lines = sse_tail(payload)
+    assert error["code"] == 500 and error["message"] == ENGINE_DEAD_MESSAGE
+    assert len(lines) < 50  # it did not run to the end
+    assert rig.sim.requests("dying")[0].abort_reason == "engine_dead"
+    await wait_for(lambda: not rig.sim.listening, 3, what="the dead engine's server exits")
+
+    async def down() -> bool:
+        state = await admin_state(rig.client, rig.url)
+        return all(e["state"] == "down" for c in state["clusters"] for e in c["endpoints"])
+
+    await wait_for(down, 3, what="the gateway marks the exited engine down")
+    r = await rig.post("after", chat_body("hi", stream=False, max_tokens=3))
+    assert r.status_code in (502, 503) and r.json()["error"]["code"] == r.status_code
     await rig.nothing_held()
 
 

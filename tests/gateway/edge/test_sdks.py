@@ -17,12 +17,12 @@ import httpx
 import openai
 import pytest
 
-from engine_pool.sim.profile import load_profile
 from engine_pool.sim.server import SimServer
 from engine_pool.sim.wire import output_text
 from gateway.count.tokens import TokenCounter
 from gateway.tools.sim_support import RegistryCounter
 from tests.conftest import lanes_config
+from tests.support.sim_profiles import every_task
 
 TOOLS_OPENAI: list[Any] = [
     {
@@ -65,8 +65,10 @@ class Recorder:
 @pytest.fixture
 async def demo(counter: TokenCounter, gateway_at: Any) -> AsyncIterator[dict[str, Any]]:
     shared = RegistryCounter(counter, "qwen3.6")
-    fast = SimServer(load_profile("h100-fast"), time_scale=0.2, counter=shared, seed=1)
-    heavy = SimServer(load_profile("h100-heavy"), time_scale=0.2, counter=shared, seed=2)
+    # Models that serve every task: the SDKs' embeddings go through too (a generate-only
+    # model's vLLM, like the shipped profiles', 404s them).
+    fast = SimServer(every_task("h100-fast"), time_scale=0.2, counter=shared, seed=1)
+    heavy = SimServer(every_task("h100-heavy"), time_scale=0.2, counter=shared, seed=2)
     recorder = Recorder(fast.app)
     fast.app = recorder
     await fast.start()
