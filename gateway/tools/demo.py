@@ -55,15 +55,28 @@ class DemoError(Exception):
 
 
 def taken_ports(ports: Mapping[int, str]) -> list[str]:
-    """The ports (with what they were for) another process already listens on."""
+    """The ports (with what they were for) another process already listens on.
+
+    The probe binds as a server does, with ``SO_REUSEADDR``: connections left in TIME_WAIT by
+    a demo that just stopped (the gateway's keep-alive connections to its engines) do not make
+    a port look taken, and the demo can start again at once; a socket listening on the port
+    (or bound to it without ``SO_REUSEADDR``) still refuses the bind, and the port is named.
+    """
     taken = []
     for port, role in ports.items():
         with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind(("127.0.0.1", port))
             except OSError:
                 taken.append(f"{port} ({role})")
     return taken
+
+
+def reload_command(url: str) -> str:
+    """The shell command that applies an edited policy, as the demo prints it: a POST on the
+    admin surface needs the admin header (or the bearer token, when one is configured)."""
+    return f"curl --fail-with-body -X POST -H 'x-shapegate-admin: 1' {url}/admin/reload"
 
 
 def _tail(log: Path, lines: int = 15) -> str:
@@ -196,8 +209,8 @@ async def _run(args: argparse.Namespace, workdir: Path) -> int:
             f"  metrics    {url}/metrics\n"
             f"  state      {url}/admin/state\n"
             f"  policy     {config_path}\n"
-            f"  reload     edit the policy, then: curl -X POST {url}/admin/reload"
-            f"  (or kill -HUP {gateway.pid})\n"
+            f"  reload     edit the policy, then: {reload_command(url)}\n"
+            f"             or: kill -HUP {gateway.pid}\n"
             f"  logs       {workdir}  (removed when the demo stops)",
             flush=True,
         )
