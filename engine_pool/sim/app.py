@@ -43,6 +43,7 @@ from engine_pool.sim import wire, wire_apis
 from engine_pool.sim.counting import PromptCounter, RequestRejected, SimRequest
 from engine_pool.sim.engine import RequestStream, SimEngine
 from engine_pool.sim.faults import FaultError, FaultSpec, FaultState
+from engine_pool.sim.metrics import CountRequests
 from engine_pool.sim.profile import EngineProfile
 from engine_pool.sim.serving import (
     EngineStreamingResponse,
@@ -245,6 +246,7 @@ def create_app(parts: SimParts, apply_faults: ApplyFaults) -> FastAPI:
     profile, engine, faults = parts.profile, parts.engine, parts.faults
     app = FastAPI(title=f"shapegate sim ({profile.name})", openapi_url=None, docs_url=None)
     app.add_middleware(HangMiddleware, faults=faults)
+    app.add_middleware(CountRequests, metrics=engine.metrics)  # outermost: refusals count too
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
