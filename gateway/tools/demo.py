@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 import yaml
 
+from gateway.observe.dashboard.guard import reload_command
 from gateway.shipped import configs_dir
 
 
@@ -71,12 +72,6 @@ def taken_ports(ports: Mapping[int, str]) -> list[str]:
             except OSError:
                 taken.append(f"{port} ({role})")
     return taken
-
-
-def reload_command(url: str) -> str:
-    """The shell command that applies an edited policy, as the demo prints it: a POST on the
-    admin surface needs the admin header (or the bearer token, when one is configured)."""
-    return f"curl --fail-with-body -X POST -H 'x-shapegate-admin: 1' {url}/admin/reload"
 
 
 def _tail(log: Path, lines: int = 15) -> str:
