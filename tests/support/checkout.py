@@ -33,6 +33,7 @@ def gateway_cli(*args: str) -> list[str]:
 def shapegate_on_path(folder: Path) -> dict[str, str]:
     """``checkout_env()`` with a ``shapegate`` first on PATH that runs this checkout, so that a
     printed ``shapegate ...`` line can be run exactly as printed (``bash -c LINE``)."""
+    folder.mkdir(parents=True, exist_ok=True)
     script = folder / "shapegate"
     script.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m gateway.tools.cli "$@"\n')
     script.chmod(0o755)
