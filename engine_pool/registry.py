@@ -103,6 +103,10 @@ class EnginePool:
     def engines(self) -> list[Engine]:
         return list(self._engines.values())
 
+    def has(self, cluster: str, url: str) -> bool:
+        """Whether the endpoint is in routing (not removed by a reload)."""
+        return (cluster, url) in self._engines
+
     def engine(self, cluster: str, url: str) -> Engine:
         return self._engines[(cluster, url)]
 

@@ -143,7 +143,7 @@ class Gateway:
         admission = Admission(store, metrics, log, poll_interval_s=settings.state.poll_interval_s)
         upstream = Upstream()
         keys = cls.engine_keys_for(settings)
-        events = EngineEvents(settings, metrics, log)
+        events = EngineEvents(settings, metrics, log, pool)
         pipeline = Pipeline(
             Policy(settings, counter, keys, ClientAuth.from_settings(settings.auth)),
             pool,
@@ -224,7 +224,7 @@ class Gateway:
         self.monitor = EngineMonitor(
             self.pool,
             probe_plans(settings, self.pipeline.policy.engine_keys),
-            EngineEvents(settings, self.metrics, self.log),
+            EngineEvents(settings, self.metrics, self.log, self.pool),
         )
         if self._monitor_scope is not None:
             self._monitor_scope.cancel()

@@ -118,15 +118,23 @@ def slow_start(log: Logger, cluster: str, url: str, window_s: float, why: str) -
 class EngineEvents:
     """Turns monitor events into log lines and metrics."""
 
-    def __init__(self, settings: Settings, metrics: Metrics, log: Logger) -> None:
+    def __init__(
+        self, settings: Settings, metrics: Metrics, log: Logger, pool: EnginePool | None = None
+    ) -> None:
         self._settings = settings
         self._metrics = metrics
         self._log = log
         self._failing: set[tuple[str, str]] = set()
+        # The gauges start from what the pool knows (a reload keeps a down or misconfigured
+        # endpoint's state, whose change will not be reported again), else up and fine.
         for cluster in settings.clusters:
             for url in cluster.endpoints:
-                metrics.engine_up.labels(cluster=cluster.name, endpoint=url).set(1)
-                metrics.engine_misconfigured.labels(cluster=cluster.name, endpoint=url).set(0)
+                up, wrong = True, False
+                if pool is not None and pool.has(cluster.name, url):
+                    engine = pool.engine(cluster.name, url)
+                    up, wrong = engine.state.routable, engine.misconfigured is not None
+                metrics.engine_up.labels(cluster=cluster.name, endpoint=url).set(up)
+                metrics.engine_misconfigured.labels(cluster=cluster.name, endpoint=url).set(wrong)
 
     def __call__(self, event: MonitorEvent) -> None:
         if isinstance(event, StateChange):

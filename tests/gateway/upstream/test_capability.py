@@ -167,3 +167,35 @@ async def test_a_prompt_one_engine_cannot_hold_goes_to_one_that_can(
             assert answer.status_code == 200, answer.text
         assert engine_requests(short_engine) == short_before
         assert engine_requests(long_engine) == long_before + 3
+
+
+async def test_a_reload_keeps_the_verdict_and_a_fitting_lane_clears_it(
+    gateway_at: Any, short_engine: SimProcess
+) -> None:
+    config = policy([short_engine.url])
+    config["server"] = {"boot_probe": False}
+    admin = {"x-shapegate-admin": "1", "content-type": "application/json"}
+    labels = {"cluster": "big", "endpoint": short_engine.url}
+    with capture_logs() as logs:
+        async with gateway_at(config) as (url, _), httpx.AsyncClient(timeout=60) as client:
+
+            async def state_is(want: str) -> bool:
+                return (await endpoint_of(client, url, short_engine.url))["state"] == want
+
+            async def gauge() -> float:
+                scrape = parse((await client.get(url + "/metrics")).text)
+                return scrape.value("shapegate_engine_misconfigured", **labels)
+
+            await wait_for(lambda: state_is("misconfigured"), INTERVAL_S)
+            # The same policy again: the endpoint's record stays, and so does its gauge.
+            same = await client.post(url + "/admin/reload", json=config, headers=admin)
+            assert same.status_code == 200, same.text
+            assert await state_is("misconfigured") and await gauge() == 1
+            # A lane the engine holds (32,767-token prompts plus 1): fine within an interval.
+            config["lanes"][0]["max_prompt_tokens"] = 32_768
+            fits = await client.post(url + "/admin/reload", json=config, headers=admin)
+            assert fits.status_code == 200, fits.text
+            await wait_for(lambda: state_is("up"), INTERVAL_S + 0.5, what="up again")
+            assert await gauge() == 0
+    back = [e for e in logs if e["event"] == "engine.state_changed" and e.get("new") == "up"]
+    assert back and back[0]["old"] == "misconfigured", back
