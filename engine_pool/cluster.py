@@ -53,18 +53,40 @@ class Engine:
     # Slow start: monotonic time the endpoint joined or came back, until fully ramped.
     warming_since: float | None = None
     warming_s: float = 0.0
+    # What the engine reports it holds (GET /v1/models, vllm:cache_config_info; see
+    # engine_pool/capability.py): served names, max_model_len and the context in tokens, None
+    # until read. ``capability_read``: a read was tried (answered or not) since it joined.
+    served: tuple[str, ...] | None = None
+    max_model_len: int | None = None
+    context_tokens: int | None = None
+    capability_read: bool = False
+    # Why the engine cannot serve its lanes (it still takes the requests it can hold).
+    misconfigured: str | None = None
+    misconfigured_since: float | None = None
 
     def as_json(self, now: float) -> dict[str, Any]:
         """The endpoint as the admin state and the dashboard show it."""
         slow = self.slow is not None and self.state is EngineState.UP
+        # Routable but short of its lanes: misconfigured (before slow: it needs an operator).
+        wrong = self.misconfigured is not None and self.state.routable
+        state, evidence, since = self.state.value, self.evidence, self.changed_at
+        if wrong and self.misconfigured is not None:
+            state, evidence = "misconfigured", self.misconfigured
+            since = self.misconfigured_since or since
+        elif slow and self.slow is not None:
+            # Up by its probes but an outlier in the requests it serves: slow, with evidence.
+            state, evidence, since = EngineState.SLOW.value, self.slow, self.slow_since or since
         return {
             "url": self.url,
-            # Up by its probes but an outlier in the requests it serves: slow, with evidence.
-            "state": EngineState.SLOW.value if slow else self.state.value,
-            "evidence": self.slow if slow else self.evidence,
-            "since": (self.slow_since if slow else self.changed_at) or None,
+            "state": state,
+            "evidence": evidence,
+            "since": since or None,
             "probe_evidence": self.evidence,
             "slow_evidence": self.slow,
+            "misconfigured_evidence": self.misconfigured,
+            "served_models": None if self.served is None else list(self.served),
+            "max_model_len": self.max_model_len,
+            "context_tokens": self.context_tokens,
             "ttft_p95_s": None if self.ttft_p95 is None else round(self.ttft_p95, 4),
             "in_flight": self.in_flight,
             "running": self.running,
@@ -90,6 +112,8 @@ class EngineView:
     waiting: float | None = None
     # Slow start: the share of its slot limit the endpoint may use now (engine_pool/outlier.py).
     ramp: float = 1.0
+    # The prompt plus output tokens the engine holds (engine_pool/capability.py); None: unknown.
+    context_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

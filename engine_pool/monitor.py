@@ -1,4 +1,5 @@
-"""Background watch over every endpoint: one prober and one metrics scraper each.
+"""Background watch over every endpoint: one prober, one metrics scraper and one capability
+check each.
 
 Contract:
 - ``EngineMonitor(pool, plans, on_event).run()`` runs until cancelled; ``plans`` give each
@@ -12,6 +13,10 @@ Contract:
   probe succeeded since its scrapes began to fail. Only then is the failure unexpected (the
   engine answers but its /metrics does not); an engine that is down, or died a moment ago and
   is not yet caught by its prober, fails its scrapes as a matter of course.
+- The capability check (engine_pool/capability.py) reads ``GET /v1/models`` at boot and every
+  probe interval, with the KV capacity the scraper found in ``vllm:cache_config_info``, and
+  holds it against the plan's ``needs`` (its lanes): ``CapabilityChange`` when the endpoint
+  turns misconfigured or no longer is; ``CapabilityUnread`` when the engine did not answer.
 - An endpoint that goes DOWN has its in-flight requests cancelled by the pool (see
   ``EnginePool.set_state``), so they end with an error and free their slots at once.
 """
@@ -25,10 +30,11 @@ from dataclasses import dataclass
 import anyio
 import httpx
 
+from engine_pool.capability import LaneNeed, judge, parse_cache_config, parse_models
 from engine_pool.cluster import EngineKind
 from engine_pool.health import Prober, Thresholds, Verdict
 from engine_pool.load import Load, Progress, parse_load
-from engine_pool.registry import EnginePool, StateChange
+from engine_pool.registry import CapabilityChange, EnginePool, StateChange
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +47,10 @@ class ProbePlan:
     timeout_s: float
     thresholds: Thresholds
     scrape_interval_s: float
+    # What the lanes routing to the endpoint ask of it, and the headers its /v1/models needs
+    # (an engine started with an API key wants it there, unlike /health and /metrics).
+    needs: tuple[LaneNeed, ...] = ()
+    headers: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +82,22 @@ class ScrapeFailed:
     engine_alive: bool
 
 
-MonitorEvent = StateChange | SlowProbe | LoadRead | ProbeFailed | ScrapeFailed
+@dataclass(frozen=True, slots=True)
+class CapabilityUnread:
+    cluster: str
+    url: str
+    evidence: str
+
+
+MonitorEvent = (
+    StateChange
+    | SlowProbe
+    | LoadRead
+    | ProbeFailed
+    | ScrapeFailed
+    | CapabilityChange
+    | CapabilityUnread
+)
 
 
 class EngineMonitor:
@@ -88,9 +113,11 @@ class EngineMonitor:
         self._progress = {(p.cluster, p.url): Progress() for p in self._plans}
         # When each endpoint last answered a probe (monotonic seconds).
         self._probe_ok_at: dict[tuple[str, str], float] = {}
+        # KV cache capacity (tokens) each engine's /metrics last reported, if it does.
+        self._kv_tokens: dict[tuple[str, str], int | None] = {}
 
     async def run(self) -> None:
-        limits = httpx.Limits(max_connections=2 * len(self._plans) + 4)
+        limits = httpx.Limits(max_connections=3 * len(self._plans) + 4)
         async with (
             httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None, connect=5.0)) as client,
             anyio.create_task_group() as tasks,
@@ -98,6 +125,28 @@ class EngineMonitor:
             for plan in self._plans:
                 tasks.start_soon(self._probe_forever, client, plan)
                 tasks.start_soon(self._scrape_forever, client, plan)
+                tasks.start_soon(self._check_forever, client, plan)
+
+    async def _check_forever(self, client: httpx.AsyncClient, plan: ProbePlan) -> None:
+        url = plan.url.rstrip("/") + "/v1/models"
+        key = (plan.cluster, plan.url)
+        while True:
+            try:
+                with anyio.fail_after(plan.timeout_s):
+                    response = await client.get(url, headers=dict(plan.headers))
+                response.raise_for_status()
+                capability = parse_models(response.json(), self._kv_tokens.get(key))
+            except (httpx.HTTPError, TimeoutError, ValueError) as exc:
+                # Down, or no /v1/models: what was known stays; routing is unchanged.
+                self._pool.set_capability(plan.cluster, plan.url, None, None)
+                evidence = f"{type(exc).__name__}: {exc}".rstrip(": ")
+                self._on_event(CapabilityUnread(plan.cluster, plan.url, evidence))
+            else:
+                problem = judge(capability, plan.needs)
+                change = self._pool.set_capability(plan.cluster, plan.url, capability, problem)
+                if change is not None:
+                    self._on_event(change)
+            await anyio.sleep(plan.interval_s)
 
     async def _probe_forever(self, client: httpx.AsyncClient, plan: ProbePlan) -> None:
         progress = self._progress[(plan.cluster, plan.url)]
@@ -136,6 +185,8 @@ class EngineMonitor:
                     response = await client.get(url)
                 response.raise_for_status()
                 load = parse_load(plan.kind, response.text)
+                if plan.kind == "vllm":
+                    self._kv_tokens[(plan.cluster, plan.url)] = parse_cache_config(response.text)
             except (httpx.HTTPError, TimeoutError) as exc:
                 progress.update(None)
                 if failing_since is None:

@@ -17,6 +17,9 @@ Contract:
 - Passive health (engine_pool/outlier.py): ``unreachable`` and ``answered`` feed what real
   requests saw; enough consecutive failures eject the endpoint (DOWN, without cancelling its
   in-flight requests: they meet the failure themselves). The prober brings it back.
+- Capability (engine_pool/capability.py): ``set_capability`` records what the engine reports
+  (served names, context) and whether it is misconfigured for its lanes; views carry the
+  context so routing keeps prompts it cannot hold away from it.
 - Slow start: an endpoint that joins (``reconcile``) or comes back from DOWN is ramped over its
   cluster's ``slow_start_s``; ``views`` carry the share (``EngineView.ramp``).
 """
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 
 import anyio
 
+from engine_pool.capability import Capability
 from engine_pool.cluster import Cluster, Engine, EngineState, EngineView
 from engine_pool.latency import Latency, LatencyBook
 from engine_pool.outlier import judge_failure, ramp
@@ -44,6 +48,16 @@ class StateChange:
     evidence: str
     # Back from DOWN into a slow start of this many seconds (0: full admission at once).
     slow_start_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class CapabilityChange:
+    """An endpoint turned misconfigured (or no longer is), with the evidence."""
+
+    cluster: str
+    url: str
+    misconfigured: bool
+    evidence: str
 
 
 class EnginePool:
@@ -89,6 +103,10 @@ class EnginePool:
     def engines(self) -> list[Engine]:
         return list(self._engines.values())
 
+    def has(self, cluster: str, url: str) -> bool:
+        """Whether the endpoint is in routing (not removed by a reload)."""
+        return (cluster, url) in self._engines
+
     def engine(self, cluster: str, url: str) -> Engine:
         return self._engines[(cluster, url)]
 
@@ -113,6 +131,7 @@ class EnginePool:
                     in_flight=e.in_flight,
                     waiting=e.waiting,
                     ramp=share,
+                    context_tokens=e.context_tokens,
                 )
             )
         return out
@@ -227,6 +246,32 @@ class EnginePool:
             return
         engine.running, engine.waiting, engine.kv_usage = running, waiting, kv_usage
         engine.load_at = time.time()
+
+    def set_capability(
+        self, cluster: str, url: str, capability: Capability | None, problem: str | None
+    ) -> CapabilityChange | None:
+        """Record what the engine reported (None: it could not be read; what was known stays)
+        and whether it falls short of its lanes; a change of verdict is returned once."""
+        engine = self._engines.get((cluster, url))
+        if engine is None:
+            return None
+        engine.capability_read = True
+        if capability is None:
+            return None
+        engine.served = capability.models
+        engine.max_model_len = capability.max_model_len
+        engine.context_tokens = capability.context_tokens
+        was = engine.misconfigured
+        engine.misconfigured = problem
+        if (was is None) == (problem is None):
+            return None
+        engine.misconfigured_since = time.time() if problem is not None else None
+        evidence = problem if problem is not None else f"no longer misconfigured (was: {was})"
+        return CapabilityChange(cluster, url, problem is not None, evidence)
+
+    def capability_read(self, cluster: str, url: str) -> bool:
+        engine = self._engines.get((cluster, url))
+        return engine is None or engine.capability_read
 
     def set_latency(self, cluster: str, url: str, latency: Latency) -> bool:
         """Record an endpoint's judged latency; True when it turned slow or recovered."""

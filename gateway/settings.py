@@ -292,6 +292,10 @@ class LaneSettings(_Frozen):
     # The lane takes prompts with min_prompt_tokens <= tokens < max_prompt_tokens.
     min_prompt_tokens: int = Field(0, ge=0)
     max_prompt_tokens: int = Field(ge=1)
+    # Output tokens the lane's largest prompt must still have room for in each of its primary
+    # engines' context (the capability check, engine_pool/capability.py): an engine reporting
+    # less than max_prompt_tokens - 1 + min_output_tokens is misconfigured for the lane.
+    min_output_tokens: int = Field(1, ge=1)
     clusters: tuple[str, ...] = Field(min_length=1)
     # Used only while every primary cluster is down; never because a primary is busy.
     emergency_clusters: tuple[str, ...] = ()

@@ -48,6 +48,7 @@ from engine_pool.sim.generation import GENERATE_PATHS, generate_handler
 from engine_pool.sim.handling import SimParts
 from engine_pool.sim.handling import error as _error
 from engine_pool.sim.handling import validate as _validate
+from engine_pool.sim.metrics import CountRequests
 from engine_pool.sim.serving import race_disconnect
 
 SIM_VERSION = "0.33.0+sim"
@@ -97,6 +98,7 @@ def create_app(parts: SimParts, apply_faults: ApplyFaults) -> FastAPI:
     profile, engine, faults = parts.profile, parts.engine, parts.faults
     app = FastAPI(title=f"shapegate sim ({profile.name})", openapi_url=None, docs_url=None)
     app.add_middleware(HangMiddleware, faults=faults)
+    app.add_middleware(CountRequests, metrics=engine.metrics)  # outermost: refusals count too
 
     # vLLM registers only the routes of the tasks its model serves: the others answer
     # FastAPI's own 404 {"detail": "Not Found"}.

@@ -93,7 +93,9 @@ class SimEngine:
             raise ValueError("time_scale must be positive")
         self.profile = profile
         self.time_scale = time_scale
-        self.metrics = metrics or SimMetrics(profile.model)
+        self.metrics = metrics or SimMetrics(
+            profile.model, kv_capacity_tokens=profile.scheduler.kv_capacity_tokens
+        )
         self.requests = RequestLog()
         self.failed = False
         self.on_failure: Callable[[], object] | None = None

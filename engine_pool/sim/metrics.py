@@ -5,12 +5,19 @@ From ``vllm/v1/metrics/loggers.py``: gauges ``vllm:num_requests_running``,
 histogram ``vllm:time_to_first_token_seconds`` (vLLM's buckets) and the counters
 ``vllm:prompt_tokens_total`` and ``vllm:generation_tokens_total``, all labelled
 ``model_name`` and ``engine`` (the engine index, ``"0"``). Times are simulated seconds.
+Beside them, as a vLLM server exports them: ``vllm:cache_config_info`` (an info gauge set to 1
+whose labels are the cache configuration: ``block_size`` and ``num_gpu_blocks``, whose product
+is the KV capacity; ``log_metrics_info`` in vLLM's loggers.py) and the API server's
+``http_requests_total{handler, method, status}`` (prometheus-fastapi-instrumentator: status
+grouped as ``2xx``/``4xx``; /metrics, /health, /load, /ping, /version and /server_info not
+counted), which counts every request the engine received, refused ones included.
 One registry per engine: no module-level state.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine_pool.sim.scheduler import SchedulerSnapshot
 
@@ -41,10 +48,31 @@ TTFT_BUCKETS = (
 LABELS = ("model_name", "engine")
 
 
+# vLLM's default KV block size on GPUs.
+BLOCK_SIZE = 16
+# The handlers vLLM's instrumentator leaves out of http_requests_total.
+UNCOUNTED = frozenset({"/metrics", "/health", "/load", "/ping", "/version", "/server_info"})
+
+
 class SimMetrics:
-    def __init__(self, model_name: str, engine_index: str = "0") -> None:
+    def __init__(
+        self, model_name: str, engine_index: str = "0", kv_capacity_tokens: int | None = None
+    ) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         values = (model_name, engine_index)
+        self.http_requests = Counter(
+            "http_requests",
+            "Total number of requests by method, status and handler.",
+            ("handler", "method", "status"),
+            registry=r,
+        )
+        if kv_capacity_tokens is not None:
+            Gauge(
+                "vllm:cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+                ("block_size", "num_gpu_blocks", "engine"),
+                registry=r,
+            ).labels(str(BLOCK_SIZE), str(kv_capacity_tokens // BLOCK_SIZE), engine_index).set(1)
         self._running = Gauge(
             "vllm:num_requests_running",
             "Number of requests in model execution batches.",
@@ -83,3 +111,25 @@ class SimMetrics:
         self._waiting.set(snapshot.waiting)
         self._kv_usage.set(snapshot.kv_usage)
         return generate_latest(self.registry)
+
+
+class CountRequests:
+    """ASGI middleware: each request's ``http_requests_total`` sample once it is answered."""
+
+    def __init__(self, app: ASGIApp, metrics: SimMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path in UNCOUNTED:
+            await self.app(scope, receive, send)
+            return
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status = f"{int(message['status']) // 100}xx"
+                self.metrics.http_requests.labels(path, scope["method"], status).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)

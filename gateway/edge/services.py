@@ -143,7 +143,7 @@ class Gateway:
         admission = Admission(store, metrics, log, poll_interval_s=settings.state.poll_interval_s)
         upstream = Upstream()
         keys = cls.engine_keys_for(settings)
-        events = EngineEvents(settings, metrics, log)
+        events = EngineEvents(settings, metrics, log, pool)
         pipeline = Pipeline(
             Policy(settings, counter, keys, ClientAuth.from_settings(settings.auth)),
             pool,
@@ -160,7 +160,7 @@ class Gateway:
             Failover(pool, admission, metrics, log, events),
             build_affinity(settings, log, metrics),
         )
-        monitor = EngineMonitor(pool, probe_plans(settings), events)
+        monitor = EngineMonitor(pool, probe_plans(settings, keys), events)
         probe = BootProbe(settings, pool, upstream, log, keys)
         _set_limits(metrics, settings)
         peers = None
@@ -222,7 +222,9 @@ class Gateway:
     def adopt(self, settings: Settings) -> None:
         """Point the background services at a reloaded policy (gateway/edge/reload.py)."""
         self.monitor = EngineMonitor(
-            self.pool, probe_plans(settings), EngineEvents(settings, self.metrics, self.log)
+            self.pool,
+            probe_plans(settings, self.pipeline.policy.engine_keys),
+            EngineEvents(settings, self.metrics, self.log, self.pool),
         )
         if self._monitor_scope is not None:
             self._monitor_scope.cancel()

@@ -244,6 +244,18 @@ class Metrics:
             ["cluster", "endpoint"],
             registry=r,
         )
+        self.engine_misconfigured = Gauge(
+            "shapegate_engine_misconfigured",
+            "1 while the endpoint's own context or served models fall short of its lanes.",
+            ["cluster", "endpoint"],
+            registry=r,
+        )
+        self.engine_misconfigurations = Counter(
+            "shapegate_engine_misconfigurations",
+            "Times the endpoint turned misconfigured for its lanes.",
+            ["cluster", "endpoint"],
+            registry=r,
+        )
         self.engine_check_failures = Counter(
             "shapegate_engine_check_failures",
             "Failed health probes and metrics scrapes (an engine's failures, not the gateway's).",

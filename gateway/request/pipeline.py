@@ -28,6 +28,7 @@ from typing import Any
 
 import anyio
 
+from engine_pool.capability import holding, holds, refusal, too_long_message
 from engine_pool.cluster import EngineView
 from engine_pool.picker import order_endpoints
 from engine_pool.registry import EnginePool
@@ -155,6 +156,13 @@ def read_request(
             param=param,
         )
     return request, model
+
+
+def _affinity(request: RoutedRequest, lane: LaneSettings, route: EngineRoute) -> bytes | None:
+    """The prefix key when the lane routes by prefix affinity (multipart has no text)."""
+    if not lane.prefix_affinity or route.multipart:
+        return None
+    return prefix_key(request.prompt, lane.affinity_prefix_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,14 +355,12 @@ class Pipeline:
         lane = decision.lane
         serving = tuple(c for c in decision.clusters if policy.serves(c, model.name))
 
-        affinity = (
-            prefix_key(request.prompt, lane.affinity_prefix_bytes)
-            if lane.prefix_affinity and not route.multipart
-            else None
-        )
+        affinity = _affinity(request, lane, route)
+
+        exact, views_of = await self._holding(serving, policy, count, request.max_tokens, lane)
 
         def candidates() -> Sequence[EngineView]:
-            views = [v for c in serving for v in order_endpoints(self.pool.views(c), affinity)]
+            views = [v for c in serving for v in order_endpoints(views_of(c), affinity)]
             return views if pinned is None else [v for v in views if v.url == pinned]
 
         if pinned is not None and not any(v.state.routable for v in candidates()):
@@ -365,12 +371,11 @@ class Pipeline:
             )
 
         limit_of = policy.limit_of(lane)
-        exact = ExactCount(policy.counter, count)
         # One watch spans every attempt. A bound errs long: deadlines grown from it are never
         # shorter than the exact count's.
         watch = Watch(deadlines_for(lane.timeouts, exact.decided_by))
         attempts = Attempts(
-            lane, self.pool.views, lambda c: policy.serves(c, model.name), limit_of, watch.left_s
+            lane, views_of, lambda c: policy.serves(c, model.name), limit_of, watch.left_s
         )
         # The slot token is ours, never the client's request id: two requests sharing an id
         # must not share (and free) one slot.
@@ -423,6 +428,32 @@ class Pipeline:
             self.recorder.engine_counted(record, model.name, policy.counter.template_of(model.name))
             if engine_down.cancelled_caught and not out.finished:
                 raise UpstreamError(f"engine was marked down mid-request: {engine.evidence}")
+
+    async def _holding(
+        self,
+        clusters: Sequence[str],
+        policy: Policy,
+        count: TokenCount,
+        max_tokens: int | None,
+        lane: LaneSettings,
+    ) -> tuple[ExactCount, Callable[[str], list[EngineView]]]:
+        """The request's exact count to come, and its views: a cluster's endpoints whose own
+        context (engine_pool/capability.py) holds the request's prompt plus output tokens.
+        PromptTooLong naming the engine's limit when no routable endpoint of ``clusters`` does.
+        A bound that some endpoint could not hold is made exact first: a bound errs long, and
+        must not keep a request from an engine that holds it."""
+        exact = ExactCount(policy.counter, count)
+        output = max(max_tokens or 0, 1)
+        need = exact.decided_by + output
+        views = [v for c in clusters for v in self.pool.views(c)]
+        if exact.bound is not None and not all(holds(v, need) for v in views):
+            tokens = await exact.tokens(lane.timeouts.total_s)
+            need = need if tokens is None else tokens + output
+        short = refusal(views, need)
+        if short is not None:
+            message = too_long_message(short, lane.name, need - output, output)
+            raise PromptTooLong(message, param="input_tokens")
+        return exact, lambda cluster: holding(self.pool.views(cluster), need)
 
     def _want(
         self,

@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 import yaml
 
+from gateway.observe.dashboard.guard import reload_command
 from gateway.shipped import configs_dir
 
 
@@ -55,10 +56,17 @@ class DemoError(Exception):
 
 
 def taken_ports(ports: Mapping[int, str]) -> list[str]:
-    """The ports (with what they were for) another process already listens on."""
+    """The ports (with what they were for) another process already listens on.
+
+    The probe binds as a server does, with ``SO_REUSEADDR``: connections left in TIME_WAIT by
+    a demo that just stopped (the gateway's keep-alive connections to its engines) do not make
+    a port look taken, and the demo can start again at once; a socket listening on the port
+    (or bound to it without ``SO_REUSEADDR``) still refuses the bind, and the port is named.
+    """
     taken = []
     for port, role in ports.items():
         with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind(("127.0.0.1", port))
             except OSError:
@@ -196,8 +204,8 @@ async def _run(args: argparse.Namespace, workdir: Path) -> int:
             f"  metrics    {url}/metrics\n"
             f"  state      {url}/admin/state\n"
             f"  policy     {config_path}\n"
-            f"  reload     edit the policy, then: curl -X POST {url}/admin/reload"
-            f"  (or kill -HUP {gateway.pid})\n"
+            f"  reload     edit the policy, then: {reload_command(url)}\n"
+            f"             or: kill -HUP {gateway.pid}\n"
             f"  logs       {workdir}  (removed when the demo stops)",
             flush=True,
         )

@@ -19,12 +19,20 @@ never replaced without ``--force``.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
 from gateway.config_check import parse_policy
 from gateway.count.tokenizers.vocab import BUILTIN_NAMES, builtin_path
+from gateway.observe.dashboard.guard import reload_command
 from gateway.settings import ConfigError
+
+
+def _local_url(args: argparse.Namespace) -> str:
+    """The gateway's URL from its own machine (a wildcard listen address answers on loopback)."""
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host  # noqa: S104
+    return f"http://{host}:{args.port}"
 
 
 def _flow(values: list[str]) -> str:
@@ -97,9 +105,12 @@ def render_policy(args: argparse.Namespace) -> str:
         lanes = _lane("main", 0, top, (64 * len(args.engine), 64), False)
     return f"""\
 # shapegate policy written by `shapegate init`. Check it, then serve it:
-#   shapegate check-config {args.out}
-#   shapegate serve --config {args.out}
-# Edit and apply without a restart: POST /admin/reload, or kill -HUP the gateway.
+#   shapegate check-config {shlex.quote(args.out)}
+#   shapegate serve --config {shlex.quote(args.out)}
+# Edit and apply without a restart (from the gateway's machine; with server.admin_token set,
+# send it as a bearer token instead of the header):
+#   {reload_command(_local_url(args))}
+# or kill -HUP the gateway.
 server:
   host: {args.host}
   port: {args.port}
@@ -153,8 +164,9 @@ def _init(args: argparse.Namespace) -> int:
     out.write_text(text, encoding="utf-8")
     print(
         f"wrote {out}\n"
-        f"  check:  shapegate check-config {out}\n"
-        f"  serve:  shapegate serve --config {out}"
+        f"  check:  shapegate check-config {shlex.quote(str(out))}\n"
+        f"  serve:  shapegate serve --config {shlex.quote(str(out))}\n"
+        f"  reload: {reload_command(_local_url(args))}"
     )
     return 0
 

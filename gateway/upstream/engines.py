@@ -6,9 +6,12 @@ A cluster is probed with the health settings of the lane(s) it serves. When it s
 be judged by a fast lane's clock.
 
 Events become: ``engine.state_changed`` (once per transition, with evidence: a warning when the
-engine goes down, info otherwise) and
-``shapegate_engine_up``; ``engine.slow`` (a warning and ``watchdog_events{kind=probe_timeout}``,
-an alert that evicts nothing); load gauges. Every failed probe and scrape counts in
+engine goes down or is ``misconfigured``, info otherwise) and ``shapegate_engine_up``; the state
+``misconfigured`` when an endpoint's own /v1/models (or KV cache) cannot hold what its lanes
+admit, and back to ``up`` when it can, with ``shapegate_engine_misconfigured`` and
+``shapegate_engine_misconfigurations_total``; ``engine.slow`` (a warning and
+``watchdog_events{kind=probe_timeout}``, an alert that evicts nothing); load gauges. Every
+failed probe, scrape and /v1/models read counts in
 ``shapegate_engine_check_failures_total{cluster, endpoint, check}``: an engine failing is the
 engine's news (its state change is logged once), not an error of ours. Only a scrape failing
 while the engine is known alive (it answers probes) is unexpected: that one is also a swallowed
@@ -22,12 +25,15 @@ when one turns slow, ``engine.slow_recovered`` when it no longer is, ``shapegate
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 import anyio
 
+from engine_pool.capability import LaneNeed
 from engine_pool.health import Thresholds
 from engine_pool.latency import judge
 from engine_pool.monitor import (
+    CapabilityUnread,
     LoadRead,
     MonitorEvent,
     ProbeFailed,
@@ -35,10 +41,10 @@ from engine_pool.monitor import (
     ScrapeFailed,
     SlowProbe,
 )
-from engine_pool.registry import EnginePool, StateChange
+from engine_pool.registry import CapabilityChange, EnginePool, StateChange
 from gateway.observe.log import Logger, swallowed
 from gateway.observe.metrics import Metrics
-from gateway.settings import HealthSettings, LaneSettings, Settings
+from gateway.settings import ClusterSettings, HealthSettings, LaneSettings, Settings
 
 
 def lanes_of(settings: Settings, cluster: str) -> list[LaneSettings]:
@@ -61,10 +67,31 @@ def _lenient(healths: list[HealthSettings]) -> HealthSettings:
     )
 
 
-def probe_plans(settings: Settings) -> list[ProbePlan]:
+def lane_needs(settings: Settings, cluster: ClusterSettings) -> tuple[LaneNeed, ...]:
+    """What the lanes that route to ``cluster`` as a primary ask of its engines (an emergency
+    cluster is a stand-in by design: per-request routing alone keeps from it what it cannot
+    hold)."""
+    names = cluster.models or tuple(m.name for m in settings.models)
+    models = tuple(
+        (model.name, *model.aliases)
+        for model in (settings.model(name) for name in names)
+        if model is not None
+    )
+    return tuple(
+        LaneNeed(lane.name, lane.max_prompt_tokens - 1, lane.min_output_tokens, models)
+        for lane in settings.lanes
+        if cluster.name in lane.clusters
+    )
+
+
+def probe_plans(settings: Settings, keys: Mapping[str, str] | None = None) -> list[ProbePlan]:
+    """One plan per endpoint; ``keys``: engine API keys by cluster (for its /v1/models)."""
     plans = []
     for cluster in settings.clusters:
         health = _lenient([lane.health for lane in lanes_of(settings, cluster.name)])
+        needs = lane_needs(settings, cluster)
+        key = (keys or {}).get(cluster.name)
+        headers = (("authorization", f"Bearer {key}"),) if key else ()
         for url in cluster.endpoints:
             plans.append(
                 ProbePlan(
@@ -76,6 +103,8 @@ def probe_plans(settings: Settings) -> list[ProbePlan]:
                     timeout_s=health.timeout_s,
                     thresholds=Thresholds(health.down_after_timeouts, health.up_after_successes),
                     scrape_interval_s=health.scrape_interval_s,
+                    needs=needs,
+                    headers=headers,
                 )
             )
     return plans
@@ -89,14 +118,23 @@ def slow_start(log: Logger, cluster: str, url: str, window_s: float, why: str) -
 class EngineEvents:
     """Turns monitor events into log lines and metrics."""
 
-    def __init__(self, settings: Settings, metrics: Metrics, log: Logger) -> None:
+    def __init__(
+        self, settings: Settings, metrics: Metrics, log: Logger, pool: EnginePool | None = None
+    ) -> None:
         self._settings = settings
         self._metrics = metrics
         self._log = log
         self._failing: set[tuple[str, str]] = set()
+        # The gauges start from what the pool knows (a reload keeps a down or misconfigured
+        # endpoint's state, whose change will not be reported again), else up and fine.
         for cluster in settings.clusters:
             for url in cluster.endpoints:
-                metrics.engine_up.labels(cluster=cluster.name, endpoint=url).set(1)
+                up, wrong = True, False
+                if pool is not None and pool.has(cluster.name, url):
+                    engine = pool.engine(cluster.name, url)
+                    up, wrong = engine.state.routable, engine.misconfigured is not None
+                metrics.engine_up.labels(cluster=cluster.name, endpoint=url).set(up)
+                metrics.engine_misconfigured.labels(cluster=cluster.name, endpoint=url).set(wrong)
 
     def __call__(self, event: MonitorEvent) -> None:
         if isinstance(event, StateChange):
@@ -116,6 +154,26 @@ class EngineEvents:
             )
             if event.new.routable and event.slow_start_s > 0:
                 slow_start(self._log, event.cluster, event.url, event.slow_start_s, "recovered")
+        elif isinstance(event, CapabilityChange):
+            self._log.warning(
+                "engine.state_changed",
+                cluster=event.cluster,
+                endpoint=event.url,
+                old="up" if event.misconfigured else "misconfigured",
+                new="misconfigured" if event.misconfigured else "up",
+                evidence=event.evidence,
+            )
+            self._metrics.engine_misconfigured.labels(
+                cluster=event.cluster, endpoint=event.url
+            ).set(1 if event.misconfigured else 0)
+            if event.misconfigured:
+                self._metrics.engine_misconfigurations.labels(
+                    cluster=event.cluster, endpoint=event.url
+                ).inc()
+        elif isinstance(event, CapabilityUnread):
+            self._metrics.engine_check_failures.labels(
+                cluster=event.cluster, endpoint=event.url, check="models"
+            ).inc()
         elif isinstance(event, SlowProbe):
             lanes = lanes_of(self._settings, event.cluster)
             lane = lanes[0].name if lanes else "none"

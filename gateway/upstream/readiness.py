@@ -15,7 +15,11 @@ After it, ``lane_states`` (pure) tells each lane's state now, from the engine po
     degraded   only an emergency cluster has one: the lane serves through it (still ready)
     down       no cluster of the lane has one: /readyz answers 503
 
-with, per cluster, how many endpoints are routable and each endpoint's state and evidence.
+with, per cluster, how many endpoints are routable and each endpoint's state and evidence, and
+the lane's ``misconfigured`` endpoints (engine_pool/capability.py: routable, but their own
+context or models fall short of the lane; shown as ``misconfigured: evidence``). The boot probe
+waits for the monitor's first capability read (at most the lane's probe timeout) and names the
+misconfigured endpoints in its detail; a lane they serve still passes.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from gateway.settings import LaneSettings, Settings
 from gateway.upstream.proxy import Upstream
 
 RETRY_S = 5.0
+CAPABILITY_POLL_S = 0.05
 LaneState = Literal["ready", "degraded", "down"]
 
 
@@ -47,6 +52,14 @@ class EndpointHealth:
     url: str
     state: EngineState
     evidence: str
+    # Why the engine's own context or models fall short of its lanes (engine_pool/capability.py).
+    misconfigured: str | None = None
+
+    @property
+    def shown(self) -> str:
+        if self.misconfigured is not None and self.state.routable:
+            return f"misconfigured: {self.misconfigured}"
+        return f"{self.state.value}: {self.evidence}"
 
 
 def lane_states(
@@ -59,9 +72,7 @@ def lane_states(
             name: {
                 "role": role,
                 "routable": sum(e.state.routable for e in endpoints.get(name, ())),
-                "endpoints": {
-                    e.url: f"{e.state.value}: {e.evidence}" for e in endpoints.get(name, ())
-                },
+                "endpoints": {e.url: e.shown for e in endpoints.get(name, ())},
             }
             for role, names in (("primary", lane.clusters), ("emergency", lane.emergency_clusters))
             for name in names
@@ -71,7 +82,18 @@ def lane_states(
         if not serving:
             serving = [n for n in lane.emergency_clusters if clusters[n]["routable"]]
             state = "degraded" if serving else "down"
-        out[lane.name] = {"state": state, "serving": serving, "clusters": clusters}
+        misconfigured = sorted(
+            e.url
+            for name in (*lane.clusters, *lane.emergency_clusters)
+            for e in endpoints.get(name, ())
+            if e.misconfigured is not None
+        )
+        out[lane.name] = {
+            "state": state,
+            "serving": serving,
+            "clusters": clusters,
+            "misconfigured": misconfigured,
+        }
     return out
 
 
@@ -79,7 +101,9 @@ def endpoint_health(pool: EnginePool) -> dict[str, list[EndpointHealth]]:
     """The pool's endpoints by cluster, as ``lane_states`` reads them."""
     out: dict[str, list[EndpointHealth]] = {name: [] for name in pool.clusters}
     for engine in pool.engines():
-        out[engine.cluster].append(EndpointHealth(engine.url, engine.state, engine.evidence))
+        out[engine.cluster].append(
+            EndpointHealth(engine.url, engine.state, engine.evidence, engine.misconfigured)
+        )
     return out
 
 
@@ -141,8 +165,24 @@ class BootProbe:
                 return
             await anyio.sleep(RETRY_S)
 
+    async def _capability_read(self, lane: LaneSettings) -> list[str]:
+        """Wait (at most the lane's probe timeout) until the monitor has read each endpoint's
+        /v1/models once, then name the lane's misconfigured endpoints, with the evidence."""
+        clusters = (*lane.clusters, *lane.emergency_clusters)
+        keys = [(c, url) for c in clusters for url in self._settings.cluster(c).endpoints]
+        for _ in range(int(lane.health.timeout_s / CAPABILITY_POLL_S) + 1):
+            if all(self._pool.capability_read(c, url) for c, url in keys):
+                break
+            await anyio.sleep(CAPABILITY_POLL_S)  # the monitor's reads, not an event of ours
+        return [
+            f"{engine.url} misconfigured: {engine.misconfigured}"
+            for engine in self._pool.engines()
+            if engine.cluster in clusters and engine.misconfigured is not None
+        ]
+
     async def _probe_lane(self, lane: LaneSettings) -> None:
         started = time.monotonic()
+        misconfigured = await self._capability_read(lane)
         failures: list[str] = []
         passed = False
         for name in (*lane.clusters, *lane.emergency_clusters):
@@ -158,7 +198,12 @@ class BootProbe:
             )
             endpoints = order_endpoints(self._pool.views(name))
             if not endpoints:
-                failures.append(f"cluster {name}: no routable endpoint")
+                why = ", ".join(
+                    f"{e.url} {e.state.value}: {e.evidence}"
+                    for e in self._pool.engines()
+                    if e.cluster == name
+                )
+                failures.append(f"cluster {name}: no routable endpoint ({why})")
             for view in endpoints:
                 problem = await self._one(lane, view.url, body, self._keys.get(name))
                 if problem is None:
@@ -171,6 +216,8 @@ class BootProbe:
         detail = "ok" if passed else "; ".join(failures) or "no cluster"
         if passed and name not in lane.clusters:
             detail = f"degraded: served by emergency cluster {name}; " + "; ".join(failures)
+        if misconfigured:  # it serves, but not every prompt it admits: the operator must know
+            detail = "; ".join([detail, *misconfigured])
         self.checks[lane.name] = LaneCheck(lane.name, passed, detail, seconds, time.time())
         if passed:
             self.passed_once.add(lane.name)

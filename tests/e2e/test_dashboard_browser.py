@@ -333,3 +333,32 @@ async def test_dashboard_is_readable_without_horizontal_overflow(
         )
         assert any(p.startswith("lane fast") for p in seen), seen
         assert any(p.startswith("engines table") for p in seen), seen
+
+
+async def test_a_misconfigured_engine_is_shown_with_its_evidence(
+    counter: TokenCounter, gateway_at: Any
+) -> None:
+    """A lane admitting 131,072-token prompts in front of an engine of 32,768: the engines
+    table shows the endpoint misconfigured (a warning chip) with both numbers, and the header
+    counts it."""
+    shared = RegistryCounter(counter, "qwen3.6")
+    async with run_sim("h100-fast", time_scale=0.01, counter=shared) as sim:
+        config = lanes_config([sim.url], [sim.url], threshold=2000)
+        config["lanes"] = [config["lanes"][0]]
+        config["lanes"][0]["max_prompt_tokens"] = 131_073
+        config["lanes"][0]["health"] = {"interval_s": 0.5, "timeout_s": 2}
+        config["clusters"] = [config["clusters"][0]]
+        async with gateway_at(config) as (url, _), chromium(WIDTH, 1000) as page:
+            await page.goto(url + "/dashboard")
+            await page.wait_for("document.body.dataset.ready === 'true'")
+            await page.wait_for(
+                "[...document.querySelectorAll('#engines tbody .chip.warn')]"
+                ".some(c => c.textContent === 'misconfigured')"
+            )
+            evidence = await page.evaluate(
+                "document.querySelector('#engines tbody .evidence').textContent"
+            )
+            assert "131,072" in evidence and "32,768" in evidence, evidence
+            pills = await page.evaluate("document.querySelector('#pills').textContent")
+            assert "misconfigured1" in pills.replace(" ", ""), pills
+            assert page.errors == []

@@ -48,6 +48,15 @@ ADMIN_PREFIXES = ("/admin", "/dashboard")
 # The non-simple header a state-changing admin request carries when it has no bearer token.
 ADMIN_HEADER = b"x-shapegate-admin"
 SAFE_METHODS = frozenset({"GET", "HEAD"})
+
+
+def reload_command(url: str) -> str:
+    """The shell command that applies an edited policy from the gateway's own machine, as
+    ``shapegate demo`` and ``shapegate init`` print it: without an admin token, a POST needs the
+    admin header; ``--fail-with-body`` makes a refusal a failed command, its reason printed."""
+    return f"curl --fail-with-body -X POST -H '{ADMIN_HEADER.decode()}: 1' {url}/admin/reload"
+
+
 FORBIDDEN: Literal["permission_error"] = "permission_error"
 
 

@@ -57,7 +57,9 @@ def test_the_demo_runs_a_burst_through_both_lanes() -> None:
     # The policy to edit and how to apply it; its folder is gone once the demo stopped.
     (policy,) = [line.split()[1] for line in proc.stdout.splitlines() if "  policy " in line]
     assert policy.endswith("demo.yaml")
-    assert "curl -X POST http://127.0.0.1:" in proc.stdout and "/admin/reload" in proc.stdout
+    assert "curl --fail-with-body -X POST -H 'x-shapegate-admin: 1' http://127.0.0.1:" in (
+        proc.stdout
+    )
     assert not Path(policy).parent.exists()
 
 

@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 
 from engine_pool.sim.server import run_sim
@@ -15,8 +16,8 @@ from gateway.count.tokens import TokenCounter
 from gateway.tools.cli import main
 from gateway.tools.sim_support import RegistryCounter
 from tests.conftest import chat
-from tests.support.checkout import ROOT, checkout_env, gateway_cli
-from tests.support.servers import free_port, start_gateway, until_ok
+from tests.support.checkout import ROOT, checkout_env, gateway_cli, shapegate_on_path
+from tests.support.servers import free_port, until_ok
 
 
 def test_init_refuses_to_overwrite_and_checks_what_it_writes(
@@ -71,10 +72,26 @@ def test_init_leaves_room_for_the_answer(
 
 
 async def test_init_then_serve_against_a_sim_engine(tmp_path: Path, counter: TokenCounter) -> None:
+    """Every command ``init`` prints (and the reload command in the file's header), run exactly
+    as printed through a shell, works."""
     out = tmp_path / "policy.yaml"
     shared = RegistryCounter(counter, "qwen3.6")
+    port = free_port()
+    env = shapegate_on_path(tmp_path)
+
+    def shell(line: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["bash", "-c", line],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            cwd=tmp_path,
+            env=env,
+        )
+
     async with run_sim("h100-fast", time_scale=0.01, seed=1, counter=shared) as engine:
-        init = gateway_cli("init", "--engine", engine.url)
+        init = gateway_cli("init", "--engine", engine.url, "--port", str(port))
         init += ["--model", "qwen3.6", "--max-model-len", "32768", "--out", str(out)]
         made = await asyncio.to_thread(
             subprocess.run,
@@ -87,28 +104,41 @@ async def test_init_then_serve_against_a_sim_engine(tmp_path: Path, counter: Tok
             env=checkout_env(),
         )
         assert made.returncode == 0, made.stderr
-        checked = await asyncio.to_thread(
-            subprocess.run,
-            gateway_cli("check-config", str(out)),
-            capture_output=True,
-            cwd=ROOT,
-            env=checkout_env(),
-            text=True,
-            timeout=120,
-            check=False,
-        )
+        printed = {
+            key: line.split(":", 1)[1].strip()
+            for line in made.stdout.splitlines()
+            for key in ("check", "serve", "reload")
+            if line.startswith(f"  {key}:")
+        }
+        assert set(printed) == {"check", "serve", "reload"}, made.stdout
+        header = [line[4:] for line in out.read_text().splitlines() if line.startswith("#   ")]
+        expected = [f"shapegate check-config {out}", f"shapegate serve --config {out}"]
+        assert header == [*expected, printed["reload"]], header
+        checked = await asyncio.to_thread(shell, printed["check"])
         assert checked.returncode == 0, checked.stderr
-        port = free_port()
-        proc = start_gateway(out, port)
+        assert "main: 0 <= prompt tokens < 32768" in checked.stdout
+        log = (tmp_path / "serve.log").open("wb")
+        proc = subprocess.Popen(  # the serve line as printed, until it is told to stop
+            ["bash", "-c", "exec " + printed["serve"]],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
+            env=env,
+        )
         url = f"http://127.0.0.1:{port}"
         try:
             async with httpx.AsyncClient(timeout=30) as client:
                 await until_ok(client, url + "/readyz")
                 r = await client.post(url + "/v1/chat/completions", json=chat("hello there"))
-            assert r.status_code == 200, r.text
-            assert r.headers["x-shapegate-lane"] == "main"
-            assert r.json()["choices"][0]["message"]["content"]
+                assert r.status_code == 200, r.text
+                assert r.headers["x-shapegate-lane"] == "main"
+                assert r.json()["choices"][0]["message"]["content"]
+                version = (await client.get(url + "/admin/state")).json()["policy_version"]
+                reloaded = await asyncio.to_thread(shell, printed["reload"], 60)
+                assert reloaded.returncode == 0, reloaded.stdout + reloaded.stderr
+                assert orjson.loads(reloaded.stdout)["version"] == version + 1
         finally:
             proc.send_signal(signal.SIGTERM)
-            await asyncio.to_thread(proc.communicate, timeout=30)
-        assert proc.returncode == 0
+            await asyncio.to_thread(proc.wait, timeout=30)
+            log.close()
+        assert proc.returncode == 0, (tmp_path / "serve.log").read_text()
