@@ -441,12 +441,14 @@ class Pipeline:
         context (engine_pool/capability.py) holds the request's prompt plus output tokens.
         PromptTooLong naming the engine's limit when no routable endpoint of ``clusters`` does.
         A bound that some endpoint could not hold is made exact first: a bound errs long, and
-        must not keep a request from an engine that holds it."""
+        must not keep a request from an engine that holds it. A batch's prompts are sequences of
+        their own: its largest one (``TokenCount.longest``) must fit a context, not their sum."""
         exact = ExactCount(policy.counter, count)
         output = max(max_tokens or 0, 1)
-        need = exact.decided_by + output
+        batch = count.largest is not None
+        need = (count.longest if batch else exact.decided_by) + output
         views = [v for c in clusters for v in self.pool.views(c)]
-        if exact.bound is not None and not all(holds(v, need) for v in views):
+        if not batch and exact.bound is not None and not all(holds(v, need) for v in views):
             tokens = await exact.tokens(lane.timeouts.total_s)
             need = need if tokens is None else tokens + output
         short = refusal(views, need)

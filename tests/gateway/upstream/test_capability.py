@@ -199,3 +199,30 @@ async def test_a_reload_keeps_the_verdict_and_a_fitting_lane_clears_it(
             assert await gauge() == 0
     back = [e for e in logs if e["event"] == "engine.state_changed" and e.get("new") == "up"]
     assert back and back[0]["old"] == "misconfigured", back
+
+
+async def test_a_batch_needs_room_for_its_longest_prompt_not_for_the_sum(
+    gateway_at: Any, short_engine: SimProcess
+) -> None:
+    """Each prompt of a batch is its own sequence in the engine: two 20,000-token prompts (40,000
+    in all, past the engine's 32,768) fit it, one 40,000-token prompt does not."""
+    text = "hello" + " hello" * 19_999
+    async with (
+        gateway_at(policy([short_engine.url])) as (url, _),
+        httpx.AsyncClient(timeout=60) as client,
+    ):
+
+        async def misconfigured() -> bool:
+            found = await endpoint_of(client, url, short_engine.url)
+            return found["state"] == "misconfigured"
+
+        await wait_for(misconfigured, 5, what="the engine's capability read")
+        batch = {"model": "qwen3.6", "prompt": [text, text], "max_tokens": 4}
+        served = await client.post(url + "/v1/completions", json=batch)
+        assert served.status_code == 200, served.text
+        assert int(served.headers["x-shapegate-prompt-tokens"]) == 40_000
+        assert served.json()["usage"]["prompt_tokens"] == 40_000
+        whole = {"model": "qwen3.6", "prompt": text + text, "max_tokens": 4}
+        refused = await client.post(url + "/v1/completions", json=whole)
+        assert refused.status_code == 400, refused.text
+        assert "maximum context length is 32768 tokens" in refused.json()["error"]["message"]
