@@ -141,6 +141,9 @@ EXCLUDED: dict[str, str] = {
     "shapegate replay --live URL TRACE --time-scale S": SYNOPSIS.format("URL, TRACE and S are"),
     "shapegate check-config FILE": SYNOPSIS.format("FILE is"),
     "shapegate sim --faults SPEC": SYNOPSIS.format("SPEC is"),
+    "shapegate sim --profile PATH": SYNOPSIS.format("PATH is"),
+    "shapegate sim --enable-force-include-usage": NAMED
+    + " (tests/engine_pool/test_sim_cli.py starts a sim with it)",
     "shapegate serve --workers N": SYNOPSIS.format("N is"),
     "shapegate bench SUITE": SYNOPSIS.format("SUITE is"),
     "shapegate COMMAND --help": SYNOPSIS.format("COMMAND is")

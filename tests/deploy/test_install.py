@@ -138,9 +138,7 @@ lanes:
 """
 
 
-def test_serve_counts_exactly_without_the_extras(
-    venv: Path, tmp_path: Path, engine: str, counter: TokenCounter
-) -> None:
+def test_serve_counts_exactly_without_the_extras(venv: Path, tmp_path: Path, engine: str) -> None:
     """The plain install serves a request and its token header is the exact count (Hugging
     Face's, computed here), made by tiktoken; the log says gigatoken's extra is missing."""
     policy = tmp_path / "policy.yaml"
@@ -181,7 +179,14 @@ def test_serve_counts_exactly_without_the_extras(
             assert response.status == 200
             header = response.headers["x-shapegate-prompt-tokens"]
         prompt = parse_request("chat", orjson.dumps(body)).prompt
-        assert int(header) == counter.count_sync("qwen3.6", prompt).tokens
+        # The policy names no template: the model's own (``auto``), counted here in-process.
+        own = TokenCounter.for_models(
+            [{"name": "qwen3.6", "tokenizer": {"source": "builtin", "name": "qwen3.6"}}]
+        )
+        try:
+            assert int(header) == own.count_sync("qwen3.6", prompt).tokens
+        finally:
+            own.close()
         gateway.send_signal(signal.SIGTERM)
         assert gateway.wait(timeout=30) == 0
         loaded = [
