@@ -361,3 +361,37 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax_cpu.set_ylabel("CPU ms per request (gateway + tokenizer child)")
     ax_cpu.set_title(f"recycles in the run: {result['recycles']}")
     save(fig, path)
+
+
+def readme_lines(
+    r: dict[str, Any], machine_text: str, smoke: list[str], verdicts: list[str], plots: Path
+) -> list[str]:
+    """The README's section (``shapegate bench readme``)."""
+    first = r["first_burst"]
+    after = ", ".join(f"{x:g}" for x in r["load_average_after"])
+    return [
+        "### Unique monsters (`shapegate bench monsters`)",
+        "",
+        f"Machine: {machine_text}; load average {after} at the end. `shapegate serve` and its "
+        "tokenizer child on one core, this generator and a fixed upstream on the other; every "
+        "prompt unique (no cache holds it), so each is counted exactly by the tokenizer child; "
+        f"the child's bound `counting.max_encoder_rss_mb: {r['max_rss_mb']:g}`. Latency is the "
+        "client's, to the whole answer; CPU is the gateway's, its tokenizer children included.",
+        *smoke,
+        "",
+        f"First burst after boot ({r['slots']} concurrent unique "
+        f"{r['burst_tokens']:,}-token prose prompts right after `/readyz`): "
+        f"{', '.join(f'{x:g}' for x in first['latencies_ms'])} ms; the steady state of the same "
+        f"shape (the next {first['steady_requests']} requests, in bursts of {r['slots']}): median "
+        f"{first['steady_median_ms']:g} ms; slowest / median {first['worst_ratio']:g}x.",
+        "",
+        "| shape | tokens (mean) | concurrency | requests | p50 ms | p99 ms | p99/p50 | errors "
+        "| CPU ms / request | recycles |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        *(_phase_line(p) for p in r["phases"]),
+        "",
+        *verdicts,
+        "",
+        f"![monsters]({(plots / 'monsters.png').as_posix()})",
+        "",
+    ]
