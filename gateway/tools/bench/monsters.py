@@ -108,8 +108,10 @@ class Plan:
 # -- load ----------------------------------------------------------------------------------------
 
 
-async def _post(port: int, body: bytes) -> tuple[float, int, int]:
-    """One request on a fresh connection: (seconds to the whole answer, status, exact tokens)."""
+async def _post(port: int, body: bytes) -> tuple[float, int, int, float]:
+    """One request on a fresh connection: (seconds to the whole answer, status, exact tokens,
+    when it started, Unix time: the gateway log's clock)."""
+    at = time.time()
     started = time.perf_counter()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
@@ -131,16 +133,19 @@ async def _post(port: int, body: bytes) -> tuple[float, int, int]:
         name, _, value = line.partition(b":")
         if name.strip().lower() == b"x-shapegate-prompt-tokens":
             tokens = int(value.strip())
-    return seconds, status, tokens
+    return seconds, status, tokens, at
 
 
-async def _burst(port: int, bodies: list[bytes]) -> list[tuple[float, int, int]]:
+Sample = tuple[float, int, int, float]
+
+
+async def _burst(port: int, bodies: list[bytes]) -> list[Sample]:
     return list(await asyncio.gather(*(_post(port, body) for body in bodies)))
 
 
-async def _closed(port: int, bodies: list[bytes], concurrency: int) -> list[tuple[float, int, int]]:
+async def _closed(port: int, bodies: list[bytes], concurrency: int) -> list[Sample]:
     todo = list(reversed(bodies))
-    done: list[tuple[float, int, int]] = []
+    done: list[Sample] = []
 
     async def client() -> None:
         while todo:
@@ -181,17 +186,44 @@ def _recycles(log: Path) -> list[float]:
     return loads
 
 
+def _windows(log: Path, since: float) -> list[list[float]]:
+    """[s after ``since``] of each ``tokenizer.recycle_started`` and ``tokenizer.recycled`` in
+    the gateway's log after ``since``: when a replacement was loading."""
+    from datetime import datetime
+
+    found = []
+    for line in log.read_bytes().splitlines():
+        if b"tokenizer.recycle" not in line:
+            continue
+        event = orjson.loads(line)
+        at = datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
+        if at >= since:
+            found.append(
+                [round(at - since, 2), 1.0 if event["event"] == "tokenizer.recycled" else 0.0]
+            )
+    return found
+
+
+def _timeline(samples: list[Sample], since: float) -> list[list[float]]:
+    """[start s after ``since``, latency ms] of each request, by start: a slow one can be set
+    against the recycle it overlapped."""
+    return [
+        [round(at - since, 2), round(s * 1000, 1)]
+        for s, _, _, at in sorted(samples, key=lambda x: x[3])
+    ]
+
+
 # -- the run ------------------------------------------------------------------------------------
 
 
-def _stats(samples: list[tuple[float, int, int]], cpu_s: float) -> dict[str, Any]:
-    ok = [s for s, status, _ in samples if status == 200]
+def _stats(samples: list[Sample], cpu_s: float) -> dict[str, Any]:
+    ok = [s for s, status, *_ in samples if status == 200]
     p50 = percentile(ok, 0.5) * 1000 if ok else 0.0
     p99 = percentile(ok, 0.99) * 1000 if ok else 0.0
     return {
         "requests": len(samples),
-        "errors": sum(1 for _, status, _ in samples if status != 200),
-        "tokens_mean": round(statistics.fmean(t for *_, t in samples)) if samples else 0,
+        "errors": sum(1 for _, status, *_ in samples if status != 200),
+        "tokens_mean": round(statistics.fmean(t for _, _, t, _ in samples)) if samples else 0,
         "p50_ms": round(p50, 1),
         "p99_ms": round(p99, 1),
         "tail_ratio": round(p99 / p50, 2) if p50 else None,
@@ -236,29 +268,32 @@ def _run(plan: Plan, texts: Texts, port: int, gateway: Child, log: Path) -> dict
     out: dict[str, Any] = {}
     first_bodies = bodies("prose", plan.tokens, plan.slots)  # made before the clock starts
     first = asyncio.run(_burst(port, first_bodies))
-    steady: list[tuple[float, int, int]] = []
+    steady: list[Sample] = []
     for _ in range(plan.bursts):
         steady += asyncio.run(_burst(port, bodies("prose", plan.tokens, plan.slots)))
-    median = statistics.median(s for s, status, _ in steady if status == 200) * 1000
+    median = statistics.median(s for s, status, *_ in steady if status == 200) * 1000
     out["first_burst"] = {
-        "latencies_ms": [round(s * 1000, 1) for s, _, _ in first],
-        "statuses": [status for _, status, _ in first],
-        "tokens": [t for *_, t in first],
+        "latencies_ms": [round(s * 1000, 1) for s, *_ in first],
+        "statuses": [status for _, status, *_ in first],
+        "tokens": [t for _, _, t, _ in first],
         "steady_median_ms": round(median, 1),
         "steady_requests": len(steady),
-        "worst_ratio": round(max(s for s, _, _ in first) * 1000 / median, 2),
+        "worst_ratio": round(max(s for s, *_ in first) * 1000 / median, 2),
     }
     phases = []
     for shape, tokens, requests in plan.phases:
         concurrency = 4 if tokens <= 200_000 else 2
         made = bodies(shape, tokens, requests)
         before_cpu, before_recycles = _cpu_s(gateway.pid), len(_recycles(log))
+        since = time.time()
         samples = asyncio.run(_closed(port, made, concurrency))
         cpu = _cpu_s(gateway.pid) - before_cpu
         loads = _recycles(log)[before_recycles:]
         phase = {"shape": shape, "tokens": tokens, "concurrency": concurrency}
         phase |= _stats(samples, cpu)
         phase |= {"recycles": len(loads), "recycle_load_s": loads}
+        phase["timeline"] = _timeline(samples, since)
+        phase["recycle_events"] = _windows(log, since)  # [s, 0 started / 1 taken over]
         phases.append(phase)
         print(_phase_line(phase), flush=True)
     out["phases"] = phases
