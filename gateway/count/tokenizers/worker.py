@@ -35,9 +35,9 @@ Contract of ``ChildEncoder`` (an ``Encoder`` with the backend of its recipe):
   time, logged as ``tokenizer.child_warmed`` with the pipe round trip's (``pipe_ms``).
 - ``close()`` stops the child; so does garbage collection of the encoder, and the child exits
   by itself when the gateway's end of the pipe closes (the gateway died).
-Events: ``tokenizer.child_warmed`` (pid, warm_chars, warm_ms), ``tokenizer.recycle_started``
-(rss_mb), ``tokenizer.recycled`` (old_rss_mb, calls, load_s), ``tokenizer.child_lost`` (via
-``swallowed``).
+Events: ``tokenizer.child_warmed`` (pid, warm_chars, warm_ms, pipe_ms),
+``tokenizer.recycle_started`` (rss_mb), ``tokenizer.recycled`` (old_rss_mb, calls, load_s),
+``tokenizer.child_lost`` (via ``swallowed``).
 """
 
 from __future__ import annotations
