@@ -72,8 +72,11 @@ def test_past_its_bound_the_child_is_replaced_and_memory_comes_back() -> None:
         peak = 0.0
         # Calls the old child answered while its replacement was loading, by recycle.
         answered_meanwhile: dict[int, int] = {}
+        deadline = time.monotonic() + 240
         with capture_logs() as logs:
-            for _ in range(4_000):  # base64 grows gigatoken's cache ~6 MB per MB of text
+            # base64 grows gigatoken's cache ~6 MB per MB of text; a replacement loads at a
+            # lower priority while this loop keeps the old child busy, so loads take a while.
+            while child.recycles < 2 and time.monotonic() < deadline:
                 text = base64.b64encode(rng.bytes(30_000)).decode()
                 pending = child._pending
                 assert child.count_many([text])[0] > 0
@@ -82,11 +85,13 @@ def test_past_its_bound_the_child_is_replaced_and_memory_comes_back() -> None:
                         answered_meanwhile.get(child.recycles, 0) + 1
                     )
                 peak = max(peak, child.rss_mb)
-                if child.recycles >= 2:
-                    break
         assert child.recycles >= 2, (loaded, bound, peak)
         assert child.pid != first_pid
         assert _gone(first_pid)
+        # Counts run at the normal priority: only the replacement's loading thread was lowered.
+        for task in os.listdir(f"/proc/{child.pid}/task"):
+            with open(f"/proc/{child.pid}/task/{task}/stat", encoding="ascii") as stat:
+                assert stat.read().rsplit(")", 1)[1].split()[16] == "0"  # nice
         # No count waited for a load: during each of the two loads the old child kept answering.
         assert answered_meanwhile.get(0, 0) > 0 and answered_meanwhile.get(1, 0) > 0, (
             answered_meanwhile
