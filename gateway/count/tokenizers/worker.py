@@ -64,10 +64,6 @@ if TYPE_CHECKING:
 # Freed heap a child keeps mapped for the next monster (lifetime.hold_heap); its RSS, which
 # the bound watches, includes it.
 CHILD_KEEP_MB = 32
-# A replacement's load runs at this nice (the old child and the gateway keep the core): on a
-# core shared with a busy count it takes ~10% of the CPU and so ~10x as long, during which the
-# old child keeps counting at full speed.
-LOAD_NICE = 10
 # The bound is at least this much above what a freshly loaded child holds.
 READY_HEADROOM = 1.25
 READY_TIMEOUT_S = 120.0
@@ -97,38 +93,13 @@ def _answer(encoder: Encoder, op: str, arg: Any) -> Any:
     return encoder.count_many(arg)
 
 
-def _load_meekly(recipe: Callable[[], Encoder]) -> Encoder:
-    """``recipe()`` on a thread at nice ``LOAD_NICE`` (Linux nice is per thread): a replacement's
-    load (parsing the vocabulary, ~1.5 s of CPU) yields the core to the old child that is still
-    counting, and to the gateway. Only the loading thread is lowered, and it ends with the
-    load: gigatoken starts its worker thread at the first large count (the warm-up, on the main
-    thread), which so keeps the normal priority."""
-    built: list[Encoder] = []
-    failed: list[BaseException] = []
-
-    def load() -> None:
-        if sys.platform == "linux":  # elsewhere nice is per process: load at normal priority
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOAD_NICE)
-        try:
-            built.append(recipe())
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
-            failed.append(exc)
-
-    loader = threading.Thread(target=load, name="tokenizer-load")
-    loader.start()
-    loader.join()
-    if failed:
-        raise failed[0]
-    return built[0]
-
-
 def _serve(inbox: Connection, outbox: Connection) -> None:
     """The child: read its recipe, build the tokenizer, warm it, then answer calls until the
     gateway closes its end of the pipe (or dies)."""
     hold_heap(CHILD_KEEP_MB)
     try:
-        recipe, warm_chars, background = inbox.recv()
-        encoder: Encoder = _load_meekly(recipe) if background else recipe()
+        recipe, warm_chars = inbox.recv()
+        encoder: Encoder = recipe()
         encoder.count_many([_WARM_TEXT, _WARM_TEXT * 64])
         started = time.perf_counter()
         if warm_chars > 0:
@@ -173,12 +144,9 @@ def warm_text(chars: int) -> str:
     return (_WARM_TEXT * (chars // len(_WARM_TEXT) + 1))[:chars]
 
 
-def _start(
-    recipe: Callable[[], Encoder], warm_chars: int = 0, *, background: bool = False
-) -> _Child:
+def _start(recipe: Callable[[], Encoder], warm_chars: int = 0) -> _Child:
     """Start a child (a fresh interpreter: nothing of this process is forked or re-imported)
-    and wait until its tokenizer is loaded and warm; ``background``: a replacement, loaded at a
-    lower priority (``_load_meekly``) while the old child counts."""
+    and wait until its tokenizer is loaded and warm."""
     started = time.monotonic()
     child_reads, to_child = os.pipe()  # (read end, write end); ours are not inherited
     from_child, child_writes = os.pipe()
@@ -206,7 +174,7 @@ def _start(
         started,
     )
     try:
-        child.send.send((recipe, warm_chars, background))
+        child.send.send((recipe, warm_chars))
         if not child.recv.poll(READY_TIMEOUT_S):
             raise EncoderFailed(f"tokenizer child not ready within {READY_TIMEOUT_S:g}s")
         status, detail, _rss = child.recv.recv()
@@ -399,7 +367,7 @@ class ChildEncoder:
 
     def _prepare(self) -> None:
         try:
-            self._next = _start(self._recipe, self.warm_chars, background=True)
+            self._next = _start(self._recipe, self.warm_chars)
         except EncoderFailed as exc:
             swallowed(self._log, self._metrics, "tokenizer.recycle", exc, "kept_the_old_child")
 

@@ -74,8 +74,8 @@ def test_past_its_bound_the_child_is_replaced_and_memory_comes_back() -> None:
         answered_meanwhile: dict[int, int] = {}
         deadline = time.monotonic() + 240
         with capture_logs() as logs:
-            # base64 grows gigatoken's cache ~6 MB per MB of text; a replacement loads at a
-            # lower priority while this loop keeps the old child busy, so loads take a while.
+            # base64 grows gigatoken's cache ~6 MB per MB of text; each replacement loads while
+            # this loop keeps the old child busy.
             while child.recycles < 2 and time.monotonic() < deadline:
                 text = base64.b64encode(rng.bytes(30_000)).decode()
                 pending = child._pending
@@ -88,10 +88,6 @@ def test_past_its_bound_the_child_is_replaced_and_memory_comes_back() -> None:
         assert child.recycles >= 2, (loaded, bound, peak)
         assert child.pid != first_pid
         assert _gone(first_pid)
-        # Counts run at the normal priority: only the replacement's loading thread was lowered.
-        for task in os.listdir(f"/proc/{child.pid}/task"):
-            with open(f"/proc/{child.pid}/task/{task}/stat", encoding="ascii") as stat:
-                assert stat.read().rsplit(")", 1)[1].split()[16] == "0"  # nice
         # No count waited for a load: during each of the two loads the old child kept answering.
         assert answered_meanwhile.get(0, 0) > 0 and answered_meanwhile.get(1, 0) > 0, (
             answered_meanwhile
