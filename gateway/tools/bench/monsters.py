@@ -19,8 +19,10 @@ Measured in one run, in this order:
    at 200k, 2 at 1M): latency p50/p99, errors, CPU per request
    (the gateway process, its live tokenizer child and the children it reaped: replaced ones),
    the tokenizer child's recycles in that phase (``tokenizer.recycled`` in the gateway's log)
-   and their load times. Targets: p99 within 3x p50 and no error in every phase; at least 3
-   recycles in the run; CPU per unique 200k-token prose request at most 10 ms.
+   and their load times, and the peak resident memory of the gateway with its tokenizer
+   children (two of them while a replacement loads). Targets: p99 within 3x p50 and no error
+   in every phase; at least 3 recycles in the run; CPU per unique 200k-token prose request
+   at most 10 ms.
 
 The bound is 256 MB by default here (the setting's default is 384), so vocabulary-hostile text
 recycles the child several times within a run of a few minutes; ``--max-rss-mb 384`` measures
@@ -52,6 +54,7 @@ from gateway.tools.bench.harness import (
     publish,
     start_gateway,
     start_upstream,
+    tree_rss_mb,
     two_core_plan,
     with_targets,
 )
@@ -145,13 +148,18 @@ async def _burst(port: int, bodies: list[bytes]) -> list[Sample]:
     return list(await asyncio.gather(*(_post(port, body) for body in bodies)))
 
 
-async def _closed(port: int, bodies: list[bytes], concurrency: int) -> list[Sample]:
+async def _closed(
+    port: int, bodies: list[bytes], concurrency: int, rss: list[float], pid: int
+) -> list[Sample]:
+    """The closed loop; ``rss`` gets the gateway's resident memory with its tokenizer children
+    (``harness.tree_rss_mb``) after every answer: two children during a recycle show there."""
     todo = list(reversed(bodies))
     done: list[Sample] = []
 
     async def client() -> None:
         while todo:
             done.append(await _post(port, todo.pop()))
+            rss.append(tree_rss_mb(pid))
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
     return done
@@ -288,12 +296,14 @@ def _run(plan: Plan, texts: Texts, port: int, gateway: Child, log: Path) -> dict
         made = bodies(shape, tokens, requests)
         before_cpu, before_recycles = _cpu_s(gateway.pid), len(_recycles(log))
         since = time.time()
-        samples = asyncio.run(_closed(port, made, concurrency))
+        rss: list[float] = []
+        samples = asyncio.run(_closed(port, made, concurrency, rss, gateway.pid))
         cpu = _cpu_s(gateway.pid) - before_cpu
         loads = _recycles(log)[before_recycles:]
         phase = {"shape": shape, "tokens": tokens, "concurrency": concurrency}
         phase |= _stats(samples, cpu)
         phase |= {"recycles": len(loads), "recycle_load_s": loads}
+        phase["peak_rss_mb"] = round(max(rss, default=0.0), 1)
         phase["timeline"] = _timeline(samples, since)
         phase["recycle_events"] = _windows(log, since)  # [s, 0 started / 1 taken over]
         phases.append(phase)
@@ -361,7 +371,7 @@ def _phase_line(p: dict[str, Any]) -> str:
     return (
         f"| {p['shape']} | {p['tokens_mean']:,} | {p['concurrency']} | {p['requests']} | "
         f"{p['p50_ms']} | {p['p99_ms']} | {p['tail_ratio']} | {p['errors']} | "
-        f"{p['cpu_ms_per_request']} | {p['recycles']} |"
+        f"{p['cpu_ms_per_request']} | {p['recycles']} | {p.get('peak_rss_mb', '-')} |"
     )
 
 
@@ -377,8 +387,8 @@ def table(result: dict[str, Any]) -> str:
         f"{first['steady_requests']} requests; slowest / median {first['worst_ratio']}x",
         "",
         "| shape | tokens (mean) | concurrency | requests | p50 ms | p99 ms | p99/p50 | errors "
-        "| CPU ms / request | recycles |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| CPU ms / request | recycles | peak RSS MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
         *(_phase_line(p) for p in result["phases"]),
     ]
     return with_targets(lines, result["targets"])
@@ -413,7 +423,9 @@ def readme_lines(
         "tokenizer child on one core, this generator and a fixed upstream on the other; every "
         "prompt unique (no cache holds it), so each is counted exactly by the tokenizer child; "
         f"the child's bound `counting.max_encoder_rss_mb: {r['max_rss_mb']:g}`. Latency is the "
-        "client's, to the whole answer; CPU is the gateway's, its tokenizer children included.",
+        "client's, to the whole answer; CPU is the gateway's, its tokenizer children included; "
+        "peak RSS is the gateway with its tokenizer children, after each answer (during a "
+        "recycle two children: the old one past the bound, the fresh one).",
         *smoke,
         "",
         f"First burst after boot ({r['slots']} concurrent unique "
@@ -423,8 +435,8 @@ def readme_lines(
         f"{first['steady_median_ms']:g} ms; slowest / median {first['worst_ratio']:g}x.",
         "",
         "| shape | tokens (mean) | concurrency | requests | p50 ms | p99 ms | p99/p50 | errors "
-        "| CPU ms / request | recycles |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| CPU ms / request | recycles | peak RSS MB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         *(_phase_line(p) for p in r["phases"]),
         "",
         *verdicts,
