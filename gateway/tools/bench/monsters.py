@@ -39,6 +39,7 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -97,17 +98,13 @@ def run(args: argparse.Namespace) -> int:
     return publish(args.out, "monsters", result, table(result), lambda p: plot(result, p))
 
 
+@dataclass(frozen=True, slots=True)
 class Plan:
-    def __init__(
-        self,
-        tokens: int,
-        slots: int,
-        bursts: int,
-        requests: int,
-        phases: list[tuple[str, int, int]],
-    ) -> None:
-        self.tokens, self.slots, self.bursts, self.requests = tokens, slots, bursts, requests
-        self.phases = phases  # (shape, tokens, requests)
+    tokens: int  # the first burst's prompt size
+    slots: int  # the heavy lane's slots: the burst's size
+    bursts: int  # steady bursts after the first
+    requests: int
+    phases: list[tuple[str, int, int]]  # (shape, tokens, requests)
 
 
 # -- load ----------------------------------------------------------------------------------------
