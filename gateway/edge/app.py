@@ -1,9 +1,11 @@
 """The ASGI app: ``create_app(settings)`` builds a gateway (services.py) and serves it.
 
-The lifespan runs the engine monitor, the boot probe, the trace writer and, with a config file
-(``shapegate serve``), policy reload on SIGHUP and on file change (gateway/edge/reload.py) in the
-background; on shutdown it stops admitting, lets in-flight requests drain up to
-``server.drain_timeout_s`` and closes what was opened.
+The lifespan first rehearses a monster burst (gateway/request/rehearsal.py; uvicorn accepts no
+connection before it is over, so readiness comes after it), then runs the engine monitor, the
+boot probe, the trace writer and, with a config file (``shapegate serve``), policy reload on
+SIGHUP and on file change (gateway/edge/reload.py) in the background; on shutdown it stops
+admitting, lets in-flight requests drain up to ``server.drain_timeout_s`` and closes what was
+opened.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from gateway.edge.api import add_routes
 from gateway.edge.exchange import Receive, Scope, Send
 from gateway.edge.reload import reload_on_signal, watch_config
 from gateway.edge.services import Gateway
+from gateway.request.rehearsal import rehearse
 from gateway.request.routes import ENGINE_ROUTES
 from gateway.settings import Settings
 from gateway.slots.host import WorkerGroup
@@ -42,6 +45,7 @@ def create_app(
             clusters=[c.name for c in settings.clusters],
             state_backend=settings.state.backend,
         )
+        await rehearse(gateway.pipeline.policy, gateway.log, gateway.metrics)
         async with anyio.create_task_group() as background:
             background.start_soon(gateway.run_monitor)
             background.start_soon(watch_latency, gateway.pool, gateway.metrics, gateway.log)

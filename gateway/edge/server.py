@@ -33,7 +33,7 @@ import uvicorn
 
 from gateway.edge.app import create_app
 from gateway.edge.http_protocol import guarded_protocol
-from gateway.lifetime import trim_heap
+from gateway.lifetime import hold_heap, trim_heap
 from gateway.observe.log import configure_logging
 from gateway.settings import Settings
 from gateway.slots.host import WorkerGroup
@@ -62,12 +62,19 @@ def uvicorn_config(
     )
 
 
+# Freed heap the gateway keeps mapped for the next monster burst (lifetime.hold_heap): a burst
+# of 4 x 1M-token prompts uses about this much while it is counted.
+KEEP_HEAP_MB = 128
+
+
 def settle_heap() -> int:
-    """Collect, then freeze every object alive now out of the cyclic collector's walks, and give
-    what start-up freed back to the system; the number of frozen objects."""
+    """Collect, then freeze every object alive now out of the cyclic collector's walks, give
+    what start-up freed back to the system, then hold the heap a monster burst grows (the boot
+    rehearsal grows it before the first request); the number of frozen objects."""
     gc.collect()
     gc.freeze()
     trim_heap()
+    hold_heap(KEEP_HEAP_MB)
     return gc.get_freeze_count()
 
 

@@ -18,23 +18,26 @@ Contract of ``ChildEncoder`` (an ``Encoder`` with the backend of its recipe):
   serialised by ``lock``, the calling thread waits on a pipe without holding the GIL.
 - Each answer carries the child's resident memory. Past ``max_rss_mb`` (at least
   ``READY_HEADROOM`` x what the child held once loaded, or it would be replaced on every call)
-  a replacement is started
-  in the background (it loads and warms the tokenizer in its own process) and takes over at the
-  next call once ready; the old child is then stopped. Past ``HARD_FACTOR`` x the bound a call
-  waits for the replacement (``try_count_many``, the event loop's path, answers None instead,
-  so the loop hands the work to a worker thread): the bound holds even under a flood faster
-  than a load. At most, the tokenizer then holds ``HARD_FACTOR`` x the bound (the old child)
-  plus one freshly loaded child (the replacement), for the time of one load.
+  a replacement is started in the background: it loads and warms the tokenizer in its own
+  process while the old child keeps answering, and takes over at the first call after it is
+  ready; the old child is then stopped. A count never waits for a load: for the time of one
+  load the tokenizer holds two children, the old one (past the bound by what it grew during
+  that load) and the fresh one (what a loaded, warmed child holds). A replacement that fails
+  to load is logged as swallowed and the old child keeps serving; the next call past the bound
+  starts another.
 - A child that died (killed, crashed) is replaced before the call is retried once; a failure
   raised inside the child is raised here as ``EncoderFailed``.
 - Every child, the first and each replacement, encodes ``warm_chars`` characters before it
-  answers ready (``tokenizers/warmup.py``): the first monster after a recycle is as fast as the
-  tenth. The ready reply carries that warm-up's time, logged as ``tokenizer.child_warmed``.
+  answers ready (``tokenizers/warmup.py``), then counts one text as large sent through the
+  pipe as requests' are (``_rehearse``: the pickle, both pipe ends, the child's heap grown to a
+  monster's size and held there, ``hold_heap``), all before it takes any request's count: the
+  first monster after a recycle is as fast as the tenth. The ready reply carries the warm-up's
+  time, logged as ``tokenizer.child_warmed`` with the pipe round trip's (``pipe_ms``).
 - ``close()`` stops the child; so does garbage collection of the encoder, and the child exits
   by itself when the gateway's end of the pipe closes (the gateway died).
-Events: ``tokenizer.child_warmed`` (pid, warm_chars, warm_ms), ``tokenizer.recycle_started``
-(rss_mb), ``tokenizer.recycled`` (old_rss_mb, calls, load_s), ``tokenizer.child_lost`` (via
-``swallowed``).
+Events: ``tokenizer.child_warmed`` (pid, warm_chars, warm_ms, pipe_ms),
+``tokenizer.recycle_started`` (rss_mb), ``tokenizer.recycled`` (old_rss_mb, calls, load_s),
+``tokenizer.child_lost`` (via ``swallowed``).
 """
 
 from __future__ import annotations
@@ -52,14 +55,15 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from gateway.count.tokenizers.encoders import Backend, Encoder, GigatokenEncoder
-from gateway.lifetime import trim_heap
+from gateway.lifetime import hold_heap, trim_heap
 from gateway.observe.log import get_logger, swallowed
 
 if TYPE_CHECKING:
     from gateway.observe.metrics import Metrics
 
-# The call that finds the child this far past its bound waits for the replacement.
-HARD_FACTOR = 1.25
+# Freed heap a child keeps mapped for the next monster (lifetime.hold_heap); its RSS, which
+# the bound watches, includes it.
+CHILD_KEEP_MB = 32
 # The bound is at least this much above what a freshly loaded child holds.
 READY_HEADROOM = 1.25
 READY_TIMEOUT_S = 120.0
@@ -92,6 +96,7 @@ def _answer(encoder: Encoder, op: str, arg: Any) -> Any:
 def _serve(inbox: Connection, outbox: Connection) -> None:
     """The child: read its recipe, build the tokenizer, warm it, then answer calls until the
     gateway closes its end of the pipe (or dies)."""
+    hold_heap(CHILD_KEEP_MB)
     try:
         recipe, warm_chars = inbox.recv()
         encoder: Encoder = recipe()
@@ -172,7 +177,7 @@ def _start(recipe: Callable[[], Encoder], warm_chars: int = 0) -> _Child:
         child.send.send((recipe, warm_chars))
         if not child.recv.poll(READY_TIMEOUT_S):
             raise EncoderFailed(f"tokenizer child not ready within {READY_TIMEOUT_S:g}s")
-        status, detail, rss = child.recv.recv()
+        status, detail, _rss = child.recv.recv()
     except (EOFError, OSError) as exc:
         _stop(child)
         raise EncoderFailed(f"tokenizer child exited while loading: {exc!r}") from exc
@@ -182,14 +187,40 @@ def _start(recipe: Callable[[], Encoder], warm_chars: int = 0) -> _Child:
     if status != "ready":
         _stop(child)
         raise EncoderFailed(f"tokenizer child failed to load: {detail}")
-    child.rss_mb = child.ready_rss_mb = rss
+    pipe_ms = _rehearse(child, warm_chars)
+    child.ready_rss_mb = child.rss_mb
     get_logger("tokens").info(
         "tokenizer.child_warmed",
         pid=process.pid,
         warm_chars=warm_chars,
         warm_ms=round(float(detail), 1),
+        pipe_ms=round(pipe_ms, 1),
     )
     return child
+
+
+def _rehearse(child: _Child, chars: int) -> float:
+    """One count of a ``chars``-character text through the pipe, as a request's goes (a text no
+    cache holds); its time in ms. The child is stopped and ``EncoderFailed`` raised if it fails."""
+    started = time.perf_counter()
+    try:
+        child.send.send(("count", [rehearsal_text(max(chars, 1), child.process.pid)]))
+        status, detail, rss = child.recv.recv()
+    except (EOFError, OSError) as exc:
+        _stop(child)
+        raise EncoderFailed(f"tokenizer child exited in its rehearsal: {exc!r}") from exc
+    if status != "ok":
+        _stop(child)
+        raise EncoderFailed(f"tokenizer child failed its rehearsal: {detail}")
+    child.rss_mb = rss
+    return (time.perf_counter() - started) * 1000
+
+
+def rehearsal_text(chars: int, index: int) -> str:
+    """A text of about ``chars`` characters like ``warm_text``'s, different for each ``index``:
+    no count cache holds it, so it takes the path a new prompt takes."""
+    head = f"rehearsal {index:x}: "
+    return head + warm_text(max(0, chars - len(head)))
 
 
 # A pipe holds 64 kB by default: a 130 kB prompt would take several wake-ups of each side to
@@ -271,14 +302,11 @@ class ChildEncoder:
             return self._count(texts)
 
     def try_count_many(self, texts: Sequence[str]) -> list[int] | None:
-        """Count now, or None if that would wait: another caller holds the child, or the child
-        is past the hard bound and its replacement still loading (the caller, the event loop,
-        then hands the texts to a worker thread, which waits)."""
+        """Count now, or None if that would wait for another caller holding the child (the
+        caller, the event loop, then hands the texts to a worker thread, which waits)."""
         if not self.lock.acquire(blocking=False):
             return None
         try:
-            if self._over_hard_bound():
-                return None
             return self._count(texts)
         finally:
             self.lock.release()
@@ -297,9 +325,7 @@ class ChildEncoder:
         return counts
 
     def _call(self, op: str, arg: Any) -> Any:
-        if self._over_hard_bound() and self._pending is not None:
-            self._pending.join()  # the hard bound: wait for the replacement
-        self._take_over()
+        self._take_over()  # never waits: the old child answers until the replacement is ready
         try:
             status, result, rss = self._exchange(op, arg)
         except (EOFError, OSError) as exc:
@@ -338,9 +364,6 @@ class ChildEncoder:
                 target=self._prepare, name="tokenizer-recycle", daemon=True
             )
             self._pending.start()
-
-    def _over_hard_bound(self) -> bool:
-        return self._child.rss_mb > HARD_FACTOR * self.bound_mb and self._pending is not None
 
     def _prepare(self) -> None:
         try:

@@ -24,6 +24,7 @@ SUITES: tuple[str, ...] = (
     "gateway.tools.bench.fidelity",  # shapegate bench fidelity
     "gateway.tools.bench.borrow",  # shapegate bench borrow
     "gateway.tools.bench.workers",  # shapegate bench workers
+    "gateway.tools.bench.monsters",  # shapegate bench monsters
     # one module path a line
 )
 

@@ -12,8 +12,8 @@ one run, with the Qwen3.6 vocabulary:
    reaches the tokenizer). Resident memory is this process plus its children (the tokenizer
    child), read after every prompt; per tenth of the text the peak is kept. Bounded means the
    peak over the second half of the text is no higher than over the first half (+``FLAT_MB``).
-   The peak itself is the old child at up to ``HARD_FACTOR`` x the bound plus its replacement
-   while that loads (worker.py); it is reported, not a target.
+   The peak itself is the old child past the bound by what it grows while its replacement
+   loads, plus that replacement (worker.py); it is reported, not a target.
    The in-process baseline (``max_encoder_rss_mb: null``) floods a quarter as much text: it grows
    without bound, by 3-6 MB per MB of text.
 2. ``latency``: p50 of an exact count (``Encoder.count_many``) of fresh text of ~3k, ~32k and

@@ -1,9 +1,9 @@
 """``shapegate bench all``: every suite, one after another, into one folder; then the README.
 
-Runs ``overhead``, ``count``, ``lanes``, ``borrow``, ``memory`` and ``encoder`` (each with its own
-defaults, or its ``--smoke`` version), as ``shapegate bench SUITE --out OUT`` would, and stops at
-the first that fails. With ``--readme FILE`` it then regenerates that file's performance section
-from the JSON just written (``shapegate bench readme``).
+Runs ``overhead``, ``count``, ``lanes``, ``borrow``, ``memory``, ``encoder`` and ``monsters``
+(each with its own defaults, or its ``--smoke`` version), as ``shapegate bench SUITE --out OUT``
+would, and stops at the first that fails. With ``--readme FILE`` it then regenerates that file's
+performance section from the JSON just written (``shapegate bench readme``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import time
 
-ORDER = ("overhead", "count", "lanes", "borrow", "memory", "encoder")
+ORDER = ("overhead", "count", "lanes", "borrow", "memory", "encoder", "monsters")
 
 
 def register(suites: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

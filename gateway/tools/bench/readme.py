@@ -1,6 +1,6 @@
 """``shapegate bench readme [README]``: the README's performance section, from the JSON results.
 
-Reads ``OUT/{overhead,count,lanes,borrow,memory,encoder}.json`` (``--out``, default
+Reads ``OUT/{overhead,count,lanes,borrow,memory,encoder,monsters}.json`` (``--out``, default
 ``bench-results``; a missing suite is said to be missing, not invented) and replaces
 everything between the lines ``<!-- bench:start -->`` and ``<!-- bench:end -->`` of the
 README (default ``README.md``) with tables built from them: the machine each ran on (CPU,
@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
-SUITES = ("overhead", "count", "lanes", "borrow", "memory", "encoder")
+SUITES = ("overhead", "count", "lanes", "borrow", "memory", "encoder", "monsters")
 
 
 def register(suites: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -97,12 +97,19 @@ def render(results: dict[str, dict[str, Any]], plots: Path) -> str:
         ("borrow", _borrow),
         ("memory", _memory),
         ("encoder", _encoder),
+        ("monsters", _monsters),
     ):
         if suite in results:
             lines += renderer(results[suite], plots)
         else:
             lines += [f"### {suite}", "", f"No `{suite}.json` in the results folder.", ""]
     return "\n".join(lines).rstrip()
+
+
+def _monsters(r: dict[str, Any], plots: Path) -> list[str]:
+    from gateway.tools.bench.monsters import readme_lines
+
+    return readme_lines(r, _machine(r), _smoke(r), _targets(r), plots)
 
 
 def _overhead(r: dict[str, Any], plots: Path) -> list[str]:
