@@ -37,6 +37,7 @@ from tests.support.waiting import wait_for  # noqa: F401  (re-exported for the t
 
 HERE = Path(__file__).resolve().parent
 PYTHON_ENV = "SHAPEGATE_VLLM_PYTHON"
+ATTACH_ENV = "SHAPEGATE_REAL_ATTACH"
 # The lanes' first-byte deadline: the non-streamed answer that outlasts it (test_deadlines.py)
 # is sized from it.
 FIRST_BYTE_S = 10.0
@@ -82,8 +83,7 @@ def vllm_python() -> str:
     return python
 
 
-@pytest.fixture(scope="session")
-def model_dir(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def build_model(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny-qwen2")
     done = subprocess.run(
         [vllm_python, str(HERE / "build_model.py"), str(out)],
@@ -98,10 +98,16 @@ def model_dir(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 
 @pytest.fixture(scope="session")
-def real(
-    vllm_python: str, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Real]:
-    """Both vLLM servers and the gateway, booted once for the tier; stopped by process group."""
+def real(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Real]:
+    """Both vLLM servers and the gateway, booted once for the tier; stopped by process group.
+
+    With ``SHAPEGATE_REAL_ATTACH=POLICY`` (a policy written by an earlier run, its engines and
+    gateway still running, started by hand while writing tests) nothing is started or stopped."""
+    attach = os.environ.get(ATTACH_ENV)
+    if attach:
+        yield attached(vllm_python, Path(attach))
+        return
+    model_dir = build_model(vllm_python, tmp_path_factory)
     root = tmp_path_factory.mktemp("real-stack")
     ports = [free_port() for _ in range(3)]
     config = policy(model_dir, ports[0], ports[1], ports[2], FIRST_BYTE_S)
@@ -141,3 +147,17 @@ def wait_healthy_gateway(gateway: Gateway, deadline_s: float = 180.0) -> None:
                 f"gateway /readyz not 200 within {deadline_s:g}s:\n{gateway.tail()}"
             )
         time.sleep(0.2)
+
+
+def attached(vllm_python: str, path: Path) -> Real:
+    """The stack ``path`` describes, already running (SHAPEGATE_REAL_ATTACH)."""
+    config = yaml.safe_load(path.read_text())
+    engines = []
+    for cluster in config["clusters"]:
+        profile = cluster["engine"]
+        argv = engine_argv(vllm_python, rendered_command(path, cluster["name"]))
+        engines.append(Engine(cluster["name"], int(profile["port"]), argv, path.parent / "x.log"))
+    server = config["server"]
+    gateway = Gateway(f"http://127.0.0.1:{server['port']}", path, path.parent / "gateway.log")
+    model_dir = Path(config["clusters"][0]["engine"]["model"])
+    return Real(gateway, engines[0], engines[1], config, model_dir, 0.0)

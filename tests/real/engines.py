@@ -58,8 +58,15 @@ def engine_profile(model_dir: Path, port: int) -> dict[str, Any]:
         "port": port,
         "max_model_len": MAX_MODEL_LEN,
         "max_num_seqs": MAX_NUM_SEQS,
-        # The CPU build runs bfloat16 weights eagerly (no CUDA graphs to capture).
-        "extra_args": {"dtype": "bfloat16", "enforce-eager": True},
+        "extra_args": {
+            # The CPU build runs bfloat16 weights eagerly (no CUDA graphs to capture).
+            "dtype": "bfloat16",
+            "enforce-eager": True,
+            # Requests with tools (tool_choice auto) as Qwen3.6 is served: its template writes
+            # XML tool calls, which the qwen3_coder parser reads.
+            "enable-auto-tool-choice": True,
+            "tool-call-parser": "qwen3_coder",
+        },
     }
 
 
@@ -128,6 +135,16 @@ def policy(
     }
 
 
+# The tier's own variables: every other SHAPEGATE_* variable is a policy override to the gateway
+# (gateway/settings.py ENV_PREFIX), which refuses these as unknown keys.
+TIER_VARIABLES = ("SHAPEGATE_VLLM_PYTHON", "SHAPEGATE_VLLM_VENV", "SHAPEGATE_REAL_ATTACH")
+
+
+def gateway_env() -> dict[str, str]:
+    """The environment of a ``shapegate`` subprocess: the checkout's, less the tier's variables."""
+    return {k: v for k, v in checkout_env().items() if k not in TIER_VARIABLES}
+
+
 def rendered_command(policy_path: Path, cluster: str) -> dict[str, Any]:
     """``shapegate launch-command --format json`` for one cluster (fails the test on exit != 0)."""
     done = subprocess.run(
@@ -137,7 +154,7 @@ def rendered_command(policy_path: Path, cluster: str) -> dict[str, Any]:
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env=checkout_env(),
+        env=gateway_env(),
         timeout=120,
         check=False,
     )
@@ -255,7 +272,7 @@ class Gateway:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 cwd=ROOT,
-                env=checkout_env(),
+                env=gateway_env(),
             )
 
     def ready(self) -> bool:
