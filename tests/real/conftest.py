@@ -58,7 +58,8 @@ def _vllm_python() -> tuple[str | None, str]:
     if not python:
         return None, (
             f"{PYTHON_ENV} is not set: the real-engine tier needs a python that imports vLLM "
-            f"(run: {PYTHON_ENV}=$(scripts/real-engine | tail -n 1) pytest -q -n 0 tests/real)"
+            f"(run: {PYTHON_ENV}=$(scripts/real-engine | tail -n 1) "
+            "pytest -q -n 0 -p no:randomly tests/real)"
         )
     try:
         done = subprocess.run(

@@ -92,13 +92,18 @@ async def test_kill_9_of_a_vllm_under_load(real: Real) -> None:
             return state["in_flight"] == 0 and all(x["slots_in_use"] == 0 for x in state["lanes"])
 
         await wait_for(idle, 10, interval=0.1, what="every slot released")
-        after = await client.post(real.gateway.url + "/v1/chat/completions", json=chat(False))
+        after = await client.post(
+            real.gateway.url + "/v1/chat/completions", json={**chat(False), "max_tokens": 4}
+        )
     print(
         f"\nkill -9 under load: {len(results)} clients answered within {answered_s:.1f}s "
         f"(statuses {sorted(s for s, _ in results)}), engine down after {down_s:.1f}s"
     )
     bad = [(s, why) for s, text in results if (why := in_api_shape(s, text))]
     assert not bad, bad
+    # The non-streamed requests had sent nothing yet: they moved to the emergency cluster.
+    moved = [e for e in real.gateway.events("route.retry") if e.get("from") == victim.url]
+    assert moved, "no request failed over from the killed engine"
     assert after.status_code == 200, after.text
     assert after.headers["x-shapegate-cluster"] == "heavy"
     # The whole group is gone: no engine core left holding memory and cores.
