@@ -53,7 +53,13 @@ def sized_request(client: httpx.Client, real: Real) -> tuple[int, float]:
 def test_a_long_non_streamed_answer_outlasts_the_first_byte_deadline(real: Real) -> None:
     with httpx.Client(timeout=TOTAL_S + 30) as client:
         tokens, direct_s = sized_request(client, real)
-        answer, through_s = timed(client, real.gateway.url, body(tokens))
+        # The decode speed moves with whatever else the two cores run: a through-request that
+        # finished inside the first-byte deadline shows nothing, so it is sized up and resent.
+        for _ in range(3):
+            answer, through_s = timed(client, real.gateway.url, body(tokens))
+            if answer.status_code != 200 or through_s > FIRST_BYTE_S + 1:
+                break
+            tokens = min(6000, math.ceil(tokens * TARGET_S / through_s))
         streamed, streamed_s = timed(
             client,
             real.gateway.url,
@@ -65,9 +71,11 @@ def test_a_long_non_streamed_answer_outlasts_the_first_byte_deadline(real: Real)
         f"({streamed.status_code}); first_byte_s {FIRST_BYTE_S:g}, total_s {TOTAL_S:g}"
     )
     assert answer.status_code == 200, (
-        f"a non-streamed answer of {direct_s:.1f}s (first_byte_s {FIRST_BYTE_S:g}, total_s "
-        f"{TOTAL_S:g}) got {answer.status_code} after {through_s:.1f}s: {answer.text[:300]}"
+        f"a non-streamed answer of about {direct_s:.1f}s (first_byte_s {FIRST_BYTE_S:g}, "
+        f"total_s {TOTAL_S:g}) got {answer.status_code} after {through_s:.1f}s: "
+        f"{answer.text[:300]}"
     )
+    assert through_s > FIRST_BYTE_S + 1, f"inconclusive: answered in {through_s:.1f}s"
     assert answer.json()["usage"]["completion_tokens"] == tokens
     assert streamed.status_code == 200, streamed.text[:300]
     assert '"finish_reason":"length"' in streamed.text.replace(" ", "")
