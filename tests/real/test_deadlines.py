@@ -37,17 +37,18 @@ def timed(client: httpx.Client, url: str, payload: dict[str, Any]) -> tuple[http
 
 
 def sized_request(client: httpx.Client, real: Real) -> tuple[int, float]:
-    """Output tokens that take about TARGET_S directly, and how long they took."""
-    answer, took = timed(client, real.fast.url, body(48))
-    assert answer.status_code == 200, answer.text
+    """Output tokens that take about TARGET_S directly, and how long they took: a first guess
+    (the decode speed moves with the machine's load; the test resizes what it sends)."""
     tokens = 48
-    for _ in range(3):
+    answer, took = timed(client, real.fast.url, body(tokens))
+    assert answer.status_code == 200, answer.text
+    for _ in range(4):
         tokens = min(6000, math.ceil(tokens * TARGET_S / took))
         answer, took = timed(client, real.fast.url, body(tokens))
         assert answer.status_code == 200, answer.text
         if FIRST_BYTE_S + 2 < took < TOTAL_S - 20:
-            return tokens, took
-    raise AssertionError(f"{tokens} tokens took {took:.1f}s directly: not between the deadlines")
+            break
+    return tokens, took
 
 
 def test_a_long_non_streamed_answer_outlasts_the_first_byte_deadline(real: Real) -> None:
@@ -55,11 +56,13 @@ def test_a_long_non_streamed_answer_outlasts_the_first_byte_deadline(real: Real)
         tokens, direct_s = sized_request(client, real)
         # The decode speed moves with whatever else the two cores run: a through-request that
         # finished inside the first-byte deadline shows nothing, so it is sized up and resent.
-        for _ in range(3):
+        through_s = direct_s
+        for attempt in range(4):
+            if attempt:
+                tokens = min(6000, math.ceil(tokens * TARGET_S / through_s))
             answer, through_s = timed(client, real.gateway.url, body(tokens))
             if answer.status_code != 200 or through_s > FIRST_BYTE_S + 1:
                 break
-            tokens = min(6000, math.ceil(tokens * TARGET_S / through_s))
         streamed, streamed_s = timed(
             client,
             real.gateway.url,
