@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,7 +34,6 @@ from tests.real.engines import (
     wait_healthy,
 )
 from tests.support.servers import free_port
-from tests.support.waiting import wait_for  # noqa: F401  (re-exported for the tier's tests)
 
 HERE = Path(__file__).resolve().parent
 PYTHON_ENV = "SHAPEGATE_VLLM_PYTHON"
@@ -139,8 +139,6 @@ def real(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 def wait_healthy_gateway(gateway: Gateway, deadline_s: float = 180.0) -> None:
-    import time
-
     started = time.monotonic()
     while not gateway.ready():
         if time.monotonic() - started > deadline_s:
