@@ -147,12 +147,13 @@ def refusal(views: Sequence[EngineView], tokens: int) -> EngineView | None:
     return max(routable, key=lambda v: v.context_tokens or 0)
 
 
-def too_long_message(view: EngineView, lane: str, prompt: int, output: int) -> str:
-    """The 400's message when no endpoint of the lane holds the request, in vLLM's own words
-    (FACTS: "This model's maximum context length is N tokens. However, you requested ...")."""
+def too_long_message(view: EngineView, lane: str, prompt: int) -> str:
+    """The 400's message when no endpoint of the lane holds the prompt, in vLLM 0.32's words
+    (measured: "... However, your prompt contains at least N input tokens, which exceeds this
+    limit even without any output tokens ..."), naming the engine whose limit it is."""
     return (
         f"This model's maximum context length is {view.context_tokens} tokens on the engines "
-        f"of lane '{lane}' ({view.url} reports it). However, you requested {prompt + output} "
-        f"tokens ({prompt} in the messages, {output} in the completion). Please reduce the "
-        "length of the messages or completion."
+        f"of lane '{lane}' ({view.url} reports it). However, your prompt contains {prompt} "
+        "input tokens, which leaves no room for any output token. Please reduce the length "
+        "of the input prompt."
     )

@@ -211,8 +211,8 @@ async def _pool(parts: SimParts, request: Request, endpoint: Endpoint) -> Respon
         return routed
     profile, engine = parts.profile, parts.engine
     prompt_tokens = await asyncio.to_thread(parts.counter.count, routed)
-    if prompt_tokens >= profile.max_model_len:
-        message = wire.context_too_long_message(profile.max_model_len, 0, prompt_tokens)
+    if prompt_tokens > profile.max_model_len:  # pooling keeps the whole context for input
+        message = wire.context_too_long_message(profile.max_model_len, prompt_tokens)
         return _error(400, message, "BadRequestError", "input_tokens")
     request_id = request.headers.get("x-request-id") or wire.random_id()
     stream = engine.submit(

