@@ -42,6 +42,7 @@ from pydantic import (
     SecretStr,
     ValidationError,
     ValidationInfo,
+    field_validator,
     model_validator,
 )
 
@@ -380,9 +381,40 @@ class ClassSettings(_Frozen):
         return self
 
 
+class SentinelSettings(_Frozen):
+    """Redis run with Sentinel: the primary is looked up through ``hosts`` under
+    ``master_name`` on every new connection, so a failover is followed without a restart
+    (gateway/slots/redis_store.py). Passwords come from environment variables, never the file."""
+
+    # The sentinels, "host:port" each (26379 is Sentinel's default port).
+    hosts: tuple[str, ...] = Field(min_length=1)
+    master_name: str = Field(min_length=1)
+    # Environment variables holding the Redis servers' password (requirepass/masterauth) and the
+    # sentinels' own (their requirepass); unset: no AUTH.
+    password_env: str | None = None
+    sentinel_password_env: str | None = None
+    # An ACL user for the Redis servers, when they use ACLs rather than requirepass.
+    username: str | None = None
+    db: int = Field(0, ge=0)
+
+    @field_validator("hosts")
+    @classmethod
+    def _host_ports(cls, hosts: tuple[str, ...]) -> tuple[str, ...]:
+        for host in hosts:
+            name, _, port = host.rpartition(":")
+            if not name or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"sentinel host {host!r} is not host:port")
+        return hosts
+
+    def addresses(self) -> list[tuple[str, int]]:
+        return [(h.rpartition(":")[0], int(h.rpartition(":")[2])) for h in self.hosts]
+
+
 class StateSettings(_Frozen):
     backend: Literal["memory", "redis"] = "memory"
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # Find the Redis primary through Sentinel instead of redis_url (which is then unused).
+    sentinel: SentinelSettings | None = None
     key_prefix: str = "shapegate"
     lease_ttl_s: float = Field(30.0, gt=0)
     # A lease is never renewed past this age: the backstop for a runaway request.

@@ -15,13 +15,16 @@ key always outlives the leases in it.
 
 Data loss (a restart without persistence, a failover to an empty replica) is told apart from
 reaping by an epoch: a key that never expires, created by the first acquire with a random value
-that every acquire returns and every lease remembers. A renewal that finds its lease gone *and*
-the epoch changed or missing knows Redis lost its data, not that the lease expired: the owner
-is alive and its request in flight on an engine, so the lease is re-established (``RENEW``
-answers 2). Whoever notices the loss first (a renewal, or an acquire from a replica that knew the
-old epoch) sets a recovery marker for half a TTL, during which acquires take nothing: every
-live holder renews within a third of a TTL, so their leases are back before anyone new is
-admitted, and the count never exceeds the limit.
+that every acquire returns and every lease remembers. The epoch names the server that wrote it
+(its ``run_id``), so a failover to a replica that carries the old epoch, or a restart that
+reloaded it from disk, also counts as data loss: replication is asynchronous, the last grants
+and renewals may be missing, and leases may have lapsed while no primary answered. A renewal
+that finds its lease gone *and* the epoch changed or missing knows Redis lost its data, not that
+the lease expired: the owner is alive and its request in flight on an engine, so the lease is
+re-established (``RENEW`` answers 2). Whoever notices the loss first (a renewal, or an acquire
+from a replica that knew the old epoch) sets a recovery marker for half a TTL, during which
+acquires take nothing: every live holder renews within a third of a TTL, so their leases are
+back before anyone new is admitted, and the count never exceeds the limit.
 """
 
 from __future__ import annotations
@@ -169,13 +172,27 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function extend(key, keep)
   if redis.call('PTTL', key) < keep then redis.call('PEXPIRE', key, keep) end
 end
--- The store's epoch (see the module docstring); ``known`` is the caller's, '' if none yet.
+-- The store's epoch (see the module docstring); ``known`` is the caller's, '' if none yet. The
+-- epoch is "<random>@<run_id of the server that made it>": a server that finds another's run_id
+-- in it took over data it did not write itself (a promoted replica, a restart from disk), and
+-- the last writes before the switch may be missing, so it starts a new epoch as after data loss.
 local function epoch_of(ekey, rkey, known, proposal, grace)
+  local server = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
   local epoch = redis.call('GET', ekey)
+  if epoch and not string.find(epoch, '@', 1, true) then
+    -- Written before epochs named their server: adopt it, nothing was lost.
+    epoch = epoch .. '@' .. server
+    redis.call('SET', ekey, epoch)
+  end
+  if epoch and string.sub(epoch, -#server - 1) ~= '@' .. server then
+    epoch = nil
+    known = 'switched'
+  end
   if not epoch then
-    redis.call('SET', ekey, proposal)
+    epoch = proposal .. '@' .. server
+    redis.call('SET', ekey, epoch)
     if known ~= '' then redis.call('SET', rkey, '1', 'PX', grace) end
-    return proposal
+    return epoch
   end
   if known ~= '' and epoch ~= known then redis.call('SET', rkey, '1', 'PX', grace, 'NX') end
   return epoch

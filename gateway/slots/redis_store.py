@@ -41,18 +41,17 @@ from typing import Any
 
 import anyio
 from redis.asyncio import Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.driver_info import DriverInfo
 
 from gateway.errors import StateUnavailable
 from gateway.observe.log import Logger, get_logger, swallowed
 from gateway.observe.metrics import Metrics
 from gateway.settings import StateSettings
 from gateway.slots import lua as slots_lua
+from gateway.slots.connect import redis_client
 from gateway.slots.store import Limit, MemorySlotStore
 
 RETRY_AFTER_S = 2.0
+__all__ = ["RedisSlotStore", "redis_client"]
 
 
 class RedisSlotStore:
@@ -134,7 +133,8 @@ class RedisSlotStore:
             if not self._fail_open:
                 raise _unavailable()
             return await self._try_local(token, lane, candidates)
-        index, self._epoch = int(reply[0]), reply[1].decode()
+        index = int(reply[0])
+        self._saw_epoch(reply[1].decode(), "acquire")
         if index < 0:
             return None
         self._queued.discard(token)  # the script took the token off the waiting list
@@ -267,6 +267,7 @@ class RedisSlotStore:
         if reply is slots_lua.DOWN:
             return None
         status, epoch = int(reply[0]), reply[1].decode()
+        self._saw_epoch(epoch, "renew")
         if status == 2:
             self._log.warning(
                 "slot.lease_restored", token=token, keys=list(keys), reason="redis_lost_data"
@@ -276,6 +277,13 @@ class RedisSlotStore:
         if token in self._lease_epoch:
             self._lease_epoch[token] = epoch
         return status > 0
+
+    def _saw_epoch(self, epoch: str, op: str) -> None:
+        # Another epoch than the last one seen: Redis lost its data, or another server (a
+        # promoted replica) now holds it; the scripts already paused admissions for the grace.
+        if self._epoch and epoch != self._epoch:
+            self._log.warning("state.epoch_changed", op=op, reason="data_loss_or_failover")
+        self._epoch = epoch
 
     async def join(self, token: str, lane_key: str, mode: str = "join") -> bool | None:
         """``join``: take (or keep) a place in the lane's waiting list; True when it joined at
@@ -339,20 +347,4 @@ class RedisSlotStore:
 def _unavailable() -> StateUnavailable:
     return StateUnavailable(
         "the shared slot store (Redis) is unreachable", retry_after_s=RETRY_AFTER_S
-    )
-
-
-def redis_client(state: StateSettings) -> Redis:
-    """A client whose every call fits ``state.redis_timeout_s`` (slots, response affinity)."""
-    return Redis.from_url(
-        state.redis_url,
-        socket_timeout=state.redis_timeout_s,
-        socket_connect_timeout=state.redis_timeout_s,
-        # One immediate retry on a fresh connection heals a pool left stale by a Redis
-        # restart; redis-py's default (10 retries, exponential backoff) would outlast 2 s.
-        retry=Retry(NoBackoff(), 1),
-        # A new connection's first call must fit the timeout too: RESP2 and no driver info
-        # skip the HELLO, CLIENT MAINT_NOTIFICATIONS and SETINFO round trips redis-py 8 makes.
-        protocol=2,
-        driver_info=DriverInfo(name=None, lib_version=None),
     )
