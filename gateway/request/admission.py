@@ -297,7 +297,8 @@ class Admission:
         try:
             with anyio.fail_after(lane.queue.max_wait_s):
                 # A shared store keeps the place in a queue shared by every replica.
-                async with self.store.waiting(token, lane_key(lane.name)):
+                starved_at = waiter.since + want.classes.starvation_s
+                async with self.store.waiting(token, lane_key(lane.name), want.rank, starved_at):
                     while True:
                         if self._head(lane.name) is waiter:
                             grant = await self._try(

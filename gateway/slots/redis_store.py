@@ -14,7 +14,8 @@ gateway/slots/lua.py. Contract, beyond the protocol's:
   lease (``slot.lease_restored``), and acquires take nothing for half a TTL meanwhile, so the
   leases in flight are back before anyone new is admitted. Renewal errors never end the request.
 - ``waiting`` keeps a queued request's place in the lane's waiting list in Redis, shared by all
-  replicas, so waiters are served in arrival order across replicas; leaving the block (slot
+  replicas, so waiters are served by class, then arrival, across replicas (one past its
+  ``starved_at`` goes before every class, from its next refresh); leaving the block (slot
   taken, timeout, client gone) leaves the list at once, and a dead replica's waiters lapse
   after one TTL.
 - Every Redis call is bounded by ``redis_timeout_s``. When Redis cannot be reached the store is
@@ -33,6 +34,7 @@ ExceptionGroup.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -76,6 +78,8 @@ class RedisSlotStore:
         self._local = MemorySlotStore()
         self._local_tokens: set[str] = set()
         self._queued: set[str] = set()
+        # A queued token's class rank and when it starves (its place in the shared list).
+        self._rank: dict[str, tuple[int, float]] = {}
         self._unsent: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         # The store's epoch as last seen, and the epoch each lease of ours was granted in.
@@ -123,7 +127,7 @@ class RedisSlotStore:
         guards = list(dict.fromkeys(g for c in candidates for g in c.guards))
         position = {g: len(keys) + 1 + i for i, g in enumerate(guards)}  # 1-based, as in Lua
         keys += self._keys(guards)
-        waiter = int(token in self._queued)
+        waiter = f"1|{self._band(token)}" if token in self._queued else "0|0"
         args: list[str | int] = [token, self._ttl_ms, lane.limit, self._member(token), waiter]
         args += self._epoch_args(self._epoch)
         args += [c.limit for c in candidates]
@@ -210,7 +214,10 @@ class RedisSlotStore:
             task.cancel()
 
     @asynccontextmanager
-    async def waiting(self, token: str, lane_key: str) -> AsyncIterator[None]:
+    async def waiting(
+        self, token: str, lane_key: str, rank: int = 0, starved_at: float = math.inf
+    ) -> AsyncIterator[None]:
+        self._rank[token] = (rank, starved_at)
         try:
             joined = await self.join(token, lane_key)
         except BaseException:
@@ -234,6 +241,7 @@ class RedisSlotStore:
             if token in self._queued:
                 with anyio.CancelScope(shield=True):
                     await self.leave(token, lane_key)
+            self._rank.pop(token, None)
 
     async def in_use(self, keys: Sequence[str]) -> dict[str, int]:
         """Live leases in Redis plus this replica's local grants; only the local ones while
@@ -290,7 +298,7 @@ class RedisSlotStore:
         the back, False when it kept its place. ``refresh``: keep a live place alive; True when
         it still has one. None: Redis did not answer."""
         keys = self._queue_keys(lane_key)
-        args: list[str | int] = [self._member(token), self._ttl_ms, mode]
+        args: list[str | int] = [self._member(token), self._ttl_ms, mode, self._band(token)]
         joined = await self._redis.call(mode, slots_lua.ENQUEUE, keys, args, gated=True)
         return None if joined is slots_lua.DOWN else bool(joined)
 
@@ -324,8 +332,18 @@ class RedisSlotStore:
         self, token: str, lane_key: str, owner: asyncio.Task[Any] | None
     ) -> None:
         while owner is None or not owner.done():
-            await asyncio.sleep(self._ttl_s / 3)
+            # Refresh at TTL/3, and at the moment the waiter starves (it then moves ahead of
+            # every class).
+            pause = self._ttl_s / 3
+            starved_at = self._rank.get(token, (0, math.inf))[1]
+            if time.monotonic() < starved_at:
+                pause = min(pause, starved_at - time.monotonic() + 0.001)
+            await asyncio.sleep(pause)
             await self.join(token, lane_key, mode="refresh")
+
+    def _band(self, token: str) -> int:
+        rank, starved_at = self._rank.get(token, (0, math.inf))
+        return slots_lua.band(rank, time.monotonic() >= starved_at)
 
     def _spawn(self, work: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
         # A factory, not a coroutine: a task cancelled before it ever ran (a grant moved at
