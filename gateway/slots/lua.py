@@ -5,9 +5,9 @@ Each script is atomic and reads the clock from Redis.
 A limit is a sorted set: member = request token, score = lease deadline in milliseconds of
 Redis server time (``TIME``), so replicas with skewed clocks agree on who has expired. A lease
 is live while its score is above now. A lane's waiting list is two sorted sets: the place
-(score = a ticket from ``INCR``, i.e. arrival order across replicas; member
-``replica|token``) and the waiter's own liveness deadline, so a waiter whose replica died stops
-holding up the queue after one TTL.
+(score = the class band plus a ticket from ``INCR``, i.e. class, then arrival, across
+replicas; member ``replica|token``) and the waiter's own liveness deadline, so a waiter whose
+replica died stops holding up the queue after one TTL.
 
 Every key a script touches is passed in KEYS and shares one ``{hash tag}``, so the scripts run
 on Redis Cluster. Keys expire (3 x TTL, only ever extended) so abandoned limits disappear, but a

@@ -14,9 +14,17 @@ from pathlib import Path
 
 
 def free_udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port free for UDP and for TCP (dnsmasq listens on both)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+            udp.bind(("127.0.0.1", 0))
+            port = int(udp.getsockname()[1])
+            with socket.socket() as tcp:
+                try:
+                    tcp.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+        return port
 
 
 class Dnsmasq:
@@ -38,6 +46,17 @@ class Dnsmasq:
         self.proc.send_signal(signal.SIGHUP)
 
     def start(self) -> Dnsmasq:
+        # A port free a moment ago may be taken by the time dnsmasq binds it: try another.
+        for _ in range(3):
+            try:
+                return self._start()
+            except RuntimeError:
+                self.stop()
+                self.port = free_udp_port()
+                self.nameserver = f"127.0.0.1:{self.port}"
+        return self._start()
+
+    def _start(self) -> Dnsmasq:
         binary = shutil.which("dnsmasq") or "/usr/sbin/dnsmasq"
         if not Path(binary).exists():
             raise RuntimeError("dnsmasq is not installed (apt-get install dnsmasq)")
