@@ -123,3 +123,6 @@ class Cluster:
     endpoints: tuple[str, ...]
     models: tuple[str, ...] = field(default=())
     slow_start_s: float = 0.0
+    # Endpoints that join later (found by discovery) start DOWN: no traffic before a probe
+    # passed, then the slow start.
+    probe_first: bool = False

@@ -5,8 +5,8 @@ Contract:
   monitor, monitor.py, writes what its probers and scrapers find through ``set_state`` and
   ``set_load``; a change of state returns a ``StateChange``, None when nothing changed).
 - ``reconcile(clusters)`` adopts a reloaded cluster list: endpoints that stay keep their state
-  and in-flight counts, new ones start UP, removed ones leave routing at once and are forgotten
-  when their last in-flight request ends.
+  and in-flight counts, new ones start UP (DOWN until probed in a ``probe_first`` cluster),
+  removed ones leave routing at once and are forgotten when their last in-flight request ends.
 - ``healthy_clusters()`` and ``views(cluster)`` are snapshots for the pure decisions in
   gateway/request/lanes.py and picker.py.
 - ``track(cluster, url, scope)`` counts a request in flight on an endpoint for as long as the
@@ -87,7 +87,12 @@ class EnginePool:
             if key not in self._engines:
                 engine = self._engines[key] = Engine(cluster=key[0], url=key[1], kind=cluster.kind)
                 self._scopes[key] = set()
-                self._warm(engine, cluster.slow_start_s)
+                if cluster.probe_first:
+                    # Its first passing probe brings it UP and starts the slow start (set_state).
+                    engine.state, engine.evidence = EngineState.DOWN, "joined, not probed yet"
+                    engine.changed_at = time.time()
+                else:
+                    self._warm(engine, cluster.slow_start_s)
                 joined.append(engine)
         for key in [k for k in self._engines if k not in wanted]:
             self._retired[key] = self._engines.pop(key)

@@ -223,6 +223,13 @@ def _environment(settings: Settings, environ: Mapping[str, str]) -> Iterable[Pro
                 ("clusters", index, "api_key_env"),
                 f"environment variable {cluster.api_key_env} is not set (or empty)",
             )
+    sentinel = settings.state.sentinel
+    for key in ("password_env", "sentinel_password_env"):
+        name = getattr(sentinel, key) if sentinel is not None else None
+        if name and not environ.get(name):
+            yield Problem(
+                ("state", "sentinel", key), f"environment variable {name} is not set (or empty)"
+            )
     missing = missing_extra(settings.tracing) if settings.tracing.enabled else None
     if missing is not None:
         yield Problem(("tracing", "enabled"), missing)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -42,6 +42,7 @@ from pydantic import (
     SecretStr,
     ValidationError,
     ValidationInfo,
+    field_validator,
     model_validator,
 )
 
@@ -185,10 +186,29 @@ class OutlierSettings(_Frozen):
     slow_start_s: float = Field(0.0, ge=0, le=3600)
 
 
+class DiscoverySettings(_Frozen):
+    """Endpoints found by DNS (gateway/edge/discovery.py): ``name`` is resolved every
+    ``interval_s`` (a Kubernetes headless Service answers one A record per ready pod); each
+    address becomes ``scheme://address:port``. An address that appears starts DOWN, is probed and
+    slow-starts (``outlier.slow_start_s``) before traffic; one that vanishes leaves routing and
+    its in-flight requests finish. Each change is logged (``discovery.changed``)."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    port: int = Field(gt=0, lt=65536)
+    scheme: Literal["http", "https"] = "http"
+    interval_s: float = Field(10.0, gt=0, le=3600)
+    # The DNS server asked, "host:port" (an IP address); unset: the first nameserver in
+    # /etc/resolv.conf, port 53.
+    nameserver: str | None = Field(None, pattern=r"^[0-9.]+:[0-9]+$")
+    timeout_s: float = Field(2.0, gt=0, le=30)
+
+
 class ClusterSettings(_Frozen):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     kind: EngineKind = "vllm"
-    endpoints: tuple[str, ...] = Field(min_length=1)
+    # Static endpoints; may be empty when ``discovery`` finds them.
+    endpoints: tuple[str, ...] = ()
+    discovery: DiscoverySettings | None = None
     # Models this cluster serves; empty means every configured model.
     models: tuple[str, ...] = ()
     # Name of an environment variable holding the engine's API key, sent as a bearer token.
@@ -206,6 +226,8 @@ class ClusterSettings(_Frozen):
 
     @model_validator(mode="after")
     def _endpoints_are_urls(self) -> ClusterSettings:
+        if not self.endpoints and self.discovery is None:
+            raise ValueError(f"cluster {self.name!r}: no endpoints and no discovery")
         for url in self.endpoints:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"cluster {self.name!r}: endpoint {url!r} is not an http(s) URL")
@@ -387,9 +409,40 @@ class ClassSettings(_Frozen):
         return self
 
 
+class SentinelSettings(_Frozen):
+    """Redis run with Sentinel: the primary is looked up through ``hosts`` under
+    ``master_name`` on every new connection, so a failover is followed without a restart
+    (gateway/slots/redis_store.py). Passwords come from environment variables, never the file."""
+
+    # The sentinels, "host:port" each (26379 is Sentinel's default port).
+    hosts: tuple[str, ...] = Field(min_length=1)
+    master_name: str = Field(min_length=1)
+    # Environment variables holding the Redis servers' password (requirepass/masterauth) and the
+    # sentinels' own (their requirepass); unset: no AUTH.
+    password_env: str | None = None
+    sentinel_password_env: str | None = None
+    # An ACL user for the Redis servers, when they use ACLs rather than requirepass.
+    username: str | None = None
+    db: int = Field(0, ge=0)
+
+    @field_validator("hosts")
+    @classmethod
+    def _host_ports(cls, hosts: tuple[str, ...]) -> tuple[str, ...]:
+        for host in hosts:
+            name, _, port = host.rpartition(":")
+            if not name or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"sentinel host {host!r} is not host:port")
+        return hosts
+
+    def addresses(self) -> list[tuple[str, int]]:
+        return [(h.rpartition(":")[0], int(h.rpartition(":")[2])) for h in self.hosts]
+
+
 class StateSettings(_Frozen):
     backend: Literal["memory", "redis"] = "memory"
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # Find the Redis primary through Sentinel instead of redis_url (which is then unused).
+    sentinel: SentinelSettings | None = None
     key_prefix: str = "shapegate"
     lease_ttl_s: float = Field(30.0, gt=0)
     # A lease is never renewed past this age: the backstop for a runaway request.
@@ -556,6 +609,17 @@ class Problem:
 
     def __str__(self) -> str:
         return f"{'.'.join(str(p) for p in self.key)}: {self.message}"
+
+
+def with_discovered(settings: Settings, found: Mapping[str, Sequence[str]]) -> Settings:
+    """``settings`` with each cluster's discovered endpoints (gateway/edge/discovery.py) after
+    its static ones; pure."""
+    clusters = []
+    for cluster in settings.clusters:
+        extra = [url for url in found.get(cluster.name, ()) if url not in cluster.endpoints]
+        endpoints = (*cluster.endpoints, *extra)
+        clusters.append(cluster.model_copy(update={"endpoints": endpoints}) if extra else cluster)
+    return settings.model_copy(update={"clusters": tuple(clusters)})
 
 
 def policy_problems(settings: Settings) -> list[Problem]:

@@ -19,6 +19,7 @@ from fastapi import FastAPI
 
 from gateway.count.tokens import TokenCounter
 from gateway.edge.api import add_routes
+from gateway.edge.discovery import run_discovery
 from gateway.edge.exchange import Receive, Scope, Send
 from gateway.edge.reload import reload_on_signal, watch_config
 from gateway.edge.services import Gateway
@@ -48,6 +49,7 @@ def create_app(
         await rehearse(gateway.pipeline.policy, gateway.log, gateway.metrics)
         async with anyio.create_task_group() as background:
             background.start_soon(gateway.run_monitor)
+            background.start_soon(run_discovery, gateway)
             background.start_soon(watch_latency, gateway.pool, gateway.metrics, gateway.log)
             if settings.server.boot_probe:
                 background.start_soon(gateway.probe.run_until_ready)

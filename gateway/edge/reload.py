@@ -41,7 +41,7 @@ from gateway.lifetime import in_thread
 from gateway.observe.log import swallowed
 from gateway.observe.tracing import Tracing
 from gateway.request.pipeline import Policy
-from gateway.settings import ConfigError, Settings
+from gateway.settings import ConfigError, Settings, with_discovered
 from gateway.tools.extras import MissingExtra
 from gateway.upstream.engines import slow_start
 
@@ -100,6 +100,8 @@ def _restart_only(key: str) -> bool:
 
 
 async def apply_reload(gateway: Gateway, new: Settings) -> ReloadResult:
+    # Endpoints found by DNS stay, whatever the file lists (gateway/edge/discovery.py).
+    new = with_discovered(new, gateway.discovered)
     old_policy = gateway.pipeline.policy
     old = old_policy.settings
     changed = diff_settings(old, new)

@@ -53,6 +53,7 @@ def clusters_of(settings: Settings) -> Iterator[Cluster]:
             endpoints=c.endpoints,
             models=c.models,
             slow_start_s=c.outlier.slow_start_s,
+            probe_first=c.discovery is not None,
         )
 
 
@@ -123,6 +124,8 @@ class Gateway:
     # The other workers of the group, for the gateway-wide views (gateway/edge/peers.py).
     peers: Peers | None = None
     started_at: float = field(default_factory=time.time)
+    # Endpoints found by DNS per cluster (gateway/edge/discovery.py), added to the policy's.
+    discovered: dict[str, tuple[str, ...]] = field(default_factory=dict)
     _monitor_scope: anyio.CancelScope | None = None
 
     @classmethod

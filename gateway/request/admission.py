@@ -11,7 +11,8 @@ Contract:
   tries the store. It gives up with ``QueueTimeout`` (503) after ``queue.max_wait_s``.
 - The head is woken by any local release, and also polls at ``poll_interval_s`` when the store is
   shared with other replicas (their releases cannot wake us). A waiter also holds its place in
-  the store's ``waiting`` block (Redis: one arrival-ordered list for the lane across replicas).
+  the store's ``waiting`` block (Redis: one list for the lane across replicas, ordered by
+  class, then arrival, the starvation bound included).
 - A waiter cancelled in the queue (its client left) leaves the queue at once and never takes a
   slot. An acquire cancelled while the store call was in flight releases by token, which is
   idempotent, so a half-finished acquire cannot leak.
@@ -297,7 +298,8 @@ class Admission:
         try:
             with anyio.fail_after(lane.queue.max_wait_s):
                 # A shared store keeps the place in a queue shared by every replica.
-                async with self.store.waiting(token, lane_key(lane.name)):
+                starved_at = waiter.since + want.classes.starvation_s
+                async with self.store.waiting(token, lane_key(lane.name), want.rank, starved_at):
                     while True:
                         if self._head(lane.name) is waiter:
                             grant = await self._try(

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -413,7 +414,10 @@ class HostSlotStore:
         yield
 
     @asynccontextmanager
-    async def waiting(self, token: str, lane_key: str) -> AsyncIterator[None]:
+    async def waiting(
+        self, token: str, lane_key: str, rank: int = 0, starved_at: float = math.inf
+    ) -> AsyncIterator[None]:
+        # One arrival-ordered list per lane: classes order each worker's own queue only.
         await self._send("join", t=token, lane_key=lane_key)
         self._queued.add(token)
         try:

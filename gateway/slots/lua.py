@@ -5,9 +5,9 @@ Each script is atomic and reads the clock from Redis.
 A limit is a sorted set: member = request token, score = lease deadline in milliseconds of
 Redis server time (``TIME``), so replicas with skewed clocks agree on who has expired. A lease
 is live while its score is above now. A lane's waiting list is two sorted sets: the place
-(score = a ticket from ``INCR``, i.e. arrival order across replicas; member
-``replica|token``) and the waiter's own liveness deadline, so a waiter whose replica died stops
-holding up the queue after one TTL.
+(score = the class band plus a ticket from ``INCR``, i.e. class, then arrival, across
+replicas; member ``replica|token``) and the waiter's own liveness deadline, so a waiter whose
+replica died stops holding up the queue after one TTL.
 
 Every key a script touches is passed in KEYS and shares one ``{hash tag}``, so the scripts run
 on Redis Cluster. Keys expire (3 x TTL, only ever extended) so abandoned limits disappear, but a
@@ -15,13 +15,16 @@ key always outlives the leases in it.
 
 Data loss (a restart without persistence, a failover to an empty replica) is told apart from
 reaping by an epoch: a key that never expires, created by the first acquire with a random value
-that every acquire returns and every lease remembers. A renewal that finds its lease gone *and*
-the epoch changed or missing knows Redis lost its data, not that the lease expired: the owner
-is alive and its request in flight on an engine, so the lease is re-established (``RENEW``
-answers 2). Whoever notices the loss first (a renewal, or an acquire from a replica that knew the
-old epoch) sets a recovery marker for half a TTL, during which acquires take nothing: every
-live holder renews within a third of a TTL, so their leases are back before anyone new is
-admitted, and the count never exceeds the limit.
+that every acquire returns and every lease remembers. The epoch names the server that wrote it
+(its ``run_id``), so a failover to a replica that carries the old epoch, or a restart that
+reloaded it from disk, also counts as data loss: replication is asynchronous, the last grants
+and renewals may be missing, and leases may have lapsed while no primary answered. A renewal
+that finds its lease gone *and* the epoch changed or missing knows Redis lost its data, not that
+the lease expired: the owner is alive and its request in flight on an engine, so the lease is
+re-established (``RENEW`` answers 2). Whoever notices the loss first (a renewal, or an acquire
+from a replica that knew the old epoch) sets a recovery marker for half a TTL, during which
+acquires take nothing: every live holder renews within a third of a TTL, so their leases are
+back before anyone new is admitted, and the count never exceeds the limit.
 """
 
 from __future__ import annotations
@@ -163,29 +166,59 @@ def _redeliver_cancellation(task: asyncio.Task[Any] | None, cancels: int) -> Non
         raise asyncio.CancelledError
 
 
-_PRELUDE = """
+# A waiting list's score is band + ticket: the class band (``band``) orders before arrival.
+BAND = 10**12
+
+
+def band(rank: int, starved: bool = False) -> int:
+    """The score band of a waiter of class ``rank`` (0 the highest); a starved waiter (past
+    ``classes.starvation_s``) goes before every class: band 0."""
+    return 0 if starved else (rank + 1) * BAND
+
+
+_PRELUDE = (
+    f"""
+local BAND = {BAND}
+"""
+    + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function extend(key, keep)
   if redis.call('PTTL', key) < keep then redis.call('PEXPIRE', key, keep) end
 end
--- The store's epoch (see the module docstring); ``known`` is the caller's, '' if none yet.
+-- The store's epoch (see the module docstring); ``known`` is the caller's, '' if none yet. The
+-- epoch is "<random>@<run_id of the server that made it>": a server that finds another's run_id
+-- in it took over data it did not write itself (a promoted replica, a restart from disk), and
+-- the last writes before the switch may be missing, so it starts a new epoch as after data loss.
 local function epoch_of(ekey, rkey, known, proposal, grace)
+  local server = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
   local epoch = redis.call('GET', ekey)
+  if epoch and not string.find(epoch, '@', 1, true) then
+    -- Written before epochs named their server: adopt it, nothing was lost.
+    epoch = epoch .. '@' .. server
+    redis.call('SET', ekey, epoch)
+  end
+  if epoch and string.sub(epoch, -#server - 1) ~= '@' .. server then
+    epoch = nil
+    known = 'switched'
+  end
   if not epoch then
-    redis.call('SET', ekey, proposal)
+    epoch = proposal .. '@' .. server
+    redis.call('SET', ekey, epoch)
     if known ~= '' then redis.call('SET', rkey, '1', 'PX', grace) end
-    return proposal
+    return epoch
   end
   if known ~= '' and epoch ~= known then redis.call('SET', rkey, '1', 'PX', grace, 'NX') end
   return epoch
 end
 """
+)
 
 # KEYS: lane, queue, queue liveness, ticket counter, epoch, recovery marker, candidate endpoints
 #       (n of them), then the guard keys the candidates name.
-# ARGV: token, ttl_ms, lane limit, the token's waiting-list member ("replica|token"), "1" when it
-#       is a waiter, the replica's known epoch ('' if none), a new epoch should none exist, the
+# ARGV: token, ttl_ms, lane limit, the token's waiting-list member ("replica|token"),
+#       "<1 when it is a waiter, else 0>|<its class band>" (``band``; "0|0" for a newcomer), the
+#       replica's known epoch ('' if none), a new epoch should none exist, the
 #       recovery grace in ms, candidate limits... (ARGV[i + 2] is the limit of KEYS[i], i >= 7),
 #       then one guard list per candidate (ARGV[n + i + 2] for KEYS[i]): '' or KEYS indices
 #       "a,b" of keys where no other token may hold a live lease for KEYS[i] to be taken.
@@ -194,6 +227,8 @@ ACQUIRE = Script(
     _PRELUDE
     + """
 local token, ttl, me = ARGV[1], tonumber(ARGV[2]), ARGV[4]
+local waiter, base = string.match(ARGV[5], '^(%d)|(%d+)$')
+base = tonumber(base)
 local lane, queue, live, tickets = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local n = (#ARGV - 8) / 2
 local last = 6 + n
@@ -205,9 +240,10 @@ for _, w in ipairs(dead) do redis.call('ZREM', queue, w) end
 redis.call('ZREMRANGEBYSCORE', live, '-inf', now)
 
 local function refuse()
-  if ARGV[5] == '1' and not redis.call('ZSCORE', queue, me) then
-    -- A waiter whose place lapsed (its replica stalled past a TTL) joins again at the back.
-    redis.call('ZADD', queue, redis.call('INCR', tickets), me)
+  if waiter == '1' and not redis.call('ZSCORE', queue, me) then
+    -- A waiter whose place lapsed (its replica stalled past a TTL) joins again at the back
+    -- of its class.
+    redis.call('ZADD', queue, string.format('%d', base + redis.call('INCR', tickets)), me)
     redis.call('ZADD', live, now + ttl, me)
     for i = 2, 4 do extend(KEYS[i], 3 * ttl) end
   end
@@ -226,10 +262,11 @@ end
 if redis.call('EXISTS', KEYS[6]) == 1 then return refuse() end
 local free = tonumber(ARGV[3]) - redis.call('ZCARD', lane)
 if free <= 0 then return refuse() end
--- Arrival order across replicas: a waiter goes only while fewer other replicas' waiters stand
--- ahead of it than there are free slots; a newcomer stands behind every live waiter. Its own
--- replica's waiters are skipped: its local FIFO already put them behind it (their joins may
--- have reached Redis in another order), and only its local head ever asks.
+-- Class, then arrival, across replicas (the score: class band + ticket): a waiter goes only
+-- while fewer other replicas' waiters stand ahead of it than there are free slots; a newcomer
+-- stands behind every live waiter (once queued, its class puts it in place). Its own replica's
+-- waiters are skipped: its local queue already put them behind it (their joins may have
+-- reached Redis in another order), and only its local head ever asks.
 local rank = redis.call('ZRANK', queue, me)
 local span = rank or redis.call('ZCARD', queue)
 if span >= free then
@@ -377,24 +414,30 @@ return counts
 """
 )
 
-# KEYS: queue, queue liveness, ticket counter. ARGV: member ("replica|token"), ttl_ms, mode.
-# mode "join": join the lane's waiting list at the back, or keep a live place; returns 1 when
-# the member (re)joined at the back, 0 when it kept its place. mode "refresh": extend a live
-# place only (returns 1), never re-add one (returns 0): a refresh that lands after the acquire
-# that granted the waiter, or after its leave, must not put it back in the list.
+# KEYS: queue, queue liveness, ticket counter. ARGV: member ("replica|token"), ttl_ms, mode,
+# the waiter's class band (``band``).
+# mode "join": join the lane's waiting list at the back of its class, or keep a live place;
+# returns 1 when the member (re)joined at the back, 0 when it kept its place. mode "refresh":
+# extend a live place only (returns 1), moving it to the band given with its ticket kept (a
+# waiter that starved goes before every class), never re-add one (returns 0): a refresh that
+# lands after the acquire that granted the waiter, or after its leave, must not put it back.
 ENQUEUE = Script(
     _PRELUDE
     + """
-local member, ttl, mode = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local member, ttl, mode, base = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
 local queue, live, tickets = KEYS[1], KEYS[2], KEYS[3]
 local until_ = redis.call('ZSCORE', live, member)
 local placed = until_ and tonumber(until_) > now and redis.call('ZSCORE', queue, member)
 local joined = 0
 if mode == 'refresh' then
   if not placed then return 0 end
+  local ticket = tonumber(placed) % BAND
+  if tonumber(placed) - ticket ~= base then
+    redis.call('ZADD', queue, string.format('%d', base + ticket), member)
+  end
 elseif not placed then
   redis.call('ZREM', queue, member)
-  redis.call('ZADD', queue, redis.call('INCR', tickets), member)
+  redis.call('ZADD', queue, string.format('%d', base + redis.call('INCR', tickets)), member)
   joined = 1
 end
 redis.call('ZADD', live, now + ttl, member)

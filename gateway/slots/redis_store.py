@@ -14,7 +14,8 @@ gateway/slots/lua.py. Contract, beyond the protocol's:
   lease (``slot.lease_restored``), and acquires take nothing for half a TTL meanwhile, so the
   leases in flight are back before anyone new is admitted. Renewal errors never end the request.
 - ``waiting`` keeps a queued request's place in the lane's waiting list in Redis, shared by all
-  replicas, so waiters are served in arrival order across replicas; leaving the block (slot
+  replicas, so waiters are served by class, then arrival, across replicas (one past its
+  ``starved_at`` goes before every class, from its next refresh); leaving the block (slot
   taken, timeout, client gone) leaves the list at once, and a dead replica's waiters lapse
   after one TTL.
 - Every Redis call is bounded by ``redis_timeout_s``. When Redis cannot be reached the store is
@@ -33,6 +34,7 @@ ExceptionGroup.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -41,18 +43,17 @@ from typing import Any
 
 import anyio
 from redis.asyncio import Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.driver_info import DriverInfo
 
 from gateway.errors import StateUnavailable
 from gateway.observe.log import Logger, get_logger, swallowed
 from gateway.observe.metrics import Metrics
 from gateway.settings import StateSettings
 from gateway.slots import lua as slots_lua
+from gateway.slots.connect import redis_client
 from gateway.slots.store import Limit, MemorySlotStore
 
 RETRY_AFTER_S = 2.0
+__all__ = ["RedisSlotStore", "redis_client"]
 
 
 class RedisSlotStore:
@@ -77,6 +78,8 @@ class RedisSlotStore:
         self._local = MemorySlotStore()
         self._local_tokens: set[str] = set()
         self._queued: set[str] = set()
+        # A queued token's class rank and when it starves (its place in the shared list).
+        self._rank: dict[str, tuple[int, float]] = {}
         self._unsent: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         # The store's epoch as last seen, and the epoch each lease of ours was granted in.
@@ -124,7 +127,7 @@ class RedisSlotStore:
         guards = list(dict.fromkeys(g for c in candidates for g in c.guards))
         position = {g: len(keys) + 1 + i for i, g in enumerate(guards)}  # 1-based, as in Lua
         keys += self._keys(guards)
-        waiter = int(token in self._queued)
+        waiter = f"1|{self._band(token)}" if token in self._queued else "0|0"
         args: list[str | int] = [token, self._ttl_ms, lane.limit, self._member(token), waiter]
         args += self._epoch_args(self._epoch)
         args += [c.limit for c in candidates]
@@ -134,7 +137,8 @@ class RedisSlotStore:
             if not self._fail_open:
                 raise _unavailable()
             return await self._try_local(token, lane, candidates)
-        index, self._epoch = int(reply[0]), reply[1].decode()
+        index = int(reply[0])
+        self._saw_epoch(reply[1].decode(), "acquire")
         if index < 0:
             return None
         self._queued.discard(token)  # the script took the token off the waiting list
@@ -210,7 +214,10 @@ class RedisSlotStore:
             task.cancel()
 
     @asynccontextmanager
-    async def waiting(self, token: str, lane_key: str) -> AsyncIterator[None]:
+    async def waiting(
+        self, token: str, lane_key: str, rank: int = 0, starved_at: float = math.inf
+    ) -> AsyncIterator[None]:
+        self._rank[token] = (rank, starved_at)
         try:
             joined = await self.join(token, lane_key)
         except BaseException:
@@ -234,6 +241,7 @@ class RedisSlotStore:
             if token in self._queued:
                 with anyio.CancelScope(shield=True):
                     await self.leave(token, lane_key)
+            self._rank.pop(token, None)
 
     async def in_use(self, keys: Sequence[str]) -> dict[str, int]:
         """Live leases in Redis plus this replica's local grants; only the local ones while
@@ -267,6 +275,7 @@ class RedisSlotStore:
         if reply is slots_lua.DOWN:
             return None
         status, epoch = int(reply[0]), reply[1].decode()
+        self._saw_epoch(epoch, "renew")
         if status == 2:
             self._log.warning(
                 "slot.lease_restored", token=token, keys=list(keys), reason="redis_lost_data"
@@ -277,12 +286,19 @@ class RedisSlotStore:
             self._lease_epoch[token] = epoch
         return status > 0
 
+    def _saw_epoch(self, epoch: str, op: str) -> None:
+        # Another epoch than the last one seen: Redis lost its data, or another server (a
+        # promoted replica) now holds it; the scripts already paused admissions for the grace.
+        if self._epoch and epoch != self._epoch:
+            self._log.warning("state.epoch_changed", op=op, reason="data_loss_or_failover")
+        self._epoch = epoch
+
     async def join(self, token: str, lane_key: str, mode: str = "join") -> bool | None:
         """``join``: take (or keep) a place in the lane's waiting list; True when it joined at
         the back, False when it kept its place. ``refresh``: keep a live place alive; True when
         it still has one. None: Redis did not answer."""
         keys = self._queue_keys(lane_key)
-        args: list[str | int] = [self._member(token), self._ttl_ms, mode]
+        args: list[str | int] = [self._member(token), self._ttl_ms, mode, self._band(token)]
         joined = await self._redis.call(mode, slots_lua.ENQUEUE, keys, args, gated=True)
         return None if joined is slots_lua.DOWN else bool(joined)
 
@@ -316,8 +332,18 @@ class RedisSlotStore:
         self, token: str, lane_key: str, owner: asyncio.Task[Any] | None
     ) -> None:
         while owner is None or not owner.done():
-            await asyncio.sleep(self._ttl_s / 3)
+            # Refresh at TTL/3, and at the moment the waiter starves (it then moves ahead of
+            # every class).
+            pause = self._ttl_s / 3
+            starved_at = self._rank.get(token, (0, math.inf))[1]
+            if time.monotonic() < starved_at:
+                pause = min(pause, starved_at - time.monotonic() + 0.001)
+            await asyncio.sleep(pause)
             await self.join(token, lane_key, mode="refresh")
+
+    def _band(self, token: str) -> int:
+        rank, starved_at = self._rank.get(token, (0, math.inf))
+        return slots_lua.band(rank, time.monotonic() >= starved_at)
 
     def _spawn(self, work: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
         # A factory, not a coroutine: a task cancelled before it ever ran (a grant moved at
@@ -339,20 +365,4 @@ class RedisSlotStore:
 def _unavailable() -> StateUnavailable:
     return StateUnavailable(
         "the shared slot store (Redis) is unreachable", retry_after_s=RETRY_AFTER_S
-    )
-
-
-def redis_client(state: StateSettings) -> Redis:
-    """A client whose every call fits ``state.redis_timeout_s`` (slots, response affinity)."""
-    return Redis.from_url(
-        state.redis_url,
-        socket_timeout=state.redis_timeout_s,
-        socket_connect_timeout=state.redis_timeout_s,
-        # One immediate retry on a fresh connection heals a pool left stale by a Redis
-        # restart; redis-py's default (10 retries, exponential backoff) would outlast 2 s.
-        retry=Retry(NoBackoff(), 1),
-        # A new connection's first call must fit the timeout too: RESP2 and no driver info
-        # skip the HELLO, CLIENT MAINT_NOTIFICATIONS and SETINFO round trips redis-py 8 makes.
-        protocol=2,
-        driver_info=DriverInfo(name=None, lib_version=None),
     )

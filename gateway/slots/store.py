@@ -23,12 +23,14 @@ given up with ``release``.
 ``hold(token, keys)`` is the context a grant lives in: nothing to do in memory, lease renewal
 for Redis. ``waiting(token, lane_key)`` is the context a queued request waits in: nothing in
 memory; for Redis, a place in the lane's waiting list shared by every replica, which
-``try_acquire`` honours (arrival order across replicas) and which is left when the block exits.
+``try_acquire`` honours (class ``rank``, 0 the highest, then arrival across replicas; after
+``starved_at``, monotonic time, before every class) and which is left when the block exits.
 Local waiting, timeouts and disconnects are admission.py's business, not the store's.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
@@ -80,7 +82,9 @@ class SlotStore(Protocol):
 
     def hold(self, token: str, keys: Sequence[str]) -> AbstractAsyncContextManager[None]: ...
 
-    def waiting(self, token: str, lane_key: str) -> AbstractAsyncContextManager[None]: ...
+    def waiting(
+        self, token: str, lane_key: str, rank: int = 0, starved_at: float = math.inf
+    ) -> AbstractAsyncContextManager[None]: ...
 
     async def in_use(self, keys: Sequence[str]) -> dict[str, int]: ...
 
@@ -134,7 +138,9 @@ class MemorySlotStore:
         yield
 
     @asynccontextmanager
-    async def waiting(self, token: str, lane_key: str) -> AsyncIterator[None]:
+    async def waiting(
+        self, token: str, lane_key: str, rank: int = 0, starved_at: float = math.inf
+    ) -> AsyncIterator[None]:
         # admission.py's own FIFO is the whole queue when no other process shares the slots.
         yield
 

@@ -88,7 +88,9 @@ def describe_policy(settings: Settings) -> str:
         )
     lines.append("clusters:")
     for cluster in settings.clusters:
-        lines.append(f"  {cluster.name} [{cluster.kind}] {', '.join(cluster.endpoints)}")
+        found = cluster.discovery
+        dns = f" + DNS {found.name}:{found.port} every {found.interval_s:g}s" if found else ""
+        lines.append(f"  {cluster.name} [{cluster.kind}] {', '.join(cluster.endpoints)}{dns}")
     lines.append("lanes (tried in order):")
     for lane in settings.lanes:
         t = lane.timeouts

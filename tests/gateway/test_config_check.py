@@ -104,6 +104,19 @@ BAD: dict[str, tuple[Callable[[str], str], str, str]] = {
         "sample_rate: 0.5",
         "tracing.sample_rate: unknown key (did you mean 'sample_ratio'?)",
     ),
+    "sentinel password from an unset env var": (
+        lambda t: (
+            t + "state:\n  backend: redis\n  sentinel:\n    hosts: ['127.0.0.1:26379']\n"
+            "    master_name: main\n    password_env: CHECK_TEST_REDIS_PASSWORD\n"
+        ),
+        "password_env: CHECK_TEST_REDIS_PASSWORD",
+        "state.sentinel.password_env: environment variable CHECK_TEST_REDIS_PASSWORD is not set",
+    ),
+    "sentinel host without a port": (
+        lambda t: t + "state:\n  sentinel:\n    hosts: [sentinel-0]\n    master_name: main\n",
+        "hosts: [sentinel-0]",
+        "state.sentinel.hosts: sentinel host 'sentinel-0' is not host:port",
+    ),
     "multipart lane that is no lane": (
         lambda t: t + "routes:\n  multipart_lane: audio\n",
         "multipart_lane: audio",

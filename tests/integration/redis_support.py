@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -58,6 +59,14 @@ class RedisProcess:
                 "no",
                 "--protected-mode",
                 "no",
+                # A replica's full sync writes an RDB file: never into the checkout.
+                "--dir",
+                tempfile.gettempdir(),
+                "--dbfilename",
+                f"shapegate-test-{self.port}.rdb",
+                # A replica syncs at once, not after the default 5 s wait for more replicas.
+                "--repl-diskless-sync-delay",
+                "0",
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -182,13 +182,15 @@ async def test_a_killed_replicas_slots_come_back_within_ttl_while_the_other_serv
 async def test_a_long_request_keeps_its_lease_until_its_replica_freezes(
     engine: tuple[FakeEngine, str], redis_url: str, prefix: str, tmp_path: Path
 ) -> None:
-    """An 11 s stream with a 1 s TTL (a 10-minute request at a 1-minute TTL, time-scaled) is
+    """A 13 s stream with a 1 s TTL (a 10-minute request at a 1-minute TTL, time-scaled) is
     never reaped during the 10 s its gateway runs; SIGSTOP the gateway and the lease goes
     within TTL + 1 s, and SIGCONT does not bring it back."""
     _, engine_url = engine
     config = gateway_config(engine_url, redis_url, prefix, 2)
     async with gateways(tmp_path, config) as (gw,), httpx.AsyncClient(timeout=60) as client:
-        long = asyncio.create_task(chat(client, gw.url, "long", chunks=44, gap=0.25))
+        # It ends ~2 s after the SIGCONT: the renewal that finds its lease reaped comes first
+        # (at 11 s it ended with the SIGCONT, and the renewal never ran: a flaky race).
+        long = asyncio.create_task(chat(client, gw.url, "long", chunks=52, gap=0.25))
         await wait_for(lambda: live_members(redis_url, prefix, LANE_KEY) == 1, 5)
         started = time.monotonic()
         while time.monotonic() - started < 10.0:  # ten TTLs alive
@@ -204,7 +206,7 @@ async def test_a_long_request_keeps_its_lease_until_its_replica_freezes(
         assert live_members(redis_url, prefix, LANE_KEY) == 0  # not resurrected
         response = await long
     assert reaped_s <= TTL_S + 1.0
-    assert complete(response, 44)  # the request itself carried on
+    assert complete(response, 52)  # the request itself carried on
     print(f"frozen replica: lease reaped {reaped_s:.2f}s after SIGSTOP (TTL {TTL_S}s)")
 
 
