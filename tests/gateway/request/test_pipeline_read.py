@@ -49,7 +49,7 @@ def test_a_budget_of_the_whole_context_is_accepted_one_more_is_vllms_400(
     assert refused.value.param == field
     assert str(refused.value) == (
         f"{field}={CONTEXT + 1} cannot be greater than max_model_len={CONTEXT}. "
-        "Please request fewer output tokens."
+        f"Please request fewer output tokens. (parameter={field}, value={CONTEXT + 1})"
     )
 
 
