@@ -355,7 +355,7 @@ async def _wait_forever(store: SlotStore, token: str, lane: str, entered: asynci
 # -- disconnect mid-acquire and lease loss --------------------------------------------------------
 
 
-@pytest.mark.parametrize("steps", [0, 1, 2, 3, 5, 8])
+@pytest.mark.parametrize("steps", [0, 1, 2, 3, 5, 8, 13, 21])
 async def test_an_acquire_cancelled_midway_leaves_nothing_once_released(
     store: SlotStore, steps: int
 ) -> None:
