@@ -106,6 +106,13 @@ class MemorySlotStore:
         return token in holders or len(holders) < limit.limit
 
     async def try_acquire(self, token: str, lane: Limit, candidates: Sequence[Limit]) -> int | None:
+        if token in self._held.get(lane.key, ()):
+            # A retried acquire reports what the token holds and never takes a second endpoint
+            # slot (as the Redis script and the host's table do).
+            for index, candidate in enumerate(candidates):
+                if token in self._held.get(candidate.key, ()):
+                    return index
+            return None
         if not self._room(lane, token):
             return None
         for index, candidate in enumerate(candidates):
