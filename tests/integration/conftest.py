@@ -9,21 +9,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.redis_support import RedisProcess, answers_ping, delete_prefix, new_prefix
-
-SHARED_URL = "redis://127.0.0.1:6379/0"
+from tests.integration.redis_support import delete_prefix, new_prefix, shared_or_own_redis
 
 
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
-    if answers_ping(SHARED_URL):
-        yield SHARED_URL
-        return
-    server = RedisProcess().start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
+    with shared_or_own_redis() as url:
+        yield url
 
 
 @pytest.fixture

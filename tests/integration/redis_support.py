@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -31,6 +32,23 @@ def answers_ping(url: str) -> bool:
         return False
     finally:
         client.close()
+
+
+SHARED_URL = "redis://127.0.0.1:6379/0"
+
+
+@contextlib.contextmanager
+def shared_or_own_redis() -> Iterator[str]:
+    """The URL of the Redis on 127.0.0.1:6379 if it answers PING, else of a ``redis-server``
+    of our own on a free port, stopped on exit."""
+    if answers_ping(SHARED_URL):
+        yield SHARED_URL
+        return
+    server = RedisProcess().start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
 
 
 class RedisProcess:

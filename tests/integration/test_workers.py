@@ -24,6 +24,7 @@ import yaml
 from tests.conftest import JSON, lanes_config
 from tests.support.checkout import ROOT, checkout_env, gateway_cli
 from tests.support.fake_engine import FakeEngine
+from tests.support.logs import log_events
 from tests.support.prom import parse
 from tests.support.servers import free_port, serve_asgi
 from tests.support.waiting import wait_for
@@ -39,13 +40,7 @@ class Workers:
     config: Path
 
     def events(self, name: str | None = None) -> list[dict[str, Any]]:
-        out = []
-        for line in self.log.read_bytes().splitlines():
-            with contextlib.suppress(orjson.JSONDecodeError):
-                event = orjson.loads(line)
-                if isinstance(event, dict) and (name is None or event.get("event") == name):
-                    out.append(event)
-        return out
+        return log_events(self.log, name)
 
     async def state(self, client: httpx.AsyncClient) -> dict[str, Any]:
         response = await client.get(self.url + "/admin/state")

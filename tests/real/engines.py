@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import orjson
 
 from tests.support.checkout import ROOT, checkout_env, gateway_cli
+from tests.support.logs import log_events
 from tests.support.prom import Scrape, parse
 
 VLLM_VERSION = "0.32.0"
@@ -286,13 +286,7 @@ class Gateway:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
 
     def events(self, name: str | None = None) -> list[dict[str, Any]]:
-        out = []
-        for line in self.log.read_bytes().splitlines():
-            with contextlib.suppress(orjson.JSONDecodeError):
-                event = orjson.loads(line)
-                if isinstance(event, dict) and (name is None or event.get("event") == name):
-                    out.append(event)
-        return out
+        return log_events(self.log, name)
 
     def metrics(self) -> Scrape:
         response = httpx.get(self.url + "/metrics", timeout=5)

@@ -29,10 +29,9 @@ from gateway.settings import StateSettings
 from gateway.slots.host import HostSlotStore, SlotServer
 from gateway.slots.redis_store import RedisSlotStore
 from gateway.slots.store import Limit, MemorySlotStore, SlotStore
-from tests.integration.redis_support import RedisProcess, answers_ping, delete_prefix, new_prefix
+from tests.integration.redis_support import delete_prefix, new_prefix, shared_or_own_redis
 from tests.support.waiting import wait_for
 
-SHARED_REDIS = "redis://127.0.0.1:6379/0"
 # Short, so that a lapsed lease is seen in about a second; long enough that no lease lapses by
 # itself inside a test that does not wait for it (each runs in milliseconds).
 TTL_S = 1.0
@@ -102,14 +101,8 @@ class Backend:
 
 @pytest.fixture(scope="module")
 def redis_url() -> Iterator[str]:
-    if answers_ping(SHARED_REDIS):
-        yield SHARED_REDIS
-        return
-    server = RedisProcess().start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
+    with shared_or_own_redis() as url:
+        yield url
 
 
 @pytest.fixture(params=["memory", "host", "redis"])
