@@ -166,6 +166,10 @@ SERIAL = (
     # Replicas at a 1 s lease TTL and a 0.5 s Redis deadline: on two cores shared with the
     # parallel phase, two of them missed a window in two CI runs (2026-12-01), never alone.
     "tests/integration/test_redis_gateways.py",
+    # A first count against a warm median (2x) and a Sentinel failover at a 1.5 s lease TTL:
+    # both missed their window once in the parallel phase of a clean-clone run (2026-12-02).
+    "tests/gateway/count/test_tokens_warmup.py::test_the_first_300k_token_prompt_after_boot_counts_within_2x_of_the_warm_p50",
+    "tests/integration/test_redis_sentinel.py",
 )
 
 
