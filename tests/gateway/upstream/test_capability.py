@@ -22,26 +22,26 @@ HEALTH = {"interval_s": INTERVAL_S, "timeout_s": 2.0, "scrape_interval_s": 0.5}
 TIMEOUTS = {"connect_s": 2, "first_byte_s": 30, "idle_s": 30, "total_s": 60}
 
 
-@pytest.fixture(scope="module")
-def short_engine() -> Iterator[SimProcess]:
-    """``shapegate sim --profile h100-fast``: an engine started with max_model_len 32,768."""
-    sim = SimProcess("h100-fast", time_scale=0.01)
+def running(profile: str) -> Iterator[SimProcess]:
+    """``shapegate sim --profile PROFILE``, healthy, stopped afterwards."""
+    sim = SimProcess(profile, time_scale=0.01)
     try:
         sim.wait_healthy()
         yield sim
     finally:
         sim.stop()
+
+
+@pytest.fixture(scope="module")
+def short_engine() -> Iterator[SimProcess]:
+    """An engine started with max_model_len 32,768 (h100-fast)."""
+    yield from running("h100-fast")
 
 
 @pytest.fixture(scope="module")
 def long_engine() -> Iterator[SimProcess]:
-    """``shapegate sim --profile h100-heavy``: max_model_len 1,048,576."""
-    sim = SimProcess("h100-heavy", time_scale=0.01)
-    try:
-        sim.wait_healthy()
-        yield sim
-    finally:
-        sim.stop()
+    """An engine with max_model_len 1,048,576 (h100-heavy)."""
+    yield from running("h100-heavy")
 
 
 def policy(endpoints: list[str]) -> dict[str, Any]:
