@@ -55,7 +55,7 @@ SIM_VERSION = "0.33.0+sim"
 AUDIO_PROMPT_TOKENS = 1500
 AUDIO_OUTPUT_TOKENS = 16
 # The sim's own routes beyond the generating ones, as vLLM serves them (the gateway's table,
-# gateway/request/routes.py, forwards each of these paths unchanged).
+# gateway/protocols/routes.py, forwards each of these paths unchanged).
 POOLING_PATHS: dict[str, Endpoint] = {
     "/v1/embeddings": "embeddings",
     "/pooling": "pooling",

@@ -3,7 +3,7 @@ knows the model's tokenizer.
 
 A stand-in engine must see the prompt tokens a real vLLM would, so it counts with the model's
 real tokenizer and chat template rather than an estimate, and reads requests as the gateway
-does. That code is the gateway's (``gateway/request/protocol.py``, ``gateway/request/protocols/``,
+does. That code is the gateway's (``gateway/protocols/openai.py``, ``gateway/protocols/``,
 ``gateway/count/tokens.py``), and ``engine_pool`` never imports ``gateway``: the sim is handed a
 ``PromptCounter`` instead. The gateway's is ``gateway.tools.sim_support.RegistryCounter``, which
 ``shapegate sim``, the demo, the benchmarks and the tests pass in. The sim keeps its own routes

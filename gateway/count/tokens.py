@@ -54,11 +54,12 @@ import time
 import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from jinja2 import TemplateError
 
+from gateway.core.count import Method, TokenCount
 from gateway.count.tokenizers import cache, warmup
 from gateway.count.tokenizers.encoders import GIL_FREE_ABOVE_CHARS
 from gateway.count.tokenizers.templates import (
@@ -73,11 +74,10 @@ from gateway.count.tokenizers.worker import warm_text
 from gateway.errors import BadRequest, ModelNotFound
 from gateway.observe.log import Logger, get_logger, swallowed
 from gateway.observe.metrics import Metrics
-from gateway.request.protocol import ChatPrompt, CompletionPrompt, Prompt
+from gateway.protocols.openai import ChatPrompt, CompletionPrompt, Prompt
 from gateway.settings import ConfigError, CountingSettings, Settings, parse_settings
 
 # "none": nothing to count (a multipart audio request); its lane is named by the policy.
-Method = Literal["bound", "cache", "exact", "none"]
 # Misses up to this many characters are counted on the event loop (under ~2 ms with the GIL
 # held either way); longer ones go to the worker thread, where gigatoken releases the GIL.
 INLINE_MAX_CHARS = GIL_FREE_ABOVE_CHARS
@@ -85,28 +85,6 @@ INLINE_MAX_CHARS = GIL_FREE_ABOVE_CHARS
 # pieces for the cache (measured on a loaded 2-core machine: ~9 us against ~50 us for a 1 KB
 # chat prompt, 18 against 64 at 8 KB; at 16 KB they meet), so small prompts skip the cache.
 DIRECT_MAX_BYTES = 8192
-
-
-@dataclass(frozen=True, slots=True)
-class TokenCount:
-    tokens: int
-    method: Method
-    tokenizer: str
-    prompt_bytes: int
-    seconds: float
-    # What ``TokenCounter.exact`` needs to finish a bound without planning the prompt again.
-    plan: _Plan | None = field(default=None, repr=False, compare=False)
-    # The largest single sequence of a batch (None: one sequence, ``tokens`` itself).
-    largest: int | None = None
-
-    @property
-    def exact(self) -> int | None:
-        return None if self.method == "bound" else self.tokens
-
-    @property
-    def longest(self) -> int:
-        """The largest single sequence: what must fit a context (``tokens`` but for batches)."""
-        return self.tokens if self.largest is None else self.largest
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,12 +306,13 @@ class TokenCounter:
     def _looked_up(self, count: TokenCount) -> TokenCount | _Misses:
         """``count`` once exact already, else counted whole when small, else its pieces looked
         up in the cache: the exact count, or the pieces that still need encoding."""
-        if count.method != "bound" or count.plan is None:
+        plan = count.plan
+        if count.method != "bound" or not isinstance(plan, _Plan):
             return count
-        direct = self._direct(count.plan)
+        direct = self._direct(plan)
         if direct is not None:
             return direct
-        return self._resume(count.plan, time.perf_counter())
+        return self._resume(plan, time.perf_counter())
 
     async def finish(self, step: Unfinished) -> TokenCount:
         """The count ``start_exact`` left unfinished: its missing pieces encoded in the worker."""

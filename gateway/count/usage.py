@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import orjson
 
-from gateway.count.tokens import TokenCount, TokenCounter
+from gateway.core.count import TokenCount
+from gateway.count.tokens import TokenCounter
 
 
 @dataclass(frozen=True, slots=True)

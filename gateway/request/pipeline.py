@@ -32,10 +32,9 @@ from engine_pool.capability import holding, holds, refusal, too_long_message
 from engine_pool.cluster import EngineView
 from engine_pool.picker import order_endpoints
 from engine_pool.registry import EnginePool
-from gateway.count.tokens import TokenCount, TokenCounter
-from gateway.count.usage import TAIL_MAX, ExactCount, engine_usage, sse_events, trim_tail
-from gateway.edge.auth import ClientAuth
-from gateway.edge.exchange import (
+from gateway.core.count import TokenCount
+from gateway.core.decision import Decision, Grant
+from gateway.core.exchange import (
     ClientGone,
     Outbound,
     Receive,
@@ -46,6 +45,9 @@ from gateway.edge.exchange import (
     require_media_type,
     watch_disconnect,
 )
+from gateway.core.watchdog import Watch, deadlines_for
+from gateway.count.tokens import TokenCounter
+from gateway.count.usage import TAIL_MAX, ExactCount, engine_usage, sse_events, trim_tail
 from gateway.errors import (
     BadRequest,
     EngineUnreachable,
@@ -60,11 +62,15 @@ from gateway.lifetime import InUse
 from gateway.observe.log import Logger, swallowed
 from gateway.observe.metrics import Metrics
 from gateway.observe.record import Record, Recorder, Routed
-from gateway.request.admission import Admission, Grant, Want
+from gateway.protocols.multipart import parse_multipart
+from gateway.protocols.openai import RoutedRequest, prefix_key
+from gateway.protocols.routes import EngineRoute
+from gateway.request.admission import Admission, Want
+from gateway.request.auth import ClientAuth
 from gateway.request.borrowing import Loan, loans_for
 from gateway.request.classes import UnknownClass, bearer_digest, class_of
+from gateway.request.failover import Attempts, Failover
 from gateway.request.lanes import (
-    Decision,
     choose_lane,
     choose_named_lane,
     endpoint_limit,
@@ -73,11 +79,7 @@ from gateway.request.lanes import (
     no_lane_message,
     pin_to_cluster,
 )
-from gateway.request.protocol import RoutedRequest, prefix_key
-from gateway.request.protocols.multipart import parse_multipart
 from gateway.request.response_affinity import MemoryAffinity, ResponseAffinity, response_id_of
-from gateway.request.routes import EngineRoute
-from gateway.request.watchdog import Watch, deadlines_for
 from gateway.settings import (
     ClusterSettings,
     LaneSettings,
@@ -85,7 +87,6 @@ from gateway.settings import (
     Settings,
     served_models,
 )
-from gateway.upstream.failover import Attempts, Failover
 from gateway.upstream.proxy import Upstream, response_headers, upstream_headers
 
 # How long the response headers may wait for the exact prompt count (finished while the engine
@@ -409,7 +410,7 @@ class Pipeline:
                             )
                         break
                     except EngineUnreachable as exc:
-                        # Nothing reached the client: fail over (gateway/upstream/failover.py) or
+                        # Nothing reached the client: fail over (gateway/request/failover.py) or
                         # give up.
                         if not await self.failover.next_attempt(
                             record.request_id, held, exc, attempts, target.cluster

@@ -4,7 +4,7 @@
 prompt tokens exactly as the gateway and a real vLLM do (the model's own tokenizer and chat
 template). So the simulator declares what it needs (``engine_pool/sim/counting.py``,
 ``PromptCounter``) and this module implements it over the gateway's per-route parsers
-(``gateway/request/routes.py``, ``gateway/request/protocols/``) and ``gateway/count/tokens.py``.
+(``gateway/protocols/routes.py``, ``gateway/protocols/``) and ``gateway/count/tokens.py``.
 
 - ``RegistryCounter(counter, model)`` counts with an already loaded ``TokenCounter`` (tests and
   benchmarks share one between many simulated engines); ``RegistryCounter.for_profile(profile)``
@@ -23,9 +23,9 @@ import orjson
 from engine_pool.engine_api import Endpoint
 from engine_pool.sim.counting import RequestRejected, SimRequest
 from gateway.errors import BadRequest
-from gateway.request.protocol import ChatPrompt, CompletionPrompt, Prompt, RoutedRequest
-from gateway.request.protocols.multipart import parse_multipart
-from gateway.request.routes import ENGINE_ROUTES
+from gateway.protocols.multipart import parse_multipart
+from gateway.protocols.openai import ChatPrompt, CompletionPrompt, Prompt, RoutedRequest
+from gateway.protocols.routes import ENGINE_ROUTES
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -45,6 +45,7 @@ from engine_pool.cluster import EngineState, EngineView
 from engine_pool.picker import order_endpoints
 from engine_pool.sim.profile import EngineProfile
 from engine_pool.sim.scheduler import Scheduler, StepResult
+from gateway.observe.trace import TraceRecord
 from gateway.request.borrowing import (
     EndpointUse,
     Loan,
@@ -57,7 +58,6 @@ from gateway.request.classes import class_lane_limit, next_waiter, rank
 from gateway.request.lanes import choose_lane
 from gateway.settings import LaneSettings, Settings
 from gateway.tuning.fleet_model import LiveCosts
-from gateway.tuning.trace import TraceRecord
 
 CountBy = Literal["tokens", "chars4"]
 

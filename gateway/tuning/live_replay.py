@@ -34,11 +34,11 @@ import httpx
 import orjson
 
 from gateway.count.tokens import TokenCounter
+from gateway.observe.trace import TraceRecord
+from gateway.protocols.routes import ENGINE_ROUTES
 from gateway.request.lanes import lane_for
-from gateway.request.routes import ENGINE_ROUTES
 from gateway.settings import Settings
 from gateway.tuning.fleet_sim import FleetResult, Outcome
-from gateway.tuning.trace import TraceRecord
 
 # Common English words; those the target's tokenizer encodes as one token (with and without a
 # leading space) make the filler.

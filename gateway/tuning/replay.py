@@ -21,11 +21,11 @@ from typing import Any
 
 from engine_pool.sim.costs import isolated_prefill_seconds
 from engine_pool.sim.profile import EngineProfile, load_profile
+from gateway.extras import save, side_by_side
+from gateway.observe.trace import TraceRecord
 from gateway.request.lanes import lane_for
 from gateway.settings import Settings
-from gateway.tools.extras import save, side_by_side
 from gateway.tuning.fleet_sim import CountBy, FleetResult, FleetSim, Outcome
-from gateway.tuning.trace import TraceRecord
 
 NEAR = 0.10
 DEMAND_NOTE = (

@@ -45,7 +45,7 @@ import orjson
 from gateway.config_check import load_settings
 from gateway.count.tokenizers.vocab import Vocabulary
 from gateway.count.tokens import TokenCounter
-from gateway.request.protocol import ChatPrompt, parse_request
+from gateway.protocols.openai import ChatPrompt, parse_request
 from gateway.settings import ConfigError, ModelSettings, Settings, TokenizerSettings
 from gateway.shipped import resolve_policy
 from gateway.tools.bench.corpus import KINDS, Corpus

@@ -45,6 +45,7 @@ from typing import Any
 
 import orjson
 
+from gateway.extras import save, side_by_side
 from gateway.tools.bench.harness import (
     Child,
     free_port,
@@ -61,7 +62,6 @@ from gateway.tools.bench.harness import (
 )
 from gateway.tools.bench.httpload import percentile
 from gateway.tools.bench.texts import SHAPES, Texts
-from gateway.tools.extras import save, side_by_side
 
 PATH = "/v1/chat/completions"
 FIRST_BURST_LIMIT = 2.0

@@ -34,6 +34,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+from gateway.extras import save, side_by_side
 from gateway.tools.bench.harness import (
     Child,
     gateway_rig,
@@ -50,7 +51,6 @@ from gateway.tools.bench.httpload import (
     open_loop,
     percentile,
 )
-from gateway.tools.extras import save, side_by_side
 
 PATH = "/v1/chat/completions"
 BODIES = {

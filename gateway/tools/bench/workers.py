@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gateway.extras import save, side_by_side
 from gateway.tools.bench.harness import (
     Child,
     free_port,
@@ -38,7 +39,6 @@ from gateway.tools.bench.harness import (
     wait_http,
 )
 from gateway.tools.bench.httpload import LoadResult, closed_loop, new_event_loop, percentile
-from gateway.tools.extras import save, side_by_side
 
 PATH = "/v1/chat/completions"
 BODY = (

@@ -17,7 +17,7 @@ from structlog.testing import capture_logs
 
 from gateway.count.tokens import TokenCounter
 from gateway.errors import BadRequest, ModelNotFound
-from gateway.request.protocol import ChatPrompt, CompletionPrompt
+from gateway.protocols.openai import ChatPrompt, CompletionPrompt
 from gateway.settings import ConfigError
 
 MODEL = "qwen3.6"

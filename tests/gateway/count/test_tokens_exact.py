@@ -35,7 +35,7 @@ from structlog.testing import capture_logs
 
 from gateway.count.tokenizers.vocab import GIGATOKEN_MISSING
 from gateway.count.tokens import TokenCounter
-from gateway.request.protocol import ChatPrompt, CompletionPrompt
+from gateway.protocols.openai import ChatPrompt, CompletionPrompt
 from gateway.tools.bench.corpus import Corpus
 from tests.support.plain_install import hide_gigatoken
 

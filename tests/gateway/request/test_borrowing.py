@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
+from gateway.observe.trace import TraceRecord
 from gateway.request.borrowing import (
     EndpointUse,
     borrow_room,
@@ -22,7 +23,6 @@ from gateway.settings import ConfigError, LendSettings, Settings, parse_settings
 from gateway.shipped import resolve_policy
 from gateway.tuning.fleet_sim import FleetSim, Outcome
 from gateway.tuning.replay import cluster_profiles, simulate
-from gateway.tuning.trace import TraceRecord
 
 RULE = LendSettings(to=("fast",), max_prompt_tokens=8192, max_tokens=128, per_endpoint=4)
 
@@ -180,7 +180,7 @@ def test_a_monster_waits_no_longer_than_max_drain_s_for_slow_borrowers() -> None
 
 
 def test_the_shipped_policy_never_puts_a_monster_on_a_fast_engine() -> None:
-    from gateway.tuning.trace import synthesize
+    from gateway.observe.trace import synthesize
 
     settings = parse_settings(demo_raw(), {})
     report = simulate(

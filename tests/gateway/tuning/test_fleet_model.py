@@ -9,11 +9,11 @@ import math
 
 import pytest
 
+from gateway.observe.trace import TraceRecord
 from gateway.settings import Settings, parse_settings
 from gateway.tuning.fleet_model import LiveCosts
 from gateway.tuning.fleet_sim import FleetSim, Outcome, _Ticket
 from gateway.tuning.replay import cluster_profiles
-from gateway.tuning.trace import TraceRecord
 from tests.conftest import lanes_config
 
 

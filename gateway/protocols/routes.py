@@ -28,12 +28,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine_pool.engine_api import Endpoint
-from gateway.edge.exchange import JSON
+from gateway.core.exchange import JSON
 from gateway.errors import ErrorShape
-from gateway.request.protocol import RoutedRequest, parse_request
-from gateway.request.protocols.messages import parse_messages
-from gateway.request.protocols.pooling import parse_pooling
-from gateway.request.protocols.responses import parse_responses
+from gateway.protocols.messages import parse_messages
+from gateway.protocols.openai import RoutedRequest, parse_request
+from gateway.protocols.pooling import parse_pooling
+from gateway.protocols.responses import parse_responses
 
 MULTIPART = frozenset({"multipart/form-data"})
 

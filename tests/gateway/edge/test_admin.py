@@ -12,10 +12,10 @@ import pytest
 
 from engine_pool.sim.server import SimServer
 from gateway.count.tokens import TokenCounter
+from gateway.edge.admin.state import StoreWatch, build_state
 from gateway.edge.app import create_app
 from gateway.edge.services import Gateway
 from gateway.errors import StateUnavailable
-from gateway.observe.dashboard.state import StoreWatch, build_state
 from gateway.settings import ConfigError, parse_settings
 from gateway.slots.store import MemorySlotStore
 from tests.conftest import chat, lanes_config
@@ -346,7 +346,7 @@ async def test_an_unreachable_slot_store_shows_unknown_slots_and_is_reported_onc
 
 
 def test_admin_access_is_a_pure_decision_over_the_request() -> None:
-    from gateway.observe.dashboard.guard import AdminRequest, admin_access
+    from gateway.edge.admin.guard import AdminRequest, admin_access
 
     local = {"client_host": "127.0.0.1", "host": "127.0.0.1:8000"}
     assert admin_access(AdminRequest("/admin/state", **local), None).allow

@@ -1,4 +1,4 @@
-"""Failover before the first byte (gateway/upstream/failover.py) and passive ejection, through real
+"""Failover before the first byte (gateway/request/failover.py) and passive ejection, through real
 sockets: a refused endpoint, a kept-alive connection the engine closed, engines that answer 500
 and close, and the choice of the next endpoint as a pure function."""
 
@@ -14,8 +14,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from engine_pool.cluster import EngineState, EngineView
+from gateway.request.failover import failover_candidates
 from gateway.settings import ConfigError, LaneSettings, parse_settings
-from gateway.upstream.failover import failover_candidates
 from tests.conftest import lanes_config
 from tests.support.fake_engine import FakeEngine
 from tests.support.prom import parse

@@ -32,10 +32,10 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.errors import BadRequest
-from gateway.request.protocol import ChatPrompt, RoutedRequest
-from gateway.request.protocols.common import load_object, model_of, objects, positive_int, stream_of
-from gateway.request.protocols.template_options import template_options
-from gateway.request.protocols.tools import responses_tool
+from gateway.protocols.common import load_object, model_of, objects, positive_int, stream_of
+from gateway.protocols.openai import ChatPrompt, RoutedRequest
+from gateway.protocols.template_options import template_options
+from gateway.protocols.tools import responses_tool
 
 
 def _first_text(content: Any) -> str:

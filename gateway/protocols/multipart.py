@@ -11,7 +11,7 @@ import re
 
 from engine_pool.engine_api import Endpoint
 from gateway.errors import BadRequest
-from gateway.request.protocol import CompletionPrompt, RoutedRequest
+from gateway.protocols.openai import CompletionPrompt, RoutedRequest
 
 _BOUNDARY = re.compile(rb'boundary="?([^";\s]+)"?', re.IGNORECASE)
 _MODEL = re.compile(rb'content-disposition:[^\r\n]*\bname="model"', re.IGNORECASE)

@@ -9,9 +9,9 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.observe.dashboard.events import EventRing
-from gateway.observe.dashboard.guard import AdminRequest, admin_access
-from gateway.observe.dashboard.stats import RollingWindow, bin_of, bin_value, quantiles
+from gateway.edge.admin.guard import AdminRequest, admin_access
+from gateway.observe.events import EventRing
+from gateway.observe.stats import RollingWindow, bin_of, bin_value, quantiles
 
 
 def done(

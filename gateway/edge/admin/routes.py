@@ -4,7 +4,7 @@
     GET /dashboard/static/<file>    app.js, style.css (read once at start-up, served from memory)
     GET /admin/dashboard.json       the state the page polls (see state.py); with workers
                                     (gateway/edge/workers.py), every worker's merged
-                                    (gateway/observe/merge.py)
+                                    (gateway/edge/admin/merge.py)
 
 The page's files are package data, read when the routes are added: a missing file is a start-up
 error, and no request path ever reaches the filesystem.
@@ -19,10 +19,10 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from gateway.edge.admin.guard import AdminGuard
+from gateway.edge.admin.merge import merge_dashboard
+from gateway.edge.admin.state import StateCache, StoreWatch, build_state
 from gateway.edge.peers import worker_only
-from gateway.observe.dashboard.guard import AdminGuard
-from gateway.observe.dashboard.state import StateCache, StoreWatch, build_state
-from gateway.observe.merge import merge_dashboard
 
 if TYPE_CHECKING:
     from gateway.edge.services import Gateway
@@ -45,7 +45,7 @@ PAGE_HEADERS = {
 
 
 def _read_static() -> dict[str, bytes]:
-    folder = resources.files("gateway.observe.dashboard") / "static"
+    folder = resources.files("gateway.edge.admin") / "static"
     return {name: (folder / name).read_bytes() for name in STATIC}
 
 

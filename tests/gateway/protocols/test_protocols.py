@@ -1,4 +1,4 @@
-"""Per-route parsing (gateway/request/protocols): what each route's prompt is, and 400s naming the
+"""Per-route parsing (gateway/protocols): what each route's prompt is, and 400s naming the
 field."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import orjson
 import pytest
 
 from gateway.errors import BadRequest
-from gateway.request.protocol import ChatPrompt, CompletionPrompt, parse_request
-from gateway.request.protocols.messages import parse_messages
-from gateway.request.protocols.multipart import multipart_model
-from gateway.request.protocols.pooling import parse_pooling
-from gateway.request.protocols.responses import parse_responses
+from gateway.protocols.messages import parse_messages
+from gateway.protocols.multipart import multipart_model
+from gateway.protocols.openai import ChatPrompt, CompletionPrompt, parse_request
+from gateway.protocols.pooling import parse_pooling
+from gateway.protocols.responses import parse_responses
 from gateway.settings import ConfigError, parse_settings
 from tests.conftest import lanes_config
 

@@ -27,8 +27,8 @@ import orjson
 
 from engine_pool.engine_api import Endpoint
 from gateway.errors import BadRequest
-from gateway.request.protocols.template_options import DEFAULT, TemplateOptions, template_options
-from gateway.request.protocols.tools import chat_tool
+from gateway.protocols.template_options import DEFAULT, TemplateOptions, template_options
+from gateway.protocols.tools import chat_tool
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,10 +25,10 @@ import json
 from typing import Any
 
 from gateway.errors import BadRequest
-from gateway.request.protocol import ChatPrompt, RoutedRequest
-from gateway.request.protocols.common import load_object, model_of, objects, positive_int, stream_of
-from gateway.request.protocols.template_options import template_options
-from gateway.request.protocols.tools import anthropic_tool
+from gateway.protocols.common import load_object, model_of, objects, positive_int, stream_of
+from gateway.protocols.openai import ChatPrompt, RoutedRequest
+from gateway.protocols.template_options import template_options
+from gateway.protocols.tools import anthropic_tool
 
 BILLING_HEADER = "x-anthropic-billing-header"
 

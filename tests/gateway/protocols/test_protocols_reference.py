@@ -22,9 +22,9 @@ from openai.types.responses import FunctionTool
 from pydantic import BaseModel, ConfigDict
 
 from gateway.count.tokens import TokenCounter
-from gateway.request.protocols.messages import parse_messages
-from gateway.request.protocols.pooling import parse_pooling
-from gateway.request.protocols.responses import parse_responses
+from gateway.protocols.messages import parse_messages
+from gateway.protocols.pooling import parse_pooling
+from gateway.protocols.responses import parse_responses
 from gateway.settings import parse_settings
 from tests.conftest import MODEL, ROOT, lanes_config
 
@@ -397,7 +397,7 @@ def test_chat_options_change_the_count_as_the_template_says(
 ) -> None:
     """enable_thinking, add_generation_prompt and continue_final_message on chat, against the
     reference; tools dumped as vLLM does (a null description is real tokens)."""
-    from gateway.request.protocol import parse_request
+    from gateway.protocols.openai import parse_request
 
     messages = [
         {"role": "user", "content": "东京 weather?"},

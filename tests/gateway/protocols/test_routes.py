@@ -17,7 +17,7 @@ import orjson
 import pytest
 from structlog.testing import capture_logs
 
-from gateway.request.routes import ENGINE_ROUTES
+from gateway.protocols.routes import ENGINE_ROUTES
 from tests.conftest import JSON, lanes_config
 from tests.gateway.request.test_pipeline import dense_json
 

@@ -14,12 +14,12 @@ from structlog.testing import capture_logs
 
 from engine_pool.sim.profile import load_profile
 from engine_pool.sim.server import run_sim
-from gateway.count.drift import DriftWatch
 from gateway.count.tokens import TokenCounter
+from gateway.observe.drift import DriftWatch
 from gateway.observe.log import get_logger
 from gateway.observe.metrics import Metrics
-from gateway.request.protocols.messages import parse_messages
-from gateway.request.protocols.responses import parse_responses
+from gateway.protocols.messages import parse_messages
+from gateway.protocols.responses import parse_responses
 from gateway.settings import parse_settings
 from gateway.tools.sim_support import RegistryCounter
 from tests.conftest import MODEL, chat, lanes_config

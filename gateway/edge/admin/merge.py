@@ -39,7 +39,7 @@ SAME_EVERYWHERE = frozenset(
 
 
 # Rows of the merged dashboard's tables at most: what one worker's page shows
-# (gateway/observe/dashboard/state.py MAX_DECISIONS).
+# (gateway/edge/admin/state.py MAX_DECISIONS).
 MAX_ROWS = 500
 
 

@@ -22,10 +22,10 @@ from typing import Any
 
 from engine_pool.engine_api import Endpoint
 from gateway.errors import BadRequest
-from gateway.request.protocol import ChatPrompt, CompletionPrompt, Prompt, RoutedRequest
-from gateway.request.protocols.common import load_object, model_of, objects
-from gateway.request.protocols.template_options import template_options
-from gateway.request.protocols.tools import chat_tool
+from gateway.protocols.common import load_object, model_of, objects
+from gateway.protocols.openai import ChatPrompt, CompletionPrompt, Prompt, RoutedRequest
+from gateway.protocols.template_options import template_options
+from gateway.protocols.tools import chat_tool
 
 
 def _is_ids(value: Any) -> bool:

@@ -1,10 +1,10 @@
-"""The gateway-wide view merged from each worker's (gateway/observe/merge.py)."""
+"""The gateway-wide view merged from each worker's (gateway/edge/admin/merge.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from gateway.observe.merge import merge_admin_state, merge_dashboard, merge_metrics
+from gateway.edge.admin.merge import merge_admin_state, merge_dashboard, merge_metrics
 from gateway.observe.metrics import Metrics
 from tests.support.prom import parse
 

@@ -41,7 +41,7 @@ from typing import Literal
 import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.edge.exchange import header
+from gateway.core.exchange import header
 from gateway.errors import error_body
 
 ADMIN_PREFIXES = ("/admin", "/dashboard")

@@ -1,5 +1,5 @@
 """Per-route request parsing beyond chat and completions (which live in
-``gateway/request/protocol.py``).
+``gateway/protocols/openai.py``).
 
 Each module reads one API's routing fields from the raw body and returns a ``RoutedRequest``
 whose prompt is what the engine will render: a ``ChatPrompt`` (Responses, Anthropic Messages,
