@@ -281,22 +281,17 @@ class TokenCounter:
         step = self._begin(model, prompt, exact_above)
         return step if isinstance(step, TokenCount) else await self._finish(step)
 
-    async def exact(self, count: TokenCount) -> TokenCount:
-        """The exact count of a prompt whose ``count`` settled for its bound (``count`` itself
-        when it is exact already), from the plan it kept: a cached piece costs one hash, a
-        missing one is encoded as ``count`` would (inline when small, else in the worker)."""
-        step = self._looked_up(count)
-        return step if isinstance(step, TokenCount) else await self._finish(step)
-
     def exact_now(self, count: TokenCount) -> TokenCount | None:
-        """``exact(count)`` when it can be had inline (the missing pieces small and the encoder
-        free), else None: then ``exact`` finishes it in the worker."""
+        """The exact count of a prompt whose ``count`` settled for its bound (``count`` itself
+        when exact already) when it can be had inline (the missing pieces small and the encoder
+        free), else None: then ``start_exact`` and ``finish`` finish it in the worker."""
         step = self.start_exact(count)
         return step if isinstance(step, TokenCount) else None
 
     def start_exact(self, count: TokenCount) -> TokenCount | Unfinished:
-        """``exact(count)`` when it can be had inline, else what is left once the cache was
-        looked up: ``finish`` encodes only those pieces (no second lookup, no second plan)."""
+        """The exact count of ``count`` when it can be had inline, else what is left once the
+        cache was looked up (from the plan the bound kept: a cached piece costs one hash):
+        ``finish`` encodes only those pieces (no second lookup, no second plan)."""
         step = self._looked_up(count)
         if isinstance(step, TokenCount):
             return step

@@ -27,12 +27,10 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Literal
 
 import anyio
 import orjson
 
-SynthKind = Literal["production-burst", "burst-32k", "agent-storm"]
 SYNTH_KINDS: tuple[str, ...] = ("production-burst", "burst-32k", "agent-storm")
 # Characters per Qwen3 token by content (shared/FACTS.md): prose ~5, code ~4.5, dense JSON ~2.1.
 CHARS_PER_TOKEN = {"prose": 4.9, "code": 4.4, "json": 2.1}

@@ -21,7 +21,7 @@ from gateway.request.borrowing import (
 )
 from gateway.settings import ConfigError, LendSettings, Settings, parse_settings
 from gateway.shipped import resolve_policy
-from gateway.tuning.fleet_sim import FleetSim, Outcome
+from gateway.tuning.fleet_sim import FleetSim, SimulatedRequest
 from gateway.tuning.replay import cluster_profiles, simulate
 
 RULE = LendSettings(to=("fast",), max_prompt_tokens=8192, max_tokens=128, per_endpoint=4)
@@ -143,7 +143,7 @@ def small(t: float, tokens: int = 2000, output: int = 100) -> TraceRecord:
     )
 
 
-def run(settings: Settings, trace: list[TraceRecord]) -> list[Outcome]:
+def run(settings: Settings, trace: list[TraceRecord]) -> list[SimulatedRequest]:
     return list(FleetSim(settings, cluster_profiles(settings)).run(trace).outcomes)
 
 
