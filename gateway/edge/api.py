@@ -38,6 +38,7 @@ from starlette.routing import Route
 
 from gateway.config_check import parse_policy
 from gateway.core.exchange import Receive, Scope, Send, header, read_body, require_media_type
+from gateway.core.slots import endpoint_key, lane_key
 from gateway.edge.admin.merge import merge_admin_state, merge_metrics
 from gateway.edge.admin.routes import add_dashboard_routes
 from gateway.edge.peers import worker_only
@@ -47,7 +48,6 @@ from gateway.errors import GatewayError, Unauthorized, anthropic_error_body, err
 from gateway.protocols.routes import ENGINE_ROUTES, EngineRoute
 from gateway.request.admission import borrowing_state
 from gateway.settings import ConfigError
-from gateway.slots.store import endpoint_key, lane_key
 from gateway.upstream.readiness import endpoint_health, lane_states
 
 # A policy file is a few kB; anything near this cap is not one.

@@ -41,10 +41,10 @@ from typing import Any
 
 import orjson
 
+from gateway.core.slots import Limit
 from gateway.errors import StateUnavailable
 from gateway.observe.log import Logger, get_logger, swallowed
 from gateway.observe.metrics import Metrics
-from gateway.slots.store import Limit
 
 RETRY_AFTER_S = 2.0
 # A line is one slot operation: a few keys and limits, never near this.

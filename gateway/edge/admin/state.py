@@ -26,10 +26,10 @@ import anyio
 import orjson
 from prometheus_client import Metric
 
+from gateway.core.slots import endpoint_key, lane_key
 from gateway.errors import GatewayError
 from gateway.observe.log import swallowed
 from gateway.request.admission import borrowing_state
-from gateway.slots.store import endpoint_key, lane_key
 
 if TYPE_CHECKING:
     from gateway.edge.services import Gateway

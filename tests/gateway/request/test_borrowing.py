@@ -102,7 +102,8 @@ def test_the_fast_lane_never_lends_to_the_heavy_lane() -> None:
 def test_guards_make_borrowers_and_the_lenders_own_requests_exclude_each_other() -> None:
     import asyncio
 
-    from gateway.slots.store import Limit, MemorySlotStore
+    from gateway.core.slots import Limit
+    from gateway.slots.store import MemorySlotStore
 
     async def scenario() -> None:
         store = MemorySlotStore()
@@ -198,10 +199,11 @@ async def test_admission_reserves_for_the_lender_and_drops_the_reservation_when_
     import asyncio
 
     from engine_pool.cluster import EngineState, EngineView
+    from gateway.core.slots import reserve_key
     from gateway.observe.log import get_logger
     from gateway.observe.metrics import Metrics
     from gateway.request.admission import Admission, Want
-    from gateway.slots.store import MemorySlotStore, reserve_key
+    from gateway.slots.store import MemorySlotStore
 
     settings = one_heavy_engine(max_drain_s=60)
     fast, heavy = settings.lane("fast"), settings.lane("heavy")

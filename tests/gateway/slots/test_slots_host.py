@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from gateway.core.slots import Limit
 from gateway.errors import StateUnavailable
 from gateway.slots.host import HostSlots, HostSlotStore, SlotServer
-from gateway.slots.store import Limit
 from tests.support.checkout import ROOT, checkout_env
 from tests.support.waiting import wait_for
 
@@ -134,7 +134,7 @@ HOLDER = textwrap.dedent(
     """
     import asyncio, sys
     from pathlib import Path
-    from gateway.slots.store import Limit
+    from gateway.core.slots import Limit
     from gateway.slots.host import HostSlotStore
 
     async def main():
