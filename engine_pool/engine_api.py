@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 # Every engine route the gateway counts and lanes and the simulator serves, as vLLM does.
-Endpoint = Literal[
+RouteKind = Literal[
     "chat",
     "completions",
     "responses",

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from engine_pool.engine_api import Endpoint
+from engine_pool.engine_api import RouteKind
 from engine_pool.latency import LatencyBook
 from gateway.core.count import TokenCount
 from gateway.core.decision import Decision, Grant, Outcome, Reason
@@ -64,7 +64,7 @@ class Routed:
     lane: str  # "none" when no lane takes the prompt
     reason: Reason
     cluster_health: dict[str, bool]
-    route: Endpoint  # the engine route (gateway/protocols/routes.py) the request came by
+    route: RouteKind  # the engine route (gateway/protocols/routes.py) the request came by
     priority: str | None = None  # its class inside the lane (gateway/request/classes.py)
     lender: str | None = None  # the lane whose engine it borrowed (reason ``borrowed``)
 
@@ -84,7 +84,7 @@ class Routed:
             lane=decision.lane_name,
             reason=decision.reason,
             cluster_health={c: healthy.get(c, True) for c in candidates},
-            route=request.endpoint,
+            route=request.route,
         )
 
     # The names log_fields() gives, for a record refused before its lane was decided.
@@ -138,7 +138,7 @@ class Record:
     """One request, from arrival to its last report."""
 
     request_id: str
-    endpoint: Endpoint
+    route: RouteKind
     started: float = field(default_factory=time.monotonic)
     routed: Routed | None = None
     grant: Grant | None = None
@@ -189,7 +189,7 @@ class Record:
         count = routed.count if routed is not None else None
         return {
             "shapegate.request_id": self.request_id,
-            "shapegate.route": self.endpoint,
+            "shapegate.route": self.route,
             "shapegate.model": routed.model if routed else None,
             "shapegate.stream": routed.stream if routed else None,
             "shapegate.lane": self.lane,
@@ -220,7 +220,7 @@ class Record:
         grant = self.grant
         return {
             "request_id": self.request_id,
-            "endpoint_kind": self.endpoint,
+            "endpoint_kind": self.route,
             "outcome": self.outcome if self.finished else "in_flight",
             "status": self.status or None,
             **routed,
@@ -320,7 +320,7 @@ class Recorder:
         assert record.routed is not None, "answered before the lane was decided"
         record.count_drift = self.drift.observe(
             model=model,
-            route=record.endpoint,
+            route=record.route,
             ours=record.prompt_tokens,
             theirs=record.engine_prompt_tokens,
             tokenizer=record.routed.count.tokenizer,

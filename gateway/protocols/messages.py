@@ -138,7 +138,7 @@ def parse_messages(body: bytes) -> RoutedRequest:
     tools = tuple(anthropic_tool(t) for t in objects(data.get("tools"), "tools"))
     options = template_options({"chat_template_kwargs": data.get("chat_template_kwargs")})
     return RoutedRequest(
-        endpoint="messages",
+        route="messages",
         model=model,
         prompt=ChatPrompt(messages=tuple(messages), tools=tools, options=options),
         stream=stream_of(data),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from engine_pool.engine_api import Endpoint
+from engine_pool.engine_api import RouteKind
 from gateway.errors import BadRequest
 from gateway.protocols.openai import CompletionPrompt, RoutedRequest
 
@@ -62,9 +62,9 @@ def multipart_model(content_type: bytes | None, body: bytes) -> str:
     raise BadRequest("'model' is required and must be a string", param="model")
 
 
-def parse_multipart(endpoint: Endpoint, content_type: bytes | None, body: bytes) -> RoutedRequest:
+def parse_multipart(kind: RouteKind, content_type: bytes | None, body: bytes) -> RoutedRequest:
     return RoutedRequest(
-        endpoint=endpoint,
+        route=kind,
         model=multipart_model(content_type, body),
         prompt=CompletionPrompt(),
         stream=False,

@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from engine_pool.engine_api import Endpoint
+from engine_pool.engine_api import RouteKind
 from gateway.errors import BadRequest
 from gateway.protocols.template_options import DEFAULT, TemplateOptions, template_options
 from gateway.protocols.tools import chat_tool
@@ -53,7 +53,7 @@ Prompt = ChatPrompt | CompletionPrompt
 
 @dataclass(frozen=True, slots=True)
 class RoutedRequest:
-    endpoint: Endpoint
+    route: RouteKind
     model: str
     prompt: Prompt
     stream: bool
@@ -233,7 +233,7 @@ def completion_prompt(prompt: Any) -> CompletionPrompt:
     raise BadRequest("'prompt' must be a string, an array of strings, or token ids", param="prompt")
 
 
-def parse_request(endpoint: Endpoint, body: bytes) -> RoutedRequest:
+def parse_request(kind: RouteKind, body: bytes) -> RoutedRequest:
     """Read the routing fields of an OpenAI chat or completions request body."""
     data = _loads(body)
     if not isinstance(data, dict):
@@ -246,12 +246,10 @@ def parse_request(endpoint: Endpoint, body: bytes) -> RoutedRequest:
         raise BadRequest("'stream' must be a boolean", param="stream")
     options = data.get("stream_options") or {}
     include_usage = isinstance(options, dict) and options.get("include_usage") is True
-    prompt: Prompt = (
-        _chat_prompt(data) if endpoint == "chat" else completion_prompt(data.get("prompt"))
-    )
+    prompt: Prompt = _chat_prompt(data) if kind == "chat" else completion_prompt(data.get("prompt"))
     max_tokens, max_tokens_param = _max_tokens(data)
     return RoutedRequest(
-        endpoint=endpoint,
+        route=kind,
         model=model,
         prompt=prompt,
         stream=stream,

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from engine_pool.engine_api import Endpoint
+from engine_pool.engine_api import RouteKind
 from gateway.errors import BadRequest
 from gateway.protocols.common import load_object, model_of, objects
 from gateway.protocols.openai import ChatPrompt, CompletionPrompt, Prompt, RoutedRequest
@@ -129,12 +129,12 @@ _PROMPTS: dict[str, Callable[[dict[str, Any]], Prompt]] = {
 }
 
 
-def parse_pooling(endpoint: Endpoint, body: bytes) -> RoutedRequest:
+def parse_pooling(kind: RouteKind, body: bytes) -> RoutedRequest:
     data = load_object(body)
     return RoutedRequest(
-        endpoint=endpoint,
+        route=kind,
         model=model_of(data),
-        prompt=_PROMPTS[endpoint](data),
+        prompt=_PROMPTS[kind](data),
         stream=False,
         include_usage=False,
         max_tokens=None,

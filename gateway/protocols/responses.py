@@ -138,7 +138,7 @@ def parse_responses(body: bytes) -> RoutedRequest:
     if previous is not None and not (isinstance(previous, str) and previous):
         raise BadRequest("'previous_response_id' must be a string", param="previous_response_id")
     return RoutedRequest(
-        endpoint="responses",
+        route="responses",
         model=model,
         prompt=ChatPrompt(messages=tuple(messages), tools=tools, options=options),
         stream=stream_of(data),

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine_pool.engine_api import Endpoint
+from engine_pool.engine_api import RouteKind
 from gateway.core.exchange import JSON
 from gateway.errors import ErrorShape
 from gateway.protocols.messages import parse_messages
@@ -40,7 +40,7 @@ MULTIPART = frozenset({"multipart/form-data"})
 
 @dataclass(frozen=True, slots=True)
 class EngineRoute:
-    endpoint: Endpoint
+    kind: RouteKind
     path: str
     # None for multipart routes: no text to count, only the model field is read.
     parse: Callable[[bytes], RoutedRequest] | None
@@ -56,12 +56,12 @@ class EngineRoute:
         return MULTIPART if self.multipart else JSON
 
 
-def _pooling(endpoint: Endpoint) -> Callable[[bytes], RoutedRequest]:
-    return lambda body: parse_pooling(endpoint, body)
+def _pooling(kind: RouteKind) -> Callable[[bytes], RoutedRequest]:
+    return lambda body: parse_pooling(kind, body)
 
 
-def _openai(endpoint: Endpoint) -> Callable[[bytes], RoutedRequest]:
-    return lambda body: parse_request(endpoint, body)
+def _openai(kind: RouteKind) -> Callable[[bytes], RoutedRequest]:
+    return lambda body: parse_request(kind, body)
 
 
 _ROUTES = (
@@ -85,6 +85,6 @@ _ROUTES = (
 ENGINE_ROUTES: dict[str, EngineRoute] = {route.path: route for route in _ROUTES}
 
 
-def path_of(endpoint: Endpoint) -> str:
-    """The path an endpoint is served under (its first route in the table)."""
-    return next(route.path for route in _ROUTES if route.endpoint == endpoint)
+def path_of(kind: RouteKind) -> str:
+    """The path a route kind is served under (its first route in the table)."""
+    return next(route.path for route in _ROUTES if route.kind == kind)

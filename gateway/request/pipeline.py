@@ -141,7 +141,7 @@ def read_request(
     """Parse the body as its route reads it and find the model it names (the policy's, by name
     or alias); BadRequest (or ModelNotFound) in the route's error shape otherwise."""
     if route.parse is None:
-        request = parse_multipart(route.endpoint, header(scope, b"content-type"), body)
+        request = parse_multipart(route.kind, header(scope, b"content-type"), body)
     else:
         request = route.parse(body)
     model = settings.model(request.model)
@@ -262,7 +262,7 @@ class Pipeline:
 
     async def handle(self, route: EngineRoute, scope: Scope, receive: Receive, send: Send) -> None:
         policy = self.policy
-        record = Record(request_id=request_id_from(scope), endpoint=route.endpoint)
+        record = Record(request_id=request_id_from(scope), route=route.kind)
         out = Outbound(send, route.errors)
         ids = [(b"x-request-id", record.request_id.encode())]
         self.recorder.received(record, scope)
@@ -515,7 +515,7 @@ class Pipeline:
 
     async def _learn(self, request: RoutedRequest, grant: Grant, payload: bytes) -> None:
         """Remember which endpoint produced a Responses answer (its id is in the first bytes)."""
-        if request.endpoint == "responses":
+        if request.route == "responses":
             response_id = response_id_of(payload)
             if response_id is not None:
                 await self.affinity.remember(response_id, grant.cluster, grant.url)
@@ -570,7 +570,7 @@ class Pipeline:
                 record.outcome = "upstream_error" if record.status >= 500 else "ok"
             else:
                 tail, events, head = b"", 0, b""
-                learning = request.endpoint == "responses"
+                learning = request.route == "responses"
                 async for chunk in response.chunks(watch):
                     self.recorder.chunk(record, time.monotonic())
                     if not out.started:
@@ -593,8 +593,8 @@ class Pipeline:
                 record.outcome = "ok"
                 usage = engine_usage(tail)
                 events += sse_events(tail)
-                if usage.completion_tokens is None and request.endpoint in ("chat", "completions"):
+                if usage.completion_tokens is None and request.route in ("chat", "completions"):
                     # No usage chunk: one token per content event (chat opens with a role event).
-                    record.output_tokens_estimate = max(0, events - (request.endpoint == "chat"))
+                    record.output_tokens_estimate = max(0, events - (request.route == "chat"))
             record.output_tokens = usage.completion_tokens
             record.engine_prompt_tokens = usage.prompt_tokens

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from engine_pool.engine_api import Endpoint
+from engine_pool.engine_api import RouteKind
 from engine_pool.sim.counting import RequestRejected, SimRequest
 from gateway.errors import BadRequest
 from gateway.protocols.multipart import parse_multipart
@@ -34,8 +34,8 @@ if TYPE_CHECKING:
     from gateway.count.tokens import TokenCounter
 
 # Each JSON route's parser, by endpoint (the routes sharing an endpoint share its parser).
-_PARSERS: dict[Endpoint, Callable[[bytes], RoutedRequest]] = {
-    route.endpoint: route.parse for route in ENGINE_ROUTES.values() if route.parse is not None
+_PARSERS: dict[RouteKind, Callable[[bytes], RoutedRequest]] = {
+    route.kind: route.parse for route in ENGINE_ROUTES.values() if route.parse is not None
 }
 
 
@@ -81,15 +81,15 @@ class RegistryCounter:
         }
         return cls(TokenCounter.for_models([model]), profile.model)
 
-    def read(self, endpoint: Endpoint, body: bytes) -> SimRequest:
+    def read(self, kind: RouteKind, body: bytes) -> SimRequest:
         try:
-            return _sim_request(_PARSERS[endpoint](body))
+            return _sim_request(_PARSERS[kind](body))
         except BadRequest as exc:
             raise RequestRejected(exc.message, exc.param) from exc
 
-    def read_form(self, endpoint: Endpoint, content_type: bytes | None, body: bytes) -> SimRequest:
+    def read_form(self, kind: RouteKind, content_type: bytes | None, body: bytes) -> SimRequest:
         try:
-            return _sim_request(parse_multipart(endpoint, content_type, body))
+            return _sim_request(parse_multipart(kind, content_type, body))
         except BadRequest as exc:
             raise RequestRejected(exc.message, exc.param) from exc
 

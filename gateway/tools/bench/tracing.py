@@ -113,7 +113,7 @@ def recorder_for(
 
 
 def one_request(recorder: Recorder, index: int, scope: dict[str, Any]) -> None:
-    record = Record(request_id=f"r{index}", endpoint="chat")
+    record = Record(request_id=f"r{index}", route="chat")
     recorder.received(record, scope)
     count = TokenCount(86, "bound", "qwen3.6/gigatoken", 86, 0.00007)
     routed = Routed("qwen3.6", True, 112, 16, count, "fast", "in_range", {"fast": True}, "chat")

@@ -46,7 +46,7 @@ def test_an_admitted_request_logs_one_decision_and_one_finish_with_typed_fields(
     tmp_path: Path,
 ) -> None:
     rec = recorder(tmp_path)
-    record = Record(request_id="r1", endpoint="chat")
+    record = Record(request_id="r1", route="chat")
     with capture_logs() as logs:
         rec.decided(record, routed())
         assert rec.snapshot()[0]["outcome"] == "in_flight"  # in the ring while it runs

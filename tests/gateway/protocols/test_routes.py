@@ -116,7 +116,7 @@ async def test_every_engine_route_runs_the_pipeline_to_its_own_upstream_path(
             if route.multipart:
                 continue
             with capture_logs() as logs:
-                r = await client.post(path, json=bodies[route.endpoint])
+                r = await client.post(path, json=bodies[route.kind])
             assert r.status_code == 200, (path, r.text)
             assert r.headers["x-shapegate-lane"] == "fast"
             finished = [e for e in logs if e["event"] == "route.finished"]

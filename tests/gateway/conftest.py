@@ -1,4 +1,5 @@
-"""Two fake engines, one per lane, served on loopback sockets, for the request-path tests."""
+"""Two fake engines, one per lane, served on loopback sockets, for the request-path and the
+routes tests (tests/gateway/request/, tests/gateway/protocols/)."""
 
 from __future__ import annotations
 
