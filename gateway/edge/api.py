@@ -13,6 +13,9 @@ exchange to the pipeline; the rest answer from config or from snapshots of the g
     POST /admin/probe                            run the boot probe now; per-lane results
     POST /admin/reload                           reload the policy (file, or a policy in the body)
     GET  /admin/state                            lanes, clusters, slots, queues, recent decisions
+    POST/GET/DELETE /admin/shadow, POST /admin/shadow/promote
+                                                 a candidate policy deciding on live traffic
+                                                 beside the active one (edge/shadow_routes.py)
     GET  /metrics                                Prometheus
     GET  /dashboard, /admin/dashboard.json       the ops page and its state
     (gateway/edge/admin)
@@ -44,6 +47,7 @@ from gateway.edge.admin.routes import add_dashboard_routes
 from gateway.edge.peers import worker_only
 from gateway.edge.reload import reload_policy
 from gateway.edge.services import Gateway
+from gateway.edge.shadow_routes import add_shadow_routes
 from gateway.errors import GatewayError, Unauthorized, anthropic_error_body, error_body
 from gateway.protocols.routes import ENGINE_ROUTES, EngineRoute
 from gateway.request.admission import borrowing_state
@@ -201,6 +205,7 @@ async def reload_peers(gateway: Gateway, scope: Scope, raw: bytes) -> dict[str, 
 def add_routes(app: FastAPI, gateway: Gateway) -> None:
     add_dashboard_routes(app, gateway)  # also guards every /admin/* route below
     app.add_exception_handler(HTTPException, http_error)
+    add_shadow_routes(app, gateway)
     for path, route in ENGINE_ROUTES.items():
         app.router.routes.append(Route(path, _ProxyRoute(gateway, route), methods=["POST"]))
 

@@ -99,14 +99,12 @@ def _restart_only(key: str) -> bool:
     return any(key == p or key.startswith(p + ".") for p in RESTART_ONLY)
 
 
-async def apply_reload(gateway: Gateway, new: Settings) -> ReloadResult:
-    # Endpoints found by DNS stay, whatever the file lists (gateway/edge/discovery.py).
+def effective_settings(gateway: Gateway, new: Settings) -> Settings:
+    """``new`` as a reload applies it: endpoints found by DNS kept, restart-only keys at their
+    running values (a shadow policy, gateway/edge/shadow_routes.py, decides with these too)."""
     new = with_discovered(new, gateway.discovered)
-    old_policy = gateway.pipeline.policy
-    old = old_policy.settings
-    changed = diff_settings(old, new)
-    restart = tuple(k for k in changed if _restart_only(k))
-    effective = new.model_copy(
+    old = gateway.pipeline.policy.settings
+    return new.model_copy(
         update={
             "server": new.server.model_copy(
                 update={
@@ -120,6 +118,16 @@ async def apply_reload(gateway: Gateway, new: Settings) -> ReloadResult:
             "counting": old.counting,
         }
     )
+
+
+async def apply_reload(gateway: Gateway, new: Settings) -> ReloadResult:
+    # Endpoints found by DNS stay, whatever the file lists (gateway/edge/discovery.py).
+    new = with_discovered(new, gateway.discovered)
+    old_policy = gateway.pipeline.policy
+    old = old_policy.settings
+    changed = diff_settings(old, new)
+    restart = tuple(k for k in changed if _restart_only(k))
+    effective = effective_settings(gateway, new)
     keys = gateway.engine_keys_for(effective)
     auth = ClientAuth.from_settings(effective.auth)
     counter = old_policy.counter

@@ -143,6 +143,13 @@ class Metrics:
             ["lane", "lender"],
             registry=r,
         )
+        self.shadow_decisions = Counter(
+            "shapegate_shadow_decisions",
+            "Live requests a shadow policy decided too (gateway/request/shadow_live.py), by the "
+            "active lane and the shadow's.",
+            ["lane", "shadow_lane"],
+            registry=r,
+        )
         self.borrowers_in_flight = Gauge(
             "shapegate_borrowers_in_flight",
             "Borrowed requests running on a lending lane's engines.",

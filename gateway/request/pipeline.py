@@ -80,6 +80,7 @@ from gateway.request.lanes import (
     pin_to_cluster,
 )
 from gateway.request.response_affinity import MemoryAffinity, ResponseAffinity, response_id_of
+from gateway.request.shadow_live import ShadowLive
 from gateway.settings import (
     ClusterSettings,
     LaneSettings,
@@ -259,6 +260,8 @@ class Pipeline:
         self.failover = failover
         self.accepting = True
         self.in_flight = 0
+        # A candidate policy deciding beside this one (POST /admin/shadow); off by default.
+        self.shadow = ShadowLive(pool, self.metrics, self.log)
 
     async def handle(self, route: EngineRoute, scope: Scope, receive: Receive, send: Send) -> None:
         policy = self.policy
@@ -317,6 +320,7 @@ class Pipeline:
         finally:
             self.in_flight -= 1
             self.recorder.finished(record, out.status)
+            self.shadow.finished(record)
             policy.in_use.leave()
 
     async def _route(
@@ -344,8 +348,13 @@ class Pipeline:
             )
         decision, pinned = await self._pin(request, decision, settings.lanes)
         want = self._want(policy, scope, decision, count.tokens, request, model.name)
-        self.recorder.decided(
-            record, replace(Routed.of(request, count, decision, healthy), priority=want.priority)
+        self._decided(
+            record,
+            replace(Routed.of(request, count, decision, healthy), priority=want.priority),
+            request,
+            route,
+            scope,
+            healthy,
         )
         if decision.lane is None:
             raise PromptTooLong(
@@ -431,6 +440,20 @@ class Pipeline:
             self.recorder.engine_counted(record, model.name, policy.counter.template_of(model.name))
             if engine_down.cancelled_caught and not out.finished:
                 raise UpstreamError(f"engine was marked down mid-request: {engine.evidence}")
+
+    def _decided(
+        self,
+        record: Record,
+        routed: Routed,
+        request: RoutedRequest,
+        route: EngineRoute,
+        scope: Scope,
+        healthy: dict[str, bool],
+    ) -> None:
+        """The lane is decided: recorded, and shown to the shadow policy if one runs
+        (gateway/request/shadow_live.py), with the health map the decision used."""
+        self.recorder.decided(record, routed)
+        self.shadow.observe(record, request, route.multipart, scope, healthy)
 
     async def _holding(
         self,

@@ -362,3 +362,37 @@ async def test_a_misconfigured_engine_is_shown_with_its_evidence(
             pills = await page.evaluate("document.querySelector('#pills').textContent")
             assert "misconfigured1" in pills.replace(" ", ""), pills
             assert page.errors == []
+
+
+async def test_a_shadow_policy_is_shown_with_its_disagreements(gateway_at: Any) -> None:
+    """A shadow whose fast lane ends at 500 tokens beside the active 2,000: the panel appears
+    with the requests compared and the fast -> heavy row of the prompts between."""
+    fast, heavy = FakeEngine(), FakeEngine()
+    async with serve_asgi(fast) as fast_url, serve_asgi(heavy) as heavy_url:
+        config = lanes_config([fast_url], [heavy_url], threshold=2000)
+        shadow = lanes_config([fast_url], [heavy_url], threshold=500)
+        async with gateway_at(config) as (url, _), chromium(WIDTH, 1000) as page:
+            async with httpx.AsyncClient(timeout=30) as client:
+                started = await client.post(
+                    url + "/admin/shadow",
+                    json=shadow,
+                    headers={"x-shapegate-admin": "1"},
+                )
+                assert started.status_code == 200, started.text
+                for words in (50, 100, 800, 1200):
+                    text = " ".join("lane" for _ in range(words))
+                    body = {"model": "qwen3.6", "messages": [{"role": "user", "content": text}]}
+                    answer = await client.post(url + "/v1/chat/completions", json=body)
+                    assert answer.status_code == 200
+            await page.goto(url + "/dashboard")
+            await page.wait_for("document.body.dataset.ready === 'true'")
+            await page.wait_for("!document.getElementById('shadow').hidden")
+            await page.wait_for(
+                "document.getElementById('shadow-sum').textContent.includes('compared 4')"
+            )
+            row = await page.evaluate(
+                "[...document.querySelectorAll('#shadow-table tr.disagree td')]"
+                ".map(td => td.textContent)"
+            )
+            assert row[:3] == ["fast", "heavy", "2"], row
+            assert page.errors == []

@@ -538,6 +538,46 @@
     if (ui.data) renderDecisions(ui.data);
   });
 
+  // ---------- shadow policy (admin/shadow: a candidate deciding beside the active one) ----------
+  const SHADOW_EVERY_MS = 2000;
+  let shadowAt = 0;
+  function renderShadow(r) {
+    const panel = $('shadow');
+    panel.hidden = !r.running && !r.compared;
+    if (panel.hidden) return;
+    const agreedShare = r.compared ? ` (${((100 * r.agreed) / r.compared).toFixed(1)}%)` : '';
+    const lanes = (r.shadow ? r.shadow.lanes : [])
+      .map((l) => `${l.name} ${num(l.min)}-${num(l.max - 1)}`).join(', ');
+    $('shadow-sum').textContent = present(
+      r.running ? `v${r.shadow.version} running` : 'stopped', lanes,
+      `compared ${num(r.compared)}`, `agreed ${num(r.agreed)}${agreedShare}`).join(' · ');
+    const rows = Object.entries(r.agreed_by_lane || {}).map(([lane, n]) => h('tr', null,
+      h('td', null, h('span', { class: 'chip', text: lane })), h('td', { class: 'dim', text: 'same' }),
+      h('td', { class: 'n', text: num(n) }), h('td', { class: 'n faint', text: '—' })));
+    for (const d of r.disagreements || []) {
+      rows.push(h('tr', { class: 'disagree' },
+        h('td', null, h('span', { class: 'chip', text: d.active })),
+        h('td', null, h('span', { class: 'chip warn', text: d.shadow })),
+        h('td', { class: 'n', text: num(d.requests) }),
+        h('td', { class: 'n', text: `${num(d.min_tokens)}–${num(d.max_tokens)}` })));
+    }
+    $('shadow-table').tBodies[0].replaceChildren(...rows);
+    const counts = (o) => Object.entries(o || {}).map(([k, v]) => `${k} ${num(v)}`).join(', ');
+    $('shadow-more').textContent = present(
+      `would reject: ${counts(r.would_reject) || 'none'}`,
+      `would borrow: ${counts(r.would_borrow) || 'none'}`).join(' · ');
+  }
+  async function pollShadow(headers) {
+    if (Date.now() - shadowAt < SHADOW_EVERY_MS) return;
+    shadowAt = Date.now();
+    try {
+      const res = await fetch('admin/shadow', { cache: 'no-store', headers });
+      if (res.ok) renderShadow(await res.json());
+    } catch (err) {
+      // The main poll reports an unreachable gateway; the panel keeps its last state.
+    }
+  }
+
   // ---------- loop ----------
   function render(d) {
     renderHeader(d);
@@ -561,11 +601,9 @@
     ui.inFlight = true;
     try {
       const t = token();
-      const res = await fetch('admin/dashboard.json', {
-        // X-Shapegate-Admin: the header a cross-site page cannot send without a preflight.
-        cache: 'no-store',
-        headers: t ? { Authorization: `Bearer ${t}`, 'X-Shapegate-Admin': '1' } : { 'X-Shapegate-Admin': '1' },
-      });
+      // X-Shapegate-Admin: the header a cross-site page cannot send without a preflight.
+      const headers = t ? { Authorization: `Bearer ${t}`, 'X-Shapegate-Admin': '1' } : { 'X-Shapegate-Admin': '1' };
+      const res = await fetch('admin/dashboard.json', { cache: 'no-store', headers });
       if (res.status === 401 || res.status === 403) {
         const body = await res.json().catch(() => ({}));
         ui.error = `${res.status}: ${(body.error && body.error.message) || res.statusText}`;
@@ -580,6 +618,7 @@
         ui.lastOk = Date.now();
         ui.error = null;
         render(ui.data);
+        await pollShadow(headers);
       }
     } catch (err) {
       ui.error = `unreachable (${err.message || err})`;

@@ -1,0 +1,292 @@
+"""A candidate policy deciding beside the active one: pure decisions and their report.
+
+    ShadowPolicy.of(settings, version)            a validated policy, ready to decide
+    decide(policy, seen) -> ShadowDecision        what it would do with one live request
+    ShadowReport.add(active_lane, decision, ...)  the report, one request at a time
+    merge_reports(reports) -> dict                several workers' or replicas' reports as one
+
+Contract:
+- ``Seen`` is what the active decision saw, as plain data: the same count (the exact prompt
+  count when the gateway has it, else the figure the active lane was decided by), the same
+  health map and the same snapshot of the endpoints (state, in-flight, waiting, context), the
+  request's output budget, class header and API key digest. ``decide`` runs the same pure
+  functions the pipeline runs on it (``request/lanes.py`` ``lane_tokens``/``choose_lane``,
+  ``request/classes.py`` ``class_of``, ``engine_pool/capability.py`` ``holding``/``refusal``,
+  ``engine_pool/picker.py`` ``order_endpoints``, ``request/borrowing.py`` ``loans_for``/
+  ``borrow_room``) and returns the lane, the reason, the class, the endpoint the chain would
+  pick (the first ordered endpoint with room in the snapshot), the lane it would borrow from,
+  and why it would reject the request (``prompt_too_long``, ``no_healthy_cluster``,
+  ``context_too_small``, ``unknown_class``, ``overloaded``: ``on_full: reject`` and no room).
+- Room is read from the snapshot's gateway in-flight counts against the shadow's endpoint
+  limits (slow start included): the shadow holds no slot, so its view of a lane's room is the
+  endpoints' load, not the slot store's leases (a lane limit below the sum of its endpoints'
+  is therefore not seen). A request with no room anywhere would wait (``endpoint`` None);
+  it would borrow when its lane has no room and a lender's endpoint runs none of the lender's
+  own requests (the snapshot counts every request as the lender's: borrowing is then seen
+  only on an idle lender endpoint, never overstated).
+- ``ShadowReport`` counts what the two policies did: requests compared, agreement by lane,
+  disagreements by (active lane, shadow lane) with the range of prompt tokens, what the shadow
+  would reject (by reason) and borrow (by lender), the endpoints it would pick, and the live
+  window's trace (shapes only, ``observe/trace.py`` ``TraceRecord``; arrival in wall seconds, at
+  most ``window`` requests) that ``tuning/shadow_effect.py`` replays under both policies.
+- ``merge_reports`` adds the counts, widens the ranges and joins the windows in time order; it
+  is how ``GET /admin/shadow`` answers for several workers (``edge/peers.py``) or replicas.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from engine_pool.capability import holding, refusal
+from engine_pool.cluster import EngineView
+from engine_pool.outlier import ramped_limit
+from engine_pool.picker import order_endpoints
+from gateway.core.decision import Reason
+from gateway.observe.trace import TraceRecord
+from gateway.request.borrowing import EndpointUse, borrow_room, loans_for
+from gateway.request.classes import UnknownClass, class_of
+from gateway.request.lanes import choose_lane, choose_named_lane, endpoint_limit, lane_tokens
+from gateway.settings import LaneSettings, Settings, served_models
+
+WINDOW = 10_000  # requests of the live window kept for the predicted effect
+
+
+@dataclass(frozen=True, slots=True)
+class ShadowPolicy:
+    """A validated candidate policy and what deciding with it needs, computed once."""
+
+    settings: Settings
+    version: int
+    served: Mapping[str, frozenset[str]]
+    limits: Mapping[tuple[str, str], int]
+    started_at: float = field(default_factory=time.time)
+
+    @classmethod
+    def of(cls, settings: Settings, version: int) -> ShadowPolicy:
+        lanes = settings.lanes
+        return cls(
+            settings,
+            version,
+            {c.name: frozenset(served_models(settings, c.name)) for c in settings.clusters},
+            {
+                (lane.name, c.name): endpoint_limit(lanes, lane, c.name)
+                for lane in lanes
+                for c in settings.clusters
+            },
+        )
+
+    @property
+    def clusters(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.settings.clusters)
+
+
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """One live request as the active decision saw it (no text: the prefix keys are hashes)."""
+
+    tokens: int  # the exact count when known, else the figure the active lane was decided by
+    longest: int  # a batch's largest prompt (``tokens`` for a single one)
+    exact: bool
+    model: str
+    max_tokens: int | None
+    multipart: bool
+    healthy: Mapping[str, bool]
+    views: Mapping[str, Sequence[EngineView]]  # cluster -> its endpoints, at decision time
+    key_digest: str | None = None
+    class_header: str | None = None
+    # affinity_prefix_bytes -> the prompt's prefix key (gateway/protocols/openai.py prefix_key).
+    prefixes: Mapping[int, bytes] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ShadowDecision:
+    lane: str  # "none": no lane takes it
+    reason: Reason
+    priority: str | None
+    endpoint: str | None  # the endpoint the chain would pick; None: it would wait, or reject
+    lender: str | None  # the lane whose idle engine it would borrow
+    rejected: str | None  # why the shadow would refuse it
+
+    @property
+    def verdict(self) -> str:
+        """Reject, borrow, pick or wait, in one word (log field)."""
+        if self.rejected is not None:
+            return "reject"
+        if self.lender is not None:
+            return "borrow"
+        return "pick" if self.endpoint is not None else "wait"
+
+
+def _room(view: EngineView, limit: int) -> bool:
+    return view.in_flight < ramped_limit(limit, view.ramp)
+
+
+def decide(policy: ShadowPolicy, seen: Seen) -> ShadowDecision:
+    settings = policy.settings
+    lanes = settings.lanes
+    if seen.multipart:
+        decision = choose_named_lane(settings.multipart_lane, lanes, seen.healthy)
+    else:
+        decision = choose_lane(lane_tokens(seen.tokens, seen.longest, lanes), lanes, seen.healthy)
+    lane = decision.lane
+
+    def made(
+        rejected: str | None = None,
+        endpoint: str | None = None,
+        lender: str | None = None,
+        priority: str | None = None,
+    ) -> ShadowDecision:
+        return ShadowDecision(
+            decision.lane_name, decision.reason, priority, endpoint, lender, rejected
+        )
+
+    if lane is None:
+        return made("prompt_too_long")
+    if not decision.clusters:
+        return made("no_healthy_cluster")
+    try:
+        priority = class_of(settings.classes, seen.key_digest, seen.class_header)
+    except UnknownClass:
+        return made("unknown_class")
+    serving = [c for c in decision.clusters if seen.model in policy.served.get(c, ())]
+    need = seen.longest + 1
+    views = [v for c in serving for v in seen.views.get(c, ())]
+    if refusal(views, need) is not None:
+        return made("context_too_small", priority=priority)
+    affinity = seen.prefixes.get(lane.affinity_prefix_bytes) if lane.prefix_affinity else None
+    for cluster in serving:
+        for view in order_endpoints(holding(seen.views.get(cluster, ()), need), affinity):
+            if _room(view, policy.limits.get((lane.name, cluster), lane.slots.per_endpoint)):
+                return made(endpoint=view.url, priority=priority)
+    lender = _lender(policy, lane, seen) if decision.reason == "in_range" else None
+    if lender is not None:
+        return made(endpoint=lender[1], lender=lender[0], priority=priority)
+    if lane.on_full == "reject":
+        return made("overloaded", priority=priority)
+    return made(priority=priority)
+
+
+def _lender(policy: ShadowPolicy, lane: LaneSettings, seen: Seen) -> tuple[str, str] | None:
+    """The first lender endpoint that would take this request, as (lender, url)."""
+    for loan in loans_for(lane, policy.settings.lanes, seen.tokens, seen.max_tokens):
+        for cluster in loan.clusters:
+            if seen.model not in policy.served.get(cluster, ()):
+                continue
+            for view in order_endpoints(seen.views.get(cluster, ())):
+                if borrow_room(loan.rule, EndpointUse(owners=view.in_flight, borrowers=0)) > 0:
+                    return loan.lender, view.url
+    return None
+
+
+@dataclass(slots=True)
+class _Range:
+    requests: int = 0
+    min_tokens: int | None = None
+    max_tokens: int | None = None
+
+    def add(self, tokens: int) -> None:
+        self.requests += 1
+        self.min_tokens = tokens if self.min_tokens is None else min(self.min_tokens, tokens)
+        self.max_tokens = tokens if self.max_tokens is None else max(self.max_tokens, tokens)
+
+
+class ShadowReport:
+    """What the shadow would have done with the live traffic since it started."""
+
+    def __init__(self, window: int = WINDOW) -> None:
+        self.compared = 0
+        self.by_bound = 0  # decided from a bound (the exact count never came)
+        self.agreed: dict[str, int] = {}
+        self.disagreed: dict[tuple[str, str], _Range] = {}
+        self.rejected: dict[str, int] = {}
+        self.borrowed: dict[str, int] = {}
+        self.endpoints: dict[str, int] = {}
+        self.trace: deque[TraceRecord] = deque(maxlen=window)
+
+    def add(
+        self, active_lane: str, decision: ShadowDecision, seen: Seen, shape: TraceRecord | None
+    ) -> None:
+        self.compared += 1
+        self.by_bound += not seen.exact
+        if decision.lane == active_lane:
+            self.agreed[active_lane] = self.agreed.get(active_lane, 0) + 1
+        else:
+            self.disagreed.setdefault((active_lane, decision.lane), _Range()).add(seen.tokens)
+        if decision.rejected is not None:
+            self.rejected[decision.rejected] = self.rejected.get(decision.rejected, 0) + 1
+        if decision.lender is not None:
+            self.borrowed[decision.lender] = self.borrowed.get(decision.lender, 0) + 1
+        if decision.endpoint is not None:
+            self.endpoints[decision.endpoint] = self.endpoints.get(decision.endpoint, 0) + 1
+        if shape is not None:
+            self.trace.append(shape)
+
+    def as_json(self, window: bool = True) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "compared": self.compared,
+            "by_bound": self.by_bound,
+            "agreed": sum(self.agreed.values()),
+            "agreed_by_lane": dict(self.agreed),
+            "disagreements": [
+                {"active": a, "shadow": s, **asdict(r)}
+                for (a, s), r in sorted(self.disagreed.items())
+            ],
+            "would_reject": dict(self.rejected),
+            "would_borrow": dict(self.borrowed),
+            "endpoints": dict(self.endpoints),
+        }
+        if window:
+            out["window"] = [asdict(r) for r in self.trace]
+        return out
+
+
+def merge_reports(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Several reports (``ShadowReport.as_json``) as one: counts added, ranges widened, the
+    windows joined in time order."""
+
+    def add_up(key: str) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for report in reports:
+            for name, n in report.get(key, {}).items():
+                total[name] = total.get(name, 0) + n
+        return total
+
+    ranges: dict[tuple[str, str], _Range] = {}
+    for report in reports:
+        for row in report.get("disagreements", ()):
+            found = ranges.setdefault((row["active"], row["shadow"]), _Range())
+            found.requests += row["requests"]
+            for pick, key in ((min, "min_tokens"), (max, "max_tokens")):
+                mine, theirs = getattr(found, key), row[key]
+                setattr(found, key, theirs if mine is None else pick(mine, theirs))
+    window = sorted(
+        (row for report in reports for row in report.get("window", ())), key=lambda r: r["t"]
+    )
+    return {
+        "compared": sum(r.get("compared", 0) for r in reports),
+        "by_bound": sum(r.get("by_bound", 0) for r in reports),
+        "agreed": sum(r.get("agreed", 0) for r in reports),
+        "agreed_by_lane": add_up("agreed_by_lane"),
+        "disagreements": [
+            {"active": a, "shadow": s, **asdict(r)} for (a, s), r in sorted(ranges.items())
+        ],
+        "would_reject": add_up("would_reject"),
+        "would_borrow": add_up("would_borrow"),
+        "endpoints": add_up("endpoints"),
+        "window": window,
+    }
+
+
+def window_trace(rows: Sequence[Mapping[str, Any]]) -> list[TraceRecord]:
+    """A report's window as a trace starting at 0 (arrival times were wall seconds)."""
+    if not rows:
+        return []
+    origin = min(row["t"] for row in rows)
+    return sorted(
+        (TraceRecord(**{**row, "t": round(row["t"] - origin, 3)}) for row in rows),
+        key=lambda r: r.t,
+    )

@@ -1,0 +1,151 @@
+"""The shadow's pure decisions (gateway/request/shadow.py): the same functions the pipeline
+runs, over the same count and snapshot, and the report they add up to."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine_pool.cluster import EngineState, EngineView
+from gateway.observe.trace import TraceRecord
+from gateway.request.shadow import (
+    Seen,
+    ShadowPolicy,
+    ShadowReport,
+    decide,
+    merge_reports,
+    window_trace,
+)
+from gateway.settings import parse_settings
+from tests.conftest import lanes_config
+
+FAST = ("http://f1", "http://f2")
+HEAVY = ("http://h1", "http://h2")
+
+
+def policy(threshold: int = 8192, **lane_changes: Any) -> ShadowPolicy:
+    config = lanes_config(list(FAST), list(HEAVY), threshold=threshold)
+    for index, changes in lane_changes.items():
+        config["lanes"][int(index[-1])].update(changes)
+    return ShadowPolicy.of(parse_settings(config, environ={}), version=2)
+
+
+def views(
+    in_flight: dict[str, int] | None = None,
+    down: tuple[str, ...] = (),
+    context: int | None = None,
+) -> dict[str, tuple[EngineView, ...]]:
+    loads = in_flight or {}
+
+    def view(cluster: str, url: str) -> EngineView:
+        state = EngineState.DOWN if url in down else EngineState.UP
+        return EngineView(cluster, url, state, loads.get(url, 0), context_tokens=context)
+
+    return {
+        "fast": tuple(view("fast", u) for u in FAST),
+        "heavy": tuple(view("heavy", u) for u in HEAVY),
+    }
+
+
+def seen(tokens: int, **changes: Any) -> Seen:
+    fields: dict[str, Any] = {
+        "tokens": tokens,
+        "longest": tokens,
+        "exact": True,
+        "model": "qwen3.6",
+        "max_tokens": 64,
+        "multipart": False,
+        "healthy": {"fast": True, "heavy": True},
+        "views": views(),
+    }
+    return Seen(**(fields | changes))
+
+
+def test_the_lane_comes_from_the_shadow_ranges_and_the_endpoint_from_the_picker() -> None:
+    shadow = policy(threshold=8192)
+    assert decide(shadow, seen(8191)).lane == "fast"
+    moved = decide(shadow, seen(8192))
+    assert (moved.lane, moved.reason, moved.rejected) == ("heavy", "in_range", None)
+    # Least in-flight first, as engine_pool/picker.py orders them.
+    busy = decide(shadow, seen(100, views=views({"http://f1": 3, "http://f2": 1})))
+    assert busy.endpoint == "http://f2"
+    assert busy.verdict == "pick"
+    assert busy.priority == "standard"
+
+
+def test_what_the_shadow_would_reject_and_why() -> None:
+    shadow = policy(threshold=8192)
+    assert decide(shadow, seen(2_000_000)).rejected == "prompt_too_long"
+    no_heavy = seen(50_000, healthy={"fast": True, "heavy": False})
+    assert decide(shadow, no_heavy).rejected == "no_healthy_cluster"
+    small_engines = seen(50_000, views=views(context=32_768))
+    assert decide(shadow, small_engines).rejected == "context_too_small"
+    assert decide(shadow, seen(10, class_header="nope")).rejected == "unknown_class"
+    full = {u: 32 for u in FAST}
+    rejecting = policy(threshold=8192, lane0={"on_full": "reject"})
+    assert decide(rejecting, seen(10, views=views(full))).rejected == "overloaded"
+    waits = decide(shadow, seen(10, views=views(full)))
+    assert (waits.rejected, waits.endpoint, waits.verdict) == (None, None, "wait")
+
+
+def test_a_short_request_borrows_an_idle_lender_engine_when_its_lane_has_no_room() -> None:
+    lend = {"to": ["fast"], "max_prompt_tokens": 4096, "max_tokens": 128, "per_endpoint": 2}
+    shadow = policy(threshold=8192, lane1={"lend": lend})
+    full = {u: 32 for u in FAST} | {"http://h1": 1}
+    borrowed = decide(shadow, seen(100, views=views(full)))
+    assert (borrowed.lender, borrowed.endpoint, borrowed.verdict) == (
+        "heavy",
+        "http://h2",
+        "borrow",
+    )
+    # Too long a prompt, or no max_tokens: no loan.
+    assert decide(shadow, seen(5000, views=views(full))).lender is None
+    assert decide(shadow, seen(100, views=views(full), max_tokens=None)).lender is None
+
+
+def test_the_report_counts_agreement_by_lane_and_disagreements_with_their_token_ranges() -> None:
+    shadow = policy(threshold=8192)
+    report = ShadowReport()
+    for tokens, active in ((100, "fast"), (9000, "fast"), (30000, "fast"), (50000, "heavy")):
+        report.add(active, decide(shadow, seen(tokens)), seen(tokens), None)
+    out = report.as_json()
+    assert out["compared"] == 4
+    assert out["agreed_by_lane"] == {"fast": 1, "heavy": 1}
+    assert out["disagreements"] == [
+        {
+            "active": "fast",
+            "shadow": "heavy",
+            "requests": 2,
+            "min_tokens": 9000,
+            "max_tokens": 30000,
+        }
+    ]
+    report.add("fast", decide(shadow, seen(2_000_000)), seen(2_000_000), None)
+    assert report.as_json()["would_reject"] == {"prompt_too_long": 1}
+
+
+def test_reports_of_several_workers_merge_into_one() -> None:
+    shadow = policy(threshold=8192)
+    one, two = ShadowReport(), ShadowReport()
+    first = TraceRecord(
+        t=100.0, model="qwen3.6", prompt_tokens=9000, prompt_bytes=1, output_tokens=3
+    )
+    second = TraceRecord(
+        t=99.5, model="qwen3.6", prompt_tokens=20000, prompt_bytes=1, output_tokens=3
+    )
+    one.add("fast", decide(shadow, seen(9000)), seen(9000), first)
+    two.add("fast", decide(shadow, seen(20000)), seen(20000), second)
+    two.add("fast", decide(shadow, seen(10)), seen(10), None)
+    merged = merge_reports([one.as_json(), two.as_json()])
+    assert merged["compared"] == 3
+    assert merged["agreed_by_lane"] == {"fast": 1}
+    assert merged["disagreements"] == [
+        {
+            "active": "fast",
+            "shadow": "heavy",
+            "requests": 2,
+            "min_tokens": 9000,
+            "max_tokens": 20000,
+        }
+    ]
+    trace = window_trace(merged["window"])
+    assert [(r.t, r.prompt_tokens) for r in trace] == [(0.0, 20000), (0.5, 9000)]

@@ -1,0 +1,248 @@
+"""A shadow policy on live traffic (gateway/request/shadow_live.py, edge/shadow_routes.py): it
+decides on every request from the same count and snapshot, nothing of it reaches an engine or
+holds a slot, its failures never reach a client, and promotion is a reload that keeps the old
+policy as the shadow."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import yaml
+
+import gateway.request.shadow_live as shadow_live
+from gateway.tuning.fleet_model import LiveCosts
+from tests.conftest import ADMIN, JSON, lanes_config
+from tests.support.fake_engine import FakeEngine
+from tests.support.prom import parse
+from tests.support.servers import serve_asgi
+
+ACTIVE_AT = 20_000  # the active policy's fast lane ends here
+SHADOW_AT = 1_000  # the shadow's
+# Words of one token each (~5 bytes): under 20,000 bytes the free bound decides the active lane
+# (no exact count before it), so the shadow must take the exact count made while the engine
+# works; above, the active lane is counted exactly first.
+WORDS = (200, 600, 1500, 3000, 3500, 5000, 12000, 30000)
+
+
+def config(fast: str, heavy: str, threshold: int) -> dict[str, Any]:
+    out = lanes_config([fast], [heavy], threshold=threshold)
+    out["clusters"][0]["sim_profile"] = "h100-fast"
+    out["clusters"][1]["sim_profile"] = "h100-heavy"
+    return out
+
+
+def prompt(words: int) -> dict[str, Any]:
+    text = " ".join("lane" for _ in range(words))
+    return {
+        "model": "qwen3.6",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 8,
+        "stream": True,
+    }
+
+
+async def send_all(client: httpx.AsyncClient, url: str) -> list[httpx.Response]:
+    async def one(words: int) -> httpx.Response:
+        answer = await client.post(url + "/v1/chat/completions", json=prompt(words), headers=JSON)
+        assert answer.status_code == 200, answer.text
+        return answer
+
+    return list(await asyncio.gather(*(one(n) for n in WORDS)))
+
+
+def tokens_of(answer: httpx.Response) -> int:
+    return int(answer.headers["x-shapegate-prompt-tokens"])
+
+
+async def slots_in_use(client: httpx.AsyncClient, url: str) -> dict[str, int]:
+    state = (await client.get(url + "/admin/state")).json()
+    return {lane["name"]: lane["slots_in_use"] for lane in state["lanes"]}
+
+
+async def start_shadow(client: httpx.AsyncClient, url: str, policy: dict[str, Any]) -> Any:
+    answer = await client.post(url + "/admin/shadow", content=yaml.safe_dump(policy), headers=ADMIN)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+async def test_the_shadow_decides_every_request_and_touches_no_engine_and_no_slot(
+    gateway_at: Any,
+) -> None:
+    fast, heavy = FakeEngine(), FakeEngine()
+    async with serve_asgi(fast) as fast_url, serve_asgi(heavy) as heavy_url:
+        active = config(fast_url, heavy_url, ACTIVE_AT)
+        async with gateway_at(active) as (url, _), httpx.AsyncClient(timeout=30) as client:
+            started = await start_shadow(client, url, config(fast_url, heavy_url, SHADOW_AT))
+            assert started["shadow"]["lanes"][0]["max"] == SHADOW_AT
+            assert "lanes[fast].max_prompt_tokens" in started["changed"]
+            before = await slots_in_use(client, url)
+            answers = await send_all(client, url)
+            report = (await client.get(url + "/admin/shadow")).json()
+            after = await slots_in_use(client, url)
+            metrics = (await client.get(url + "/metrics")).text
+
+    sent = len(WORDS)
+    tokens = [tokens_of(a) for a in answers]
+    # The active decision is unaffected: the active policy's lanes.
+    assert [a.headers["x-shapegate-lane"] for a in answers] == [
+        "fast" if t < ACTIVE_AT else "heavy" for t in tokens
+    ]
+    moved = [t for t in tokens if SHADOW_AT <= t < ACTIVE_AT]
+    assert len(moved) >= 5  # 3 of them decided by the free bound for the active policy
+    assert report["running"] is True
+    assert report["compared"] == sent
+    assert report["by_bound"] == 0  # every shadow decision had the exact count
+    assert report["agreed_by_lane"] == {"fast": sent - len(moved) - 1, "heavy": 1}
+    assert report["disagreements"] == [
+        {
+            "active": "fast",
+            "shadow": "heavy",
+            "requests": len(moved),
+            "min_tokens": min(moved),
+            "max_tokens": max(moved),
+        }
+    ]
+    assert report["would_reject"] == {}
+    assert sum(report["endpoints"].values()) == sent
+    # Nothing of the shadow reached an engine or held a slot.
+    assert len(fast.seen) + len(heavy.seen) == sent
+    assert before == after == {"fast": 0, "heavy": 0}
+    counted = parse(metrics).value(
+        "shapegate_shadow_decisions_total", lane="fast", shadow_lane="heavy"
+    )
+    assert counted == len(moved)
+
+
+async def test_a_failing_shadow_is_logged_and_counted_and_the_request_is_served(
+    gateway_at: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*_: Any) -> Any:
+        raise RuntimeError("shadow bug")
+
+    monkeypatch.setattr(shadow_live, "decide", broken)
+    fast, heavy = FakeEngine(), FakeEngine()
+    async with serve_asgi(fast) as fast_url, serve_asgi(heavy) as heavy_url:
+        active = config(fast_url, heavy_url, ACTIVE_AT)
+        async with gateway_at(active) as (url, _), httpx.AsyncClient(timeout=30) as client:
+            await start_shadow(client, url, config(fast_url, heavy_url, SHADOW_AT))
+            await send_all(client, url)
+            report = (await client.get(url + "/admin/shadow")).json()
+            metrics = (await client.get(url + "/metrics")).text
+    assert report["compared"] == 0
+    swallowed = parse(metrics).value("shapegate_swallowed_errors_total", where="shadow.finished")
+    assert swallowed == len(WORDS)
+
+
+async def test_a_shadow_is_validated_as_a_reload_and_guarded_as_admin(gateway_at: Any) -> None:
+    fast, heavy = FakeEngine(), FakeEngine()
+    async with serve_asgi(fast) as fast_url, serve_asgi(heavy) as heavy_url:
+        active = config(fast_url, heavy_url, ACTIVE_AT)
+        async with gateway_at(active) as (url, _), httpx.AsyncClient(timeout=30) as client:
+            gap = config(fast_url, heavy_url, SHADOW_AT)
+            gap["lanes"][1]["min_prompt_tokens"] = SHADOW_AT + 10
+            refused = await client.post(
+                url + "/admin/shadow", content=yaml.safe_dump(gap), headers=ADMIN
+            )
+            other_model = config(fast_url, heavy_url, SHADOW_AT)
+            other_model["models"] = [{**other_model["models"][0], "name": "other"}]
+            for lane in other_model["lanes"]:
+                lane.pop("models", None)
+            models = await client.post(
+                url + "/admin/shadow", content=yaml.safe_dump(other_model), headers=ADMIN
+            )
+            empty = await client.post(url + "/admin/shadow", content=b"", headers=ADMIN)
+            body = orjson.dumps(config(fast_url, heavy_url, SHADOW_AT))
+            unguarded = await client.post(url + "/admin/shadow", content=body, headers=JSON)
+            form = await client.post(
+                url + "/admin/shadow",
+                content=body,
+                headers={"content-type": "text/plain", "x-shapegate-admin": "1"},
+            )
+            report = (await client.get(url + "/admin/shadow")).json()
+    assert refused.status_code == 400
+    assert "request body:" in refused.json()["error"]["message"]
+    assert "gap" in refused.json()["error"]["message"]
+    assert models.status_code == 400
+    assert "models must be the active policy's" in models.json()["error"]["message"]
+    assert empty.status_code == 400
+    assert unguarded.status_code == 403
+    assert form.status_code == 415
+    assert report["running"] is False
+
+
+async def test_promote_applies_the_shadow_as_a_reload_and_keeps_the_old_policy_as_shadow(
+    gateway_at: Any,
+) -> None:
+    fast, heavy = FakeEngine(), FakeEngine()
+    mid = prompt(5000)
+    async with serve_asgi(fast) as fast_url, serve_asgi(heavy) as heavy_url:
+        active = config(fast_url, heavy_url, ACTIVE_AT)
+        async with gateway_at(active) as (url, _), httpx.AsyncClient(timeout=30) as client:
+
+            async def lane() -> str:
+                answer = await client.post(url + "/v1/chat/completions", json=mid, headers=JSON)
+                return answer.headers["x-shapegate-lane"]
+
+            nothing = await client.post(url + "/admin/shadow/promote", headers=ADMIN)
+            await start_shadow(client, url, config(fast_url, heavy_url, SHADOW_AT))
+            before = await lane()
+            promoted = await client.post(url + "/admin/shadow/promote", headers=ADMIN)
+            after = await lane()
+            shadow = (await client.get(url + "/admin/shadow")).json()
+            state = (await client.get(url + "/admin/state")).json()
+            rolled = await client.post(url + "/admin/shadow/promote", headers=ADMIN)
+            back = await lane()
+            stopped = await client.delete(url + "/admin/shadow", headers=ADMIN)
+            await lane()
+            gone = (await client.get(url + "/admin/shadow")).json()
+    assert nothing.status_code == 400
+    assert (before, after, back) == ("fast", "heavy", "fast")
+    assert promoted.status_code == 200, promoted.text
+    assert promoted.json()["changed"]["lanes[fast].max_prompt_tokens"]["new"] == SHADOW_AT
+    assert state["policy_version"] == promoted.json()["version"] == 2
+    # The replaced policy is the shadow now, and it disagrees on the request sent after.
+    assert shadow["shadow"]["lanes"][0]["max"] == ACTIVE_AT
+    assert shadow["compared"] == 1
+    assert shadow["disagreements"][0]["active"] == "heavy"
+    assert rolled.json()["version"] == 3
+    assert stopped.json()["stopped"] is True
+    assert stopped.json()["report"]["compared"] == 1
+    assert gone["running"] is False
+    assert gone["compared"] == 1  # the last report stays readable; nothing new was compared
+
+
+async def test_the_predicted_effect_replays_the_live_window_under_both_policies(
+    gateway_at: Any,
+) -> None:
+    fast, heavy = FakeEngine(), FakeEngine()
+    async with serve_asgi(fast) as fast_url, serve_asgi(heavy) as heavy_url:
+        active = config(fast_url, heavy_url, ACTIVE_AT)
+        async with gateway_at(active) as (url, _), httpx.AsyncClient(timeout=30) as client:
+            await start_shadow(client, url, config(fast_url, heavy_url, SHADOW_AT))
+            answers = await send_all(client, url)
+            found = await client.get(url + "/admin/shadow?effect=1&time_scale=0.5&window=1")
+            bad = await client.get(url + "/admin/shadow?effect=1&time_scale=0")
+    assert found.status_code == 200, found.text
+    report = found.json()
+    effect = report["predicted_effect"]
+    assert effect["requests"] == len(report["window"]) == len(WORDS)
+    assert sorted(r["prompt_tokens"] for r in report["window"]) == sorted(
+        tokens_of(a) for a in answers
+    )
+    defaults = LiveCosts(time_scale=0.5)
+    assert effect["calibration"]["time_scale"] == 0.5
+    assert effect["calibration"]["gateway_ms"] == defaults.gateway_s * 1000
+    assert "bench fidelity" in effect["calibration"]["source"]
+    moved = sum(1 for a in answers if SHADOW_AT <= tokens_of(a) < ACTIVE_AT)
+    in_heavy = {
+        policy: effect[policy]["small_ttft_by_lane"].get("heavy", {}).get("requests", 0)
+        for policy in ("active", "shadow")
+    }
+    assert in_heavy == {"active": 1, "shadow": 1 + moved}
+    heavy_peak = effect["shadow"]["peak_slots"]["heavy"]
+    assert heavy_peak["peak"] > effect["active"]["peak_slots"]["heavy"]["peak"]
+    assert bad.status_code == 400
