@@ -63,6 +63,10 @@ class Engine:
     # Why the engine cannot serve its lanes (it still takes the requests it can hold).
     misconfigured: str | None = None
     misconfigured_since: float | None = None
+    # Draining (registry.py ``drain``): no new requests; in flight ones finish, or past the
+    # deadline are cancelled (the gateway migrates their streams). Since, in monotonic time.
+    draining: bool = False
+    draining_since: float | None = None
 
     def as_json(self, now: float) -> dict[str, Any]:
         """The endpoint as the admin state and the dashboard show it."""

@@ -289,6 +289,21 @@ class RetrySettings(_Frozen):
     max_retries: int = Field(2, ge=0, le=16)
 
 
+class MigrateSettings(_Frozen):
+    """Mid-stream migration (``lanes[].migrate``; gateway/request/migration.py).
+
+    A streamed chat or completions answer whose engine fails after the answer began (the
+    connection reset or closed, the engine marked down or drained past its deadline, an idle
+    deadline, an engine error event) goes on at another routable endpoint of the lane, with the
+    text already relayed as the continuation's start, spliced into the same client stream; at
+    most ``max_migrations`` times a request. Requests it cannot continue safely are named in
+    ``route.migration_refused`` and end as before, with an error event.
+    """
+
+    enabled: bool = True
+    max_migrations: int = Field(2, ge=0, le=16)
+
+
 class LendSettings(_Frozen):
     """This lane's engines serve other lanes' short requests while idle (``lanes[].lend``).
 
@@ -328,6 +343,7 @@ class LaneSettings(_Frozen):
     timeouts: TimeoutSettings = TimeoutSettings()
     health: HealthSettings = HealthSettings()
     retry: RetrySettings = RetrySettings()
+    migrate: MigrateSettings = MigrateSettings()
     # Send requests sharing a prompt prefix (the system prompt, else the first message's first
     # affinity_prefix_bytes) to the same endpoint, where the engine has it cached.
     prefix_affinity: bool = False
