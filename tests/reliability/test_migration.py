@@ -104,7 +104,8 @@ async def test_kill_9_mid_stream_migrates_every_stream_it_carried() -> None:
     with sim_processes(2, time_scale=1.0) as sims:
         config = lanes_config([s.url for s in sims], ["http://127.0.0.1:9"])
         # The engine's own template, so that our prompt count is the engine's (usage totals).
-        config["models"] = [{**MODEL, "tokenizer": {**MODEL["tokenizer"], "chat_template": "hf"}}]
+        tokenizer: dict[str, Any] = {"source": "builtin", "name": "qwen3.6", "chat_template": "hf"}
+        config["models"] = [{**MODEL, "tokenizer": tokenizer}]
         settings = parse_settings(config, environ={})
         streams = {f"m{n}": Stream() for n in range(CLIENTS)}
         bodies = {f"m{n}": body_of(n) for n in range(CLIENTS)}
