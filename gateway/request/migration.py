@@ -185,6 +185,7 @@ class Relay:
         "created",
         "failure",
         "finished",
+        "held",
         "id",
         "migrations",
         "other",
@@ -212,6 +213,8 @@ class Relay:
         self.finished = False
         self.other: str | None = None
         self.failure = False
+        # The engine's error event (and what followed it), relayed only if it cannot migrate.
+        self.held = b""
         self.migrations = 0
 
     def feed(self, chunk: bytes) -> bytes:
@@ -228,7 +231,7 @@ class Relay:
         at = whole.find(ERROR_HEAD)
         if at >= 0 and (at == 0 or whole[at - 2 : at] == EVENT_END):
             self.failure = True
-            whole = whole[:at]
+            whole, self.held = whole[:at], whole[at:]
         if whole:
             self._kept.append(whole)
             self._kept_bytes += len(whole)
@@ -301,6 +304,7 @@ class Relay:
         self._splicing = True
         self._pending = b""
         self.failure = False
+        self.held = b""
         self.migrations += 1
         self._base = self.tokens if self.usage_tokens is None else self.usage_tokens
         self.usage_tokens = None
@@ -314,6 +318,7 @@ class Relay:
                 continue
             if "error" in payload:
                 self.failure = True
+                self.held = whole[whole.find(event) :]
                 break
             if not self._adopt(payload):
                 continue

@@ -430,9 +430,14 @@ class Pipeline:
                             raise
                         self.recorder.moved(record, held.grant, exc.reason)
                     except Interrupted as cut:
-                        sent = await self._migrate(
+                        following = await self._migrate(
                             record, request, body, cut, held, attempts, target
                         )
+                        if following is None:  # ends as before, the engine's error event too
+                            if target.relay is not None and target.relay.held and not out.finished:
+                                await out.body(target.relay.held, more=False)
+                            raise cut.cause from None
+                        sent = following
                         self.recorder.migrated(record, held.grant, cut.reason)
                     except GatewayError as exc:
                         # The answer began and cannot migrate: said in the log, ended as before.
@@ -492,9 +497,9 @@ class Pipeline:
         held: Held,
         attempts: Attempts,
         target: Target,
-    ) -> bytes:
+    ) -> bytes | None:
         """Continue a stream cut mid-answer at another endpoint of its lane (its slot moves
-        there): the continuation's body, or ``cut.cause`` raised when it cannot migrate."""
+        there): the continuation's body, or None when it cannot migrate (logged, counted)."""
         relay = target.relay
         assert relay is not None, "only a relayed stream is interrupted"
         lane, so_far = attempts.lane, relay.so_far()
@@ -504,12 +509,12 @@ class Pipeline:
             why = "max_migrations"
         if why is not None:
             self._refused_migration(record, lane, why, cut.cause, so_far.tokens)
-            raise cut.cause
+            return None
         moved = await self.failover.migrate(
             record.request_id, held, attempts, cut.reason, so_far.tokens
         )
         if not moved:
-            raise cut.cause
+            return None
         relay.spliced(await target.count.tokens(HEADER_COUNT_WAIT_S))
         return continuation(request.endpoint, data, so_far)
 

@@ -65,7 +65,7 @@ def test_what_cannot_migrate_is_named(
 
 
 def test_an_answer_with_a_tool_call_or_finished_is_not_migrated() -> None:
-    data = {"messages": []}
+    data: dict[str, Any] = {"messages": []}
     assert cannot_migrate("chat", True, data, SoFar("", 3, True, False, "tool_call")) == "tool_call"
     assert cannot_migrate("chat", True, data, SoFar("x", 3, True, True, None)) == "finished"
 
@@ -211,10 +211,12 @@ async def test_a_cut_stream_migrates_by_default_and_not_when_disabled(
 async def test_max_migrations_bounds_how_often_a_stream_moves(
     gateway_at: GatewayFactory, counter: TokenCounter
 ) -> None:
-    async with two_sims(counter, drop_first=10, drop_second=10) as (a, b):
-        async with gateway_at(config_for(a, b, max_migrations=1)) as (url, _):
-            with capture_logs() as logs:
-                raw = await stream(url, BODY)
+    async with (
+        two_sims(counter, drop_first=10, drop_second=10) as (a, b),
+        gateway_at(config_for(a, b, max_migrations=1)) as (url, _),
+    ):
+        with capture_logs() as logs:
+            raw = await stream(url, BODY)
     assert b'"error"' in raw
     assert [e["event"] for e in logs if "migrat" in e["event"]] == [
         "route.migrated",
@@ -240,11 +242,13 @@ async def test_a_stream_that_cannot_migrate_ends_as_before_with_its_reason_logge
         body: dict[str, Any] = {"model": "qwen3.6", "input": "hi", "stream": True}
     else:
         body = {**BODY, **extra}
-    async with two_sims(counter, drop_first=10) as (a, b):
-        async with gateway_at(config_for(a, b)) as (url, _):
-            with capture_logs() as logs:
-                async with httpx.AsyncClient(timeout=30) as client:
-                    r = await client.post(url + path, content=orjson.dumps(body), headers=JSON)
+    async with (
+        two_sims(counter, drop_first=10) as (a, b),
+        gateway_at(config_for(a, b)) as (url, _),
+        httpx.AsyncClient(timeout=30) as client,
+    ):
+        with capture_logs() as logs:
+            r = await client.post(url + path, content=orjson.dumps(body), headers=JSON)
     assert b"error" in r.content
     refused = [e for e in logs if e["event"] == "route.migration_refused"]
     assert [e["reason"] for e in refused] == [reason]
