@@ -223,6 +223,12 @@ class ClusterSettings(_Frozen):
     # How the engines are launched; optional: the gateway itself never reads it.
     engine: EngineProfileSettings | None = None
     outlier: OutlierSettings = OutlierSettings()
+    # Endpoints taken out of routing for a planned removal (gateway/upstream/drain.py): no new
+    # requests; those in flight finish, or past ``drain_s`` are cancelled and their streams
+    # migrate (lanes[].migrate). Also the deadline of POST /admin/engines/drain and of an
+    # endpoint a reload removes.
+    draining: tuple[str, ...] = ()
+    drain_s: float = Field(30.0, ge=0)
 
     @model_validator(mode="after")
     def _endpoints_are_urls(self) -> ClusterSettings:
@@ -233,6 +239,9 @@ class ClusterSettings(_Frozen):
                 raise ValueError(f"cluster {self.name!r}: endpoint {url!r} is not an http(s) URL")
         if len(set(self.endpoints)) != len(self.endpoints):
             raise ValueError(f"cluster {self.name!r}: duplicate endpoints")
+        unknown = [u for u in self.draining if u not in self.endpoints]
+        if unknown and self.discovery is None:
+            raise ValueError(f"cluster {self.name!r}: draining {unknown} not among its endpoints")
         problems = profile_problems(self.kind, self.engine) if self.engine else []
         if problems:
             raise ValueError(f"cluster {self.name!r} engine: " + "; ".join(problems))
