@@ -63,6 +63,11 @@ class Engine:
     # Why the engine cannot serve its lanes (it still takes the requests it can hold).
     misconfigured: str | None = None
     misconfigured_since: float | None = None
+    # Draining (registry.py ``drain``): no new requests; in flight ones finish, or past the
+    # deadline are cancelled (the gateway migrates their streams). Since: wall time.
+    draining: bool = False
+    draining_since: float | None = None
+    drain_reason: str | None = None
 
     def as_json(self, now: float) -> dict[str, Any]:
         """The endpoint as the admin state and the dashboard show it."""
@@ -70,7 +75,10 @@ class Engine:
         # Routable but short of its lanes: misconfigured (before slow: it needs an operator).
         wrong = self.misconfigured is not None and self.state.routable
         state, evidence, since = self.state.value, self.evidence, self.changed_at
-        if wrong and self.misconfigured is not None:
+        if self.draining:  # out of routing by an operator or a reload: said first
+            state, evidence = "draining", f"{self.drain_reason}; {self.in_flight} in flight"
+            since = self.draining_since or since
+        elif wrong and self.misconfigured is not None:
             state, evidence = "misconfigured", self.misconfigured
             since = self.misconfigured_since or since
         elif slow and self.slow is not None:
@@ -96,6 +104,7 @@ class Engine:
             "connect_failures": self.connect_failures,
             "errors_5xx": self.errors_5xx,
             "slow_start": self._slow_start(),
+            "draining": self.draining,
         }
 
     def _slow_start(self) -> dict[str, float] | None:

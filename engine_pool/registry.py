@@ -20,6 +20,11 @@ Contract:
 - Capability (engine_pool/capability.py): ``set_capability`` records what the engine reports
   (served names, context) and whether it is misconfigured for its lanes; views carry the
   context so routing keeps prompts it cannot hold away from it.
+- Draining: ``drain(cluster, url)`` takes an endpoint out of routing (no view shows it, its
+  cluster is not healthy through it) while its in-flight requests go on; ``undrain`` brings it
+  back; ``drain_expired(cluster, url)`` cancels the requests still on it (as a DOWN endpoint's
+  are; the gateway migrates their streams). An endpoint a reload removes is draining (``retired``
+  lists those still serving requests).
 - Slow start: an endpoint that joins (``reconcile``) or comes back from DOWN is ramped over its
   cluster's ``slow_start_s``; ``views`` carry the share (``EngineView.ramp``).
 """
@@ -95,7 +100,8 @@ class EnginePool:
                     self._warm(engine, cluster.slow_start_s)
                 joined.append(engine)
         for key in [k for k in self._engines if k not in wanted]:
-            self._retired[key] = self._engines.pop(key)
+            engine = self._retired[key] = self._engines.pop(key)
+            self._mark_draining(engine, True, "removed by a reload")
         self.latency.forget(wanted)
         self._drop_idle_retired()
         return joined
@@ -107,6 +113,46 @@ class EnginePool:
 
     def engines(self) -> list[Engine]:
         return list(self._engines.values())
+
+    def retired(self) -> list[Engine]:
+        """Endpoints a reload removed that still serve requests (draining)."""
+        return list(self._retired.values())
+
+    def _find(self, cluster: str, url: str) -> Engine | None:
+        return self._engines.get((cluster, url)) or self._retired.get((cluster, url))
+
+    def _mark_draining(self, engine: Engine, draining: bool, why: str) -> None:
+        if engine.draining != draining:
+            engine.draining = draining
+            engine.draining_since = time.time() if draining else None
+            engine.drain_reason = why if draining else None
+
+    def drain(self, cluster: str, url: str, why: str = "drained") -> bool:
+        """Take the endpoint out of routing; its requests in flight go on. False: unknown."""
+        engine = self._engines.get((cluster, url))
+        if engine is None:
+            return False
+        self._mark_draining(engine, True, why)
+        return True
+
+    def undrain(self, cluster: str, url: str) -> bool:
+        """Bring a drained endpoint back into routing. False: unknown (or removed)."""
+        engine = self._engines.get((cluster, url))
+        if engine is None:
+            return False
+        self._mark_draining(engine, False, "")
+        return True
+
+    def drain_expired(self, cluster: str, url: str) -> int:
+        """The drain deadline passed: cancel the requests still in flight on a draining
+        endpoint (their streams migrate); how many were cancelled."""
+        engine = self._find(cluster, url)
+        if engine is None or not engine.draining:
+            return 0
+        scopes = self._scopes.get((cluster, url), set())
+        for scope in scopes:
+            scope.cancel()
+        return len(scopes)
 
     def has(self, cluster: str, url: str) -> bool:
         """Whether the endpoint is in routing (not removed by a reload)."""
@@ -123,7 +169,7 @@ class EnginePool:
         now = time.monotonic()
         out = []
         for e in self._engines.values():
-            if e.cluster != cluster:
+            if e.cluster != cluster or e.draining:
                 continue
             share = ramp(e.warming_since, e.warming_s, now)
             if share >= 1.0:
@@ -147,12 +193,12 @@ class EnginePool:
 
     def routable(self, cluster: str, url: str) -> bool:
         engine = self._engines.get((cluster, url))
-        return engine is not None and engine.state.routable
+        return engine is not None and engine.state.routable and not engine.draining
 
     def healthy_clusters(self) -> dict[str, bool]:
         healthy = dict.fromkeys(self.clusters, False)
         for engine in self._engines.values():
-            if engine.state.routable:
+            if engine.state.routable and not engine.draining:
                 healthy[engine.cluster] = True
         return healthy
 

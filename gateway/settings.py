@@ -223,6 +223,12 @@ class ClusterSettings(_Frozen):
     # How the engines are launched; optional: the gateway itself never reads it.
     engine: EngineProfileSettings | None = None
     outlier: OutlierSettings = OutlierSettings()
+    # Endpoints taken out of routing for a planned removal (gateway/upstream/drain.py): no new
+    # requests; those in flight finish, or past ``drain_s`` are cancelled and their streams
+    # migrate (lanes[].migrate). Also the deadline of POST /admin/engines/drain and of an
+    # endpoint a reload removes.
+    draining: tuple[str, ...] = ()
+    drain_s: float = Field(30.0, ge=0)
 
     @model_validator(mode="after")
     def _endpoints_are_urls(self) -> ClusterSettings:
@@ -233,6 +239,9 @@ class ClusterSettings(_Frozen):
                 raise ValueError(f"cluster {self.name!r}: endpoint {url!r} is not an http(s) URL")
         if len(set(self.endpoints)) != len(self.endpoints):
             raise ValueError(f"cluster {self.name!r}: duplicate endpoints")
+        unknown = [u for u in self.draining if u not in self.endpoints]
+        if unknown and self.discovery is None:
+            raise ValueError(f"cluster {self.name!r}: draining {unknown} not among its endpoints")
         problems = profile_problems(self.kind, self.engine) if self.engine else []
         if problems:
             raise ValueError(f"cluster {self.name!r} engine: " + "; ".join(problems))
@@ -289,6 +298,21 @@ class RetrySettings(_Frozen):
     max_retries: int = Field(2, ge=0, le=16)
 
 
+class MigrateSettings(_Frozen):
+    """Mid-stream migration (``lanes[].migrate``; gateway/request/migration.py).
+
+    A streamed chat or completions answer whose engine fails after the answer began (the
+    connection reset or closed, the engine marked down or drained past its deadline, an idle
+    deadline, an engine error event) goes on at another routable endpoint of the lane, with the
+    text already relayed as the continuation's start, spliced into the same client stream; at
+    most ``max_migrations`` times a request. Requests it cannot continue safely are named in
+    ``route.migration_refused`` and end as before, with an error event.
+    """
+
+    enabled: bool = True
+    max_migrations: int = Field(2, ge=0, le=16)
+
+
 class LendSettings(_Frozen):
     """This lane's engines serve other lanes' short requests while idle (``lanes[].lend``).
 
@@ -328,6 +352,7 @@ class LaneSettings(_Frozen):
     timeouts: TimeoutSettings = TimeoutSettings()
     health: HealthSettings = HealthSettings()
     retry: RetrySettings = RetrySettings()
+    migrate: MigrateSettings = MigrateSettings()
     # Send requests sharing a prompt prefix (the system prompt, else the first message's first
     # affinity_prefix_bytes) to the same endpoint, where the engine has it cached.
     prefix_affinity: bool = False

@@ -18,7 +18,7 @@ import orjson
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from engine_pool.sim import vllm_rules, wire
+from engine_pool.sim import text, vllm_rules, wire
 from engine_pool.sim.counting import RequestRejected
 from engine_pool.sim.engine import EngineCrashed
 from engine_pool.sim.handling import STORED_RESPONSES, SimParts, error, validate
@@ -145,6 +145,7 @@ async def _prepare(
                 request=echoed,
                 continuous_usage=continuous,
                 index=index,
+                first_word=text.first_word(kind, data, index),
             )
         )
     if kind == "responses" and echoed.get("store", True) is not False:

@@ -64,6 +64,8 @@ class Generation:
     continuous_usage: bool = False
     # The prompt's place in a completions batch (its choices' ``index``).
     index: int = 0
+    # Where the answer starts in ``wire.WORDS``: a function of its context (``text.py``).
+    first_word: int = 0
 
 
 class Framer(Protocol):
@@ -93,7 +95,7 @@ class _OpenAIFramer:
 
     def token(self, index: int, last: bool) -> bytes:
         gen = self.gen
-        text = wire.output_text(index, 1)
+        text = wire.output_text(gen.first_word + index, 1)
         finish = gen.finish_reason if last else None
         usage = self._so_far(index + 1)
         if gen.endpoint == "chat":
@@ -133,7 +135,7 @@ class _TypedFramer:
         return self.events.opening()
 
     def token(self, index: int, last: bool) -> bytes:
-        return self.events.token(wire.output_text(index, 1))
+        return self.events.token(wire.output_text(self.gen.first_word + index, 1))
 
     def closing(self) -> list[bytes]:
         gen = self.gen
@@ -303,7 +305,7 @@ async def full_body(gen: Generation, stream: RequestStream) -> dict[str, Any]:
     last = False
     while not last:
         _, _, last = await stream.next_tokens()
-    text = wire.output_text(0, gen.output_tokens)
+    text = wire.output_text(gen.first_word, gen.output_tokens)
     args = (gen.prompt_tokens, gen.output_tokens)
     if gen.endpoint == "responses":
         return wire_apis.response_full(
@@ -322,7 +324,7 @@ async def full_batch_body(gens: list[Generation], streams: list[RequestStream]) 
         last = False
         while not last:
             _, _, last = await stream.next_tokens()
-        text = wire.output_text(0, gen.output_tokens)
+        text = wire.output_text(gen.first_word, gen.output_tokens)
         choices.append(wire.completion_choice(gen.index, text, gen.finish_reason))
     first = gens[0]
     return wire.completion_batch_response(

@@ -34,7 +34,8 @@ DONE = b"data: [DONE]\n\n"
 # vLLM's message when its engine core has died (EngineDeadError).
 ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 
-# Synthetic output: token i of a response is WORDS[i % len(WORDS)].
+# Synthetic output: each word is followed by the next (cyclically); where an answer starts
+# depends on its context (text.py).
 WORDS = (" lorem", " ipsum", " dolor", " sit", " amet", " consectetur", " adipiscing", " elit")
 
 

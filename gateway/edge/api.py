@@ -12,6 +12,9 @@ exchange to the pipeline; the rest answer from config or from snapshots of the g
                                                  cluster; each lane's state and evidence
     POST /admin/probe                            run the boot probe now; per-lane results
     POST /admin/reload                           reload the policy (file, or a policy in the body)
+    POST /admin/engines/drain, /undrain          ``{"url": ...}``: take an endpoint out of routing
+                                                 (its requests finish, or past its cluster's
+                                                 drain_s migrate), or bring it back
     GET  /admin/state                            lanes, clusters, slots, queues, recent decisions
     POST/GET/DELETE /admin/shadow, POST /admin/shadow/promote
                                                  a candidate policy deciding on live traffic
@@ -34,6 +37,7 @@ import time
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
@@ -119,8 +123,9 @@ async def http_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def admin_state(gateway: Gateway) -> dict[str, Any]:
     settings = gateway.settings
+    retired = gateway.pool.retired()  # removed by a reload, still serving: draining
     keys = [lane_key(lane.name) for lane in settings.lanes] + [
-        endpoint_key(e.cluster, e.url) for e in gateway.pool.engines()
+        endpoint_key(e.cluster, e.url) for e in (*gateway.pool.engines(), *retired)
     ]
     used = await gateway.store.in_use(keys)
     lanes = []
@@ -140,7 +145,7 @@ async def admin_state(gateway: Gateway) -> dict[str, Any]:
                 **borrowing_state(gateway.admission, lane),
             }
         )
-    clusters = []
+    clusters: list[dict[str, Any]] = []
     for name, cluster in gateway.pool.clusters.items():
         endpoints = []
         for url in cluster.endpoints:
@@ -149,6 +154,16 @@ async def admin_state(gateway: Gateway) -> dict[str, Any]:
                 {**engine.as_json(time.time()), "slots_in_use": used[endpoint_key(name, url)]}
             )
         clusters.append({"name": name, "kind": cluster.kind, "endpoints": endpoints})
+    for engine in retired:
+        row = {
+            **engine.as_json(time.time()),
+            "slots_in_use": used[endpoint_key(engine.cluster, engine.url)],
+        }
+        found = [c for c in clusters if c["name"] == engine.cluster]
+        if found:
+            found[0]["endpoints"].append(row)
+        else:
+            clusters.append({"name": engine.cluster, "kind": engine.kind, "endpoints": [row]})
     state: dict[str, Any] = {
         "policy_version": gateway.pipeline.policy.version,
         "started_at": gateway.started_at,
@@ -200,6 +215,36 @@ async def reload_peers(gateway: Gateway, scope: Scope, raw: bytes) -> dict[str, 
                 status=answer.response.status_code if answer.response else None,
             )
     return {"workers": {"reloaded": 1 + len(answers) - len(failed), "failed": failed}}
+
+
+async def drain_route(gateway: Gateway, request: Request, *, drain: bool) -> JSONResponse:
+    """``{"url": ...}``: drain (or undrain) that endpoint in every cluster listing it, on every
+    worker; 404 when no cluster does, 400 for a body without a URL."""
+    raw = await request.body()
+    try:
+        url = orjson.loads(raw).get("url") if raw else None
+    except (orjson.JSONDecodeError, AttributeError):
+        url = None
+    if not isinstance(url, str):
+        message = 'the body must be {"url": "<endpoint URL>"}'
+        return JSONResponse(error_body(message, "invalid_request_error", 400, "url"), 400)
+    done = []
+    for name, cluster in gateway.pool.clusters.items():
+        if url not in cluster.endpoints:
+            continue
+        if drain:
+            deadline_s = gateway.settings.cluster(name).drain_s
+            gateway.drainer.drain(name, url, deadline_s, "POST /admin/engines/drain")
+        else:
+            gateway.drainer.undrain(name, url)
+        done.append({**gateway.pool.engine(name, url).as_json(time.time()), "cluster": name})
+    if not done:
+        message = f"no cluster has the endpoint {url!r}"
+        return JSONResponse(error_body(message, "NotFoundError", 404, "url"), 404)
+    if gateway.peers is not None and not worker_only(request.scope):
+        path = request.url.path
+        await gateway.peers.ask("POST", path, raw, {"content-type": "application/json"})
+    return JSONResponse({"endpoints": done})
 
 
 def add_routes(app: FastAPI, gateway: Gateway) -> None:
@@ -305,6 +350,14 @@ def add_routes(app: FastAPI, gateway: Gateway) -> None:
                 **await reload_peers(gateway, request.scope, raw),
             }
         )
+
+    @app.post("/admin/engines/drain")
+    async def drain(request: Request) -> JSONResponse:
+        return await drain_route(gateway, request, drain=True)
+
+    @app.post("/admin/engines/undrain")
+    async def undrain(request: Request) -> JSONResponse:
+        return await drain_route(gateway, request, drain=False)
 
     @app.get("/admin/state")
     async def state(request: Request) -> dict[str, Any]:

@@ -148,6 +148,8 @@ async def apply_reload(gateway: Gateway, new: Settings) -> ReloadResult:
     for engine in gateway.pool.reconcile(clusters_of(effective)):
         if engine.warming_since is not None:
             slow_start(gateway.log, engine.cluster, engine.url, engine.warming_s, "joined")
+    # Removed endpoints drain (their requests finish or, past drain_s, migrate).
+    gateway.drainer.adopt(old, effective)
     gateway.pipeline.policy = policy
     if counter is not old_policy.counter:
         if gateway.owns_counter:

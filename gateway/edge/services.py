@@ -39,6 +39,7 @@ from gateway.request.response_affinity import build_affinity
 from gateway.settings import ConfigError, Settings
 from gateway.slots.host import HostSlotStore, WorkerGroup
 from gateway.slots.store import MemorySlotStore, SlotStore
+from gateway.upstream.drain import POLICY, Drainer
 from gateway.upstream.engines import EngineEvents, probe_plans
 from gateway.upstream.proxy import Upstream
 from gateway.upstream.readiness import BootProbe
@@ -127,6 +128,11 @@ class Gateway:
     # Endpoints found by DNS per cluster (gateway/edge/discovery.py), added to the policy's.
     discovered: dict[str, tuple[str, ...]] = field(default_factory=dict)
     _monitor_scope: anyio.CancelScope | None = None
+    # Draining endpoints' deadlines (gateway/upstream/drain.py).
+    drainer: Drainer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.drainer = Drainer(self.pool, self.log)
 
     @classmethod
     def build(
@@ -141,6 +147,9 @@ class Gateway:
         owns_counter = counter is None
         counter = counter or TokenCounter.from_settings(settings, metrics)
         pool = EnginePool(clusters_of(settings))
+        for cluster in settings.clusters:  # planned removals: out of routing from the start
+            for url in cluster.draining:
+                pool.drain(cluster.name, url, POLICY)
         metrics.watch_in_flight(lambda: ((e.cluster, e.url, e.in_flight) for e in pool.engines()))
         store = build_store(settings, metrics, log, group)
         admission = Admission(store, metrics, log, poll_interval_s=settings.state.poll_interval_s)
@@ -249,6 +258,7 @@ class Gateway:
         self.log.info("gateway.drained", left_in_flight=self.pipeline.in_flight)
 
     async def aclose(self) -> None:
+        self.drainer.close()
         await self.upstream.aclose()
         await self.store.aclose()
         await self.pipeline.affinity.aclose()

@@ -280,6 +280,15 @@ class Metrics:
             ["lane", "reason"],
             registry=r,
         )
+        # Mid-stream migration (gateway/request/migration.py): outcome migrated, refused (a
+        # request it cannot continue safely), exhausted (max_migrations reached) or failed (no
+        # endpoint took it in time).
+        self.migrations = Counter(
+            "shapegate_migrations",
+            "Streams whose engine failed after the answer began, by what became of them.",
+            ["lane", "outcome"],
+            registry=r,
+        )
         # Redis that lost its data (gateway/slots/redis_store.py): leases re-established by their
         # owners.
         self.leases_restored = Counter(

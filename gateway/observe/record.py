@@ -13,6 +13,7 @@ Contract:
       admitted(record, grant)   one ``route.decision`` event; decision, queue-wait and
                                 prompt-token metrics
       moved(record, grant)      the request failed over to another endpoint (its slot moved)
+      migrated(record, grant, reason)  its stream moved mid-answer (its slot moved)
       chunk(record, now)        a chunk reached the client: TTFT on the first, ITL after
       refused(record, exc)      the gateway answered with an error: the outcome it means;
                                 ``route.rejected`` if the request was never admitted; a
@@ -159,6 +160,8 @@ class Record:
     last_chunk_at: float = 0.0
     # How often it failed over before the engine answered (gateway/request/failover.py).
     retries: int = 0
+    # How often its stream moved mid-answer to another engine (gateway/request/migration.py).
+    migrations: int = 0
     # Why it ended, when not as planned: the error the client was told, the deadline hit.
     error: str | None = None
     deadline: Phase | None = None
@@ -232,6 +235,7 @@ class Record:
             "endpoint": grant.url if grant else None,
             "queue_wait_s": round(grant.queued_s, 4) if grant else None,
             "retries": self.retries,
+            "migrations": self.migrations,
             "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 4),
             "duration_s": self.duration_s,
             "output_tokens": self.output_tokens,
@@ -313,6 +317,14 @@ class Recorder:
         if record.span is not None:
             record.span.attempt_failed(reason)
 
+    def migrated(self, record: Record, grant: Grant, reason: str) -> None:
+        """The stream moved mid-answer: its slot is now ``grant``'s (the ``route.migrated``
+        event itself is gateway/request/failover.py's)."""
+        record.grant = grant
+        record.migrations += 1
+        if record.span is not None:
+            record.span.attempt_failed(reason)
+
     def engine_counted(self, record: Record, model: str, template: str) -> None:
         """The engine answered: compare its prompt count with ours when both exist."""
         if record.prompt_tokens is None or record.engine_prompt_tokens is None:
@@ -386,6 +398,7 @@ class Recorder:
             output_tokens_estimate=record.output_tokens_estimate,
             chunks=record.chunks,
             retries=record.retries,
+            migrations=record.migrations,
             error=record.error,
             deadline=record.deadline,
         )

@@ -3,6 +3,7 @@
     failover_candidates(lane, views, tried, serves) -> list[EngineView]      pure
     Failover(pool, admission, metrics, log, on_change)                       the edge
     await failover.next_attempt(request_id, held, exc, attempts, cluster) -> bool
+    await failover.migrate(request_id, held, attempts, reason, tokens_sent) -> bool
 
 A request whose engine could not be reached (``EngineUnreachable``: refused, reset, or a
 connection found closed, with no answer byte) may go elsewhere, because nothing reached the
@@ -14,6 +15,10 @@ client and the engine did not answer:
    endpoint of its lane it has not tried: the lane's clusters first, then, only when none of
    those has one left, its emergency clusters; at most ``lanes[].retry.max_retries`` times,
    within the request's deadlines (one ``Watch`` spans every attempt).
+
+A stream whose engine failed after the answer began moves the same way (``migrate``; what it
+sends there is gateway/request/migration.py's continuation): one ``route.migrated`` event
+(request_id, lane, from, to, reason, tokens_sent) and ``shapegate_migrations_total{lane,outcome}``.
 
 Each retry is one ``route.retry`` event (request_id, lane, from, to, reason) and one
 ``shapegate_retries_total{lane,reason}``. Each failure (but a stale connection, which is no
@@ -122,6 +127,36 @@ class Failover:
             return False
         self.retried(request_id, lane.name, old, held.url, exc.reason)
         return True
+
+    async def migrate(
+        self, request_id: str, held: Held, attempts: Attempts, reason: str, tokens_sent: int
+    ) -> bool:
+        """Move a stream whose engine failed mid-answer to the next routable endpoint of its
+        lane, slot and all (gateway/request/migration.py continues the answer there): one
+        ``route.migrated`` event. False when no endpoint took it within the deadlines."""
+        old, lane = held.url, attempts.lane
+        attempts.tried.add((held.cluster, held.url))
+        attempts.fresh = False
+        moved = False
+        with anyio.move_on_after(attempts.left_s()):
+            moved = await self._admission.move(held, lane, attempts.candidates, attempts.limit_of)
+        if not moved:
+            self.migration(lane.name, "failed")
+            return False
+        where = {"from": old, "to": held.url}
+        self._log.info(
+            "route.migrated",
+            request_id=request_id,
+            lane=lane.name,
+            reason=reason,
+            tokens_sent=tokens_sent,
+            **where,
+        )
+        self.migration(lane.name, "migrated")
+        return True
+
+    def migration(self, lane: str, outcome: str) -> None:
+        self._metrics.child(self._metrics.migrations, lane, outcome).inc()
 
     def unreachable(self, cluster: ClusterSettings, url: str, exc: EngineUnreachable) -> None:
         if exc.stale:

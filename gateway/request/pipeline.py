@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import anyio
+import orjson
 
 from engine_pool.capability import holding, holds, refusal, too_long_message
 from engine_pool.cluster import EngineView
@@ -45,9 +46,16 @@ from gateway.core.exchange import (
     require_media_type,
     watch_disconnect,
 )
-from gateway.core.watchdog import Watch, deadlines_for
+from gateway.core.watchdog import DeadlineHit, Watch, deadlines_for
 from gateway.count.tokens import TokenCounter
-from gateway.count.usage import TAIL_MAX, ExactCount, engine_usage, sse_events, trim_tail
+from gateway.count.usage import (
+    TAIL_MAX,
+    EngineUsage,
+    ExactCount,
+    engine_usage,
+    sse_events,
+    trim_tail,
+)
 from gateway.errors import (
     BadRequest,
     EngineUnreachable,
@@ -65,7 +73,7 @@ from gateway.observe.record import Record, Recorder, Routed
 from gateway.protocols.multipart import parse_multipart
 from gateway.protocols.openai import RoutedRequest, prefix_key
 from gateway.protocols.routes import EngineRoute
-from gateway.request.admission import Admission, Want
+from gateway.request.admission import Admission, Held, Want
 from gateway.request.auth import ClientAuth
 from gateway.request.borrowing import Loan, loans_for
 from gateway.request.classes import UnknownClass, bearer_digest, class_of
@@ -79,6 +87,13 @@ from gateway.request.lanes import (
     no_lane_message,
     pin_to_cluster,
 )
+from gateway.request.migration import (
+    MIGRATES,
+    Interrupted,
+    Relay,
+    cannot_migrate,
+    continuation,
+)
 from gateway.request.response_affinity import MemoryAffinity, ResponseAffinity, response_id_of
 from gateway.request.shadow_live import ShadowLive
 from gateway.settings import (
@@ -88,7 +103,12 @@ from gateway.settings import (
     Settings,
     served_models,
 )
-from gateway.upstream.proxy import Upstream, response_headers, upstream_headers
+from gateway.upstream.proxy import (
+    Upstream,
+    UpstreamResponse,
+    response_headers,
+    upstream_headers,
+)
 
 # How long the response headers may wait for the exact prompt count (finished while the engine
 # worked; only a congested counting worker is still busy by then): the first byte is not held
@@ -162,6 +182,25 @@ def read_request(
     return request, model
 
 
+def _untracked(request: RoutedRequest, lane: LaneSettings) -> str | None:
+    """Why a request's stream is not relayed for migration (gateway/request/migration.py),
+    or None: it is."""
+    if not lane.migrate.enabled:
+        return "disabled"
+    if request.route not in MIGRATES:
+        return "endpoint"
+    if not request.stream:
+        return "not_streamed"
+    return None
+
+
+def _cut(exc: GatewayError) -> str | None:
+    """The migration reason of a failure mid-stream, or None: it ends the request as before."""
+    if isinstance(exc, DeadlineHit):
+        return None if exc.kind == "total" else exc.kind
+    return "connection_lost" if isinstance(exc, UpstreamError) else None
+
+
 def _affinity(request: RoutedRequest, lane: LaneSettings, route: EngineRoute) -> bytes | None:
     """The prefix key when the lane routes by prefix affinity (multipart has no text)."""
     if not lane.prefix_affinity or route.multipart:
@@ -233,6 +272,8 @@ class Target:
     count: ExactCount
     watch: Watch  # one for every attempt: failing over never extends the request's deadlines
     fresh: bool  # open a new connection (a kept-alive one was found closed)
+    # The client stream across engines, for a request that may migrate mid-stream.
+    relay: Relay | None = None
 
 
 class Pipeline:
@@ -333,6 +374,175 @@ class Pipeline:
         record: Record,
     ) -> None:
         settings = policy.settings
+        request, model, count, decision, pinned, want = await self._decide(
+            policy, route, scope, body, record
+        )
+        lane = decision.lane
+        assert lane is not None, "_decide refuses a request without a lane"
+        serving = tuple(c for c in decision.clusters if policy.serves(c, model.name))
+
+        affinity = _affinity(request, lane, route)
+
+        exact, views_of = await self._holding(serving, policy, count, lane)
+
+        def candidates() -> Sequence[EngineView]:
+            views = [v for c in serving for v in order_endpoints(views_of(c), affinity)]
+            return views if pinned is None else [v for v in views if v.url == pinned]
+
+        if pinned is not None and not any(v.state.routable for v in candidates()):
+            raise NoHealthyCluster(
+                f"the engine holding response '{request.previous_response_id}' ({pinned}) is "
+                "down; its stored conversation lives only there",
+                retry_after_s=5,
+            )
+
+        limit_of = policy.limit_of(lane)
+        # One watch spans every attempt. A bound errs long: deadlines grown from it are never
+        # shorter than the exact count's.
+        watch = Watch(deadlines_for(lane.timeouts, exact.decided_by))
+        attempts = Attempts(
+            lane, views_of, lambda c: policy.serves(c, model.name), limit_of, watch.left_s
+        )
+        relay = Relay(request.route) if _untracked(request, lane) is None else None
+        sent = body  # the original body, then a continuation after a migration
+        # The slot token is ours, never the client's request id: two requests sharing an id
+        # must not share (and free) one slot.
+        async with self.admission.slot(lane, candidates, new_id(), limit_of, want) as held:
+            self.recorder.admitted(record, held.grant)
+            try:
+                while True:
+                    target = Target(
+                        route,
+                        held.grant,
+                        lane,
+                        settings.cluster(held.cluster),
+                        policy.engine_keys.get(held.cluster),
+                        policy.forward_headers,
+                        exact,
+                        watch,
+                        attempts.fresh,
+                        relay,
+                    )
+                    try:
+                        await self._attempt(request, scope, sent, target, out, record)
+                        break
+                    except EngineUnreachable as exc:
+                        # Nothing reached the client: fail over (gateway/request/failover.py) or
+                        # give up.
+                        if not await self.failover.next_attempt(
+                            record.request_id, held, exc, attempts, target.cluster
+                        ):
+                            raise
+                        self.recorder.moved(record, held.grant, exc.reason)
+                    except Interrupted as cut:
+                        following = await self._migrate(
+                            record, request, body, cut, held, attempts, target
+                        )
+                        if following is None:  # ends as before, the engine's error event too
+                            if target.relay is not None and target.relay.held and not out.finished:
+                                await out.body(target.relay.held, more=False)
+                            raise cut.cause from None
+                        sent = following
+                        self.recorder.migrated(record, held.grant, cut.reason)
+                    except GatewayError as exc:
+                        # The answer began and cannot migrate: said in the log, ended as before.
+                        if record.status == 200 and (why := _untracked(request, lane)):
+                            self._refused_migration(record, lane, why, exc, 0)
+                        raise
+            finally:
+                record.prompt_tokens = exact.settle()
+                if exact.error is not None:
+                    swallowed(
+                        self.log,
+                        self.metrics,
+                        "usage.exact_count",
+                        exact.error,
+                        decision="prompt_tokens_unknown",
+                        request_id=record.request_id,
+                    )
+            self.recorder.engine_counted(record, model.name, policy.counter.template_of(model.name))
+
+    async def _attempt(
+        self,
+        request: RoutedRequest,
+        scope: Scope,
+        body: bytes,
+        target: Target,
+        out: Outbound,
+        record: Record,
+    ) -> None:
+        """One try at the target's endpoint, counted in flight there; an endpoint marked down
+        (or drained past its deadline) cancels it: ``EngineUnreachable`` before the answer,
+        ``Interrupted`` after it for a relayed stream (it migrates), else ``UpstreamError``."""
+        grant = target.grant
+        with (
+            anyio.CancelScope() as engine_down,
+            self.pool.track(grant.cluster, grant.url, engine_down) as engine,
+        ):
+            await self._forward(request, scope, body, target, out, record)
+        if not engine_down.cancelled_caught or out.finished:
+            return
+        if record.status == 0:
+            raise EngineUnreachable(
+                f"engine was marked down before answering: {engine.evidence}",
+                reason="marked_down",
+            )
+        why = "drained" if engine.draining else "marked_down"
+        down = UpstreamError(f"engine was {why.replace('_', ' ')} mid-request: {engine.evidence}")
+        if target.relay is not None:
+            raise Interrupted(down, why)
+        raise down
+
+    async def _migrate(
+        self,
+        record: Record,
+        request: RoutedRequest,
+        body: bytes,
+        cut: Interrupted,
+        held: Held,
+        attempts: Attempts,
+        target: Target,
+    ) -> bytes | None:
+        """Continue a stream cut mid-answer at another endpoint of its lane (its slot moves
+        there): the continuation's body, or None when it cannot migrate (logged, counted)."""
+        relay = target.relay
+        assert relay is not None, "only a relayed stream is interrupted"
+        lane, so_far = attempts.lane, relay.so_far()
+        data = orjson.loads(body)  # parsed before: it is valid JSON
+        why = cannot_migrate(request.route, request.stream, data, so_far)
+        if why is None and relay.migrations >= lane.migrate.max_migrations:
+            why = "max_migrations"
+        if why is not None:
+            self._refused_migration(record, lane, why, cut.cause, so_far.tokens)
+            return None
+        moved = await self.failover.migrate(
+            record.request_id, held, attempts, cut.reason, so_far.tokens
+        )
+        if not moved:
+            return None
+        relay.spliced(await target.count.tokens(HEADER_COUNT_WAIT_S))
+        return continuation(request.route, data, so_far)
+
+    def _refused_migration(
+        self, record: Record, lane: LaneSettings, why: str, exc: GatewayError, tokens_sent: int
+    ) -> None:
+        outcome = "exhausted" if why == "max_migrations" else "refused"
+        self.log.info(
+            "route.migration_refused",
+            request_id=record.request_id,
+            lane=lane.name,
+            reason=why,
+            error=exc.message,
+            tokens_sent=tokens_sent,
+        )
+        self.failover.migration(lane.name, outcome)
+
+    async def _decide(
+        self, policy: Policy, route: EngineRoute, scope: Scope, body: bytes, record: Record
+    ) -> tuple[RoutedRequest, ModelSettings, TokenCount, Decision, str | None, Want]:
+        """Steps 2 to 4: parse, count, choose the lane (recorded); refused when no lane takes
+        the prompt or none of its clusters is healthy."""
+        settings = policy.settings
         request, model = read_request(route, scope, body, settings)
         healthy = self.pool.healthy_clusters()
         if route.multipart:  # no text to count: the lane the policy names
@@ -364,82 +574,7 @@ class Pipeline:
             raise NoHealthyCluster(
                 f"no healthy cluster for lane '{decision.lane.name}'", retry_after_s=5
             )
-        lane = decision.lane
-        serving = tuple(c for c in decision.clusters if policy.serves(c, model.name))
-
-        affinity = _affinity(request, lane, route)
-
-        exact, views_of = await self._holding(serving, policy, count, lane)
-
-        def candidates() -> Sequence[EngineView]:
-            views = [v for c in serving for v in order_endpoints(views_of(c), affinity)]
-            return views if pinned is None else [v for v in views if v.url == pinned]
-
-        if pinned is not None and not any(v.state.routable for v in candidates()):
-            raise NoHealthyCluster(
-                f"the engine holding response '{request.previous_response_id}' ({pinned}) is "
-                "down; its stored conversation lives only there",
-                retry_after_s=5,
-            )
-
-        limit_of = policy.limit_of(lane)
-        # One watch spans every attempt. A bound errs long: deadlines grown from it are never
-        # shorter than the exact count's.
-        watch = Watch(deadlines_for(lane.timeouts, exact.decided_by))
-        attempts = Attempts(
-            lane, views_of, lambda c: policy.serves(c, model.name), limit_of, watch.left_s
-        )
-        # The slot token is ours, never the client's request id: two requests sharing an id
-        # must not share (and free) one slot.
-        async with self.admission.slot(lane, candidates, new_id(), limit_of, want) as held:
-            self.recorder.admitted(record, held.grant)
-            try:
-                while True:
-                    target = Target(
-                        route,
-                        held.grant,
-                        lane,
-                        settings.cluster(held.cluster),
-                        policy.engine_keys.get(held.cluster),
-                        policy.forward_headers,
-                        exact,
-                        watch,
-                        attempts.fresh,
-                    )
-                    try:
-                        with (
-                            anyio.CancelScope() as engine_down,
-                            self.pool.track(held.cluster, held.url, engine_down) as engine,
-                        ):
-                            await self._forward(request, scope, body, target, out, record)
-                        if engine_down.cancelled_caught and record.status == 0:
-                            raise EngineUnreachable(
-                                f"engine was marked down before answering: {engine.evidence}",
-                                reason="marked_down",
-                            )
-                        break
-                    except EngineUnreachable as exc:
-                        # Nothing reached the client: fail over (gateway/request/failover.py) or
-                        # give up.
-                        if not await self.failover.next_attempt(
-                            record.request_id, held, exc, attempts, target.cluster
-                        ):
-                            raise
-                        self.recorder.moved(record, held.grant, exc.reason)
-            finally:
-                record.prompt_tokens = exact.settle()
-                if exact.error is not None:
-                    swallowed(
-                        self.log,
-                        self.metrics,
-                        "usage.exact_count",
-                        exact.error,
-                        decision="prompt_tokens_unknown",
-                        request_id=record.request_id,
-                    )
-            self.recorder.engine_counted(record, model.name, policy.counter.template_of(model.name))
-            if engine_down.cancelled_caught and not out.finished:
-                raise UpstreamError(f"engine was marked down mid-request: {engine.evidence}")
+        return request, model, count, decision, pinned, want
 
     def _decided(
         self,
@@ -574,6 +709,12 @@ class Pipeline:
         ) as response:
             record.status = response.status
             self.failover.answered(target.cluster, grant.url, response.status)
+            if out.started and response.status != 200:  # a continuation the engine refused
+                payload = await response.read(watch)
+                raise UpstreamError(
+                    f"engine answered {response.status} to a migrated stream's continuation: "
+                    + payload[:200].decode("utf-8", "replace")
+                )
             # Counted while the engine worked: done by now unless the counting worker is congested.
             tokens = await exact.tokens(HEADER_COUNT_WAIT_S)
             if tokens is not None:
@@ -592,32 +733,62 @@ class Pipeline:
                 await out.body(payload, more=False)
                 record.outcome = "upstream_error" if record.status >= 500 else "ok"
             else:
-                tail, events, head = b"", 0, b""
-                learning = request.route == "responses"
-                async for chunk in response.chunks(watch):
-                    self.recorder.chunk(record, time.monotonic())
-                    if not out.started:
-                        await out.start(
-                            200, response_headers(response.headers, ours), streaming=True
-                        )
-                    tail += chunk  # usage comes last; data events are counted in bulk
-                    if len(tail) > TAIL_MAX:
-                        tail, passed = trim_tail(tail)
-                        events += passed
-                    if learning:  # the id is in the first event, which may span chunks
-                        head += chunk
-                        if b"\n\n" in head or len(head) > LEARN_HEAD_BYTES:
-                            learning = False
-                            await self._learn(request, grant, head)
-                    await out.body(chunk, more=True)
-                if not out.started:
-                    await out.start(200, response_headers(response.headers, ours), streaming=True)
-                await out.body(b"", more=False)
-                record.outcome = "ok"
-                usage = engine_usage(tail)
-                events += sse_events(tail)
-                if usage.completion_tokens is None and request.route in ("chat", "completions"):
-                    # No usage chunk: one token per content event (chat opens with a role event).
-                    record.output_tokens_estimate = max(0, events - (request.route == "chat"))
+                usage = await self._stream(request, response, target, out, record, ours)
             record.output_tokens = usage.completion_tokens
             record.engine_prompt_tokens = usage.prompt_tokens
+
+    async def _stream(
+        self,
+        request: RoutedRequest,
+        response: UpstreamResponse,
+        target: Target,
+        out: Outbound,
+        record: Record,
+        ours: dict[str, str],
+    ) -> EngineUsage:
+        """Relay a streamed answer as it arrives: unchanged, or, for a stream that may migrate,
+        whole events through its ``Relay`` (``Interrupted`` when its engine fails mid-answer)."""
+        grant, relay = target.grant, target.relay
+        tail, events, head = b"", 0, b""
+        learning = request.route == "responses"
+        try:
+            async for received in response.chunks(target.watch):
+                self.recorder.chunk(record, time.monotonic())
+                if not out.started:
+                    await out.start(200, response_headers(response.headers, ours), streaming=True)
+                # Whole events only through a relay, rewritten after a migration.
+                chunk = received if relay is None else relay.feed(received)
+                tail += chunk  # usage comes last; data events are counted in bulk
+                if len(tail) > TAIL_MAX:
+                    tail, passed = trim_tail(tail)
+                    events += passed
+                if learning:  # the id is in the first event, which may span chunks
+                    head += chunk
+                    if b"\n\n" in head or len(head) > LEARN_HEAD_BYTES:
+                        learning = False
+                        await self._learn(request, grant, head)
+                if chunk:
+                    await out.body(chunk, more=True)
+                if relay is not None and relay.failure:
+                    failed = UpstreamError("engine sent an error event mid-stream")
+                    raise Interrupted(failed, "engine_error")
+        except (UpstreamError, DeadlineHit) as exc:
+            reason = _cut(exc) if relay is not None else None
+            if reason is None:
+                raise
+            raise Interrupted(exc, reason) from exc
+        if relay is not None and (rest := relay.rest()):
+            tail += rest
+            await out.body(rest, more=True)
+        if not out.started:
+            await out.start(200, response_headers(response.headers, ours), streaming=True)
+        await out.body(b"", more=False)
+        record.outcome = "ok"
+        usage = engine_usage(tail)
+        events += sse_events(tail)
+        if usage.completion_tokens is None and request.route in ("chat", "completions"):
+            # No usage chunk: one token per content event (chat opens with a role event).
+            record.output_tokens_estimate = max(0, events - (request.route == "chat"))
+            if relay is not None and relay.migrations:  # every engine's share
+                record.output_tokens_estimate = relay.so_far().tokens
+        return usage

@@ -76,3 +76,29 @@ async def test_errors_map_to_the_sdks_exceptions(client: openai.AsyncOpenAI) -> 
 async def test_models_list(client: openai.AsyncOpenAI) -> None:
     models = [m.id async for m in client.models.list()]
     assert models == ["qwen3.6", "Qwen/Qwen3.6-35B-A3B"]
+
+
+async def test_output_is_a_function_of_the_context(client: openai.AsyncOpenAI) -> None:
+    """The same request answers the same text; a continuation of its first k tokens (chat: the
+    assistant message continued; completions: prompt plus text) answers the rest of it."""
+    whole = await client.chat.completions.create(model="qwen3.6", messages=MESSAGES, max_tokens=13)
+    text = whole.choices[0].message.content or ""
+    again = await client.chat.completions.create(model="qwen3.6", messages=MESSAGES, max_tokens=13)
+    assert again.choices[0].message.content == text
+    words = text.split(" ")[1:]
+    head = "".join(f" {w}" for w in words[:5])
+    rest = await client.chat.completions.create(
+        model="qwen3.6",
+        messages=[*MESSAGES, {"role": "assistant", "content": head}],
+        max_tokens=8,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    assert head + (rest.choices[0].message.content or "") == text
+    seeded = await client.chat.completions.create(
+        model="qwen3.6", messages=MESSAGES, max_tokens=3, seed=3
+    )
+    assert seeded.choices[0].message.content == " sit amet consectetur"
+    full = await client.completions.create(model="qwen3.6", prompt="The river", max_tokens=20)
+    cut = full.choices[0].text[: len(" lorem ipsum dolor")]
+    tail = await client.completions.create(model="qwen3.6", prompt="The river" + cut, max_tokens=17)
+    assert cut + tail.choices[0].text == full.choices[0].text

@@ -17,12 +17,18 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class SimProcess:
-    """``shapegate sim`` on a free loopback port; ``kill()`` sends SIGKILL."""
+    """``shapegate sim`` on a free loopback port; ``kill()`` sends SIGKILL, ``restart()`` starts
+    it again on the same port."""
 
     def __init__(self, profile: str = "h100-fast", time_scale: float = 1.0, seed: int = 1) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
+        self.args = (profile, time_scale, seed)
+        self.proc = self._spawn()
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        profile, time_scale, seed = self.args
+        return subprocess.Popen(
             [
                 sys.executable,
                 "-m",
@@ -57,6 +63,12 @@ class SimProcess:
                 pass
             time.sleep(0.05)
         raise AssertionError(f"sim on {self.url} never answered /health")
+
+    def restart(self) -> None:
+        """Kill (if alive) and start again on the same port, healthy when this returns."""
+        self.stop()
+        self.proc = self._spawn()
+        self.wait_healthy()
 
     def kill(self) -> float:
         """SIGKILL now; the wall time it was sent."""

@@ -103,7 +103,7 @@ class StoreWatch:
 
 async def _slots(gateway: Gateway, watch: StoreWatch) -> dict[str, int] | None:
     keys = [lane_key(lane.name) for lane in gateway.settings.lanes] + [
-        endpoint_key(e.cluster, e.url) for e in gateway.pool.engines()
+        endpoint_key(e.cluster, e.url) for e in (*gateway.pool.engines(), *gateway.pool.retired())
     ]
     try:
         used = await gateway.store.in_use(keys)
@@ -163,7 +163,7 @@ async def build_state(gateway: Gateway, watch: StoreWatch | None = None) -> dict
                 **window.lane_json(lane.name, mono_now),
             }
         )
-    clusters_out = []
+    clusters_out: list[dict[str, Any]] = []
     for name, cluster in gateway.pool.clusters.items():
         endpoints = []
         for url in cluster.endpoints:
@@ -171,6 +171,14 @@ async def build_state(gateway: Gateway, watch: StoreWatch | None = None) -> dict
             slots = used[endpoint_key(name, url)] if used is not None else None
             endpoints.append({**engine.as_json(wall_now), "slots_in_use": slots})
         clusters_out.append({"name": name, "kind": cluster.kind, "endpoints": endpoints})
+    for engine in gateway.pool.retired():  # removed by a reload, still serving: draining
+        key = endpoint_key(engine.cluster, engine.url)
+        row = {**engine.as_json(wall_now), "slots_in_use": used[key] if used is not None else None}
+        found = [c for c in clusters_out if c["name"] == engine.cluster]
+        if found:
+            found[0]["endpoints"].append(row)
+        else:
+            clusters_out.append({"name": engine.cluster, "kind": engine.kind, "endpoints": [row]})
     recent = list(gateway.recorder.recent)[-MAX_DECISIONS:]
     return {
         "generated_at": wall_now,

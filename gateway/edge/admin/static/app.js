@@ -270,6 +270,7 @@
     const down = d.clusters.flatMap((c) => c.endpoints).filter((e) => e.state === 'down').length;
     const slow = d.clusters.flatMap((c) => c.endpoints).filter((e) => e.state === 'slow').length;
     const wrong = d.clusters.flatMap((c) => c.endpoints).filter((e) => e.state === 'misconfigured').length;
+    const draining = d.clusters.flatMap((c) => c.endpoints).filter((e) => e.draining).length;
     const drifted = (d.count_drift || []).filter((x) => x.drifted > 0);
     const compared = (d.count_drift || []).reduce((a, x) => a + x.compared, 0);
     $('pills').replaceChildren(...present(
@@ -279,6 +280,7 @@
         'slot store backend'),
       pill('engines down', String(down), down ? 'bad' : 'ok'),
       slow ? pill('slow', String(slow), 'warn') : null,
+      draining ? pill('engines draining', String(draining), 'warn', 'out of routing; their requests in flight finish, or migrate past the drain deadline') : null,
       wrong ? pill('misconfigured', String(wrong), 'warn', "engines whose own context or models fall short of their lanes (see each one's evidence)") : null,
       drifted.length
         ? pill('count drift', drifted.map((x) => `${x.model} ${x.route} ${x.last_drift > 0 ? '+' : ''}${x.last_drift}`).join(' · '), 'bad',
@@ -413,7 +415,7 @@
     for (const cl of d.clusters) {
       cl.endpoints.forEach((e, i) => {
         total++; if (e.state === 'up') up++;
-        const cls = e.state === 'up' ? 'ok' : ['slow', 'misconfigured'].includes(e.state) ? 'warn' : 'bad';
+        const cls = e.state === 'up' ? 'ok' : ['slow', 'misconfigured', 'draining'].includes(e.state) ? 'warn' : 'bad';
         const kv = e.kv_usage;
         const kvEl = kv === null || kv === undefined ? h('span', { class: 'faint', text: '—' }) : (() => {
           const bar = h('span', { class: `kv ${kv >= 0.95 ? 'bad' : kv >= 0.8 ? 'warn' : ''}` }, h('i'));

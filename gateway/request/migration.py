@@ -1,0 +1,371 @@
+"""Mid-stream migration: a streamed answer whose engine failed after some output goes on
+elsewhere, spliced into the same client stream. The decisions and the stream bookkeeping, pure
+(no I/O; the pipeline relays, gateway/request/failover.py moves the slot).
+
+    cannot_migrate(endpoint, stream, data, so_far) why this request cannot migrate, or None
+    continuation(endpoint, data, so_far) -> bytes  the body that continues the answer
+    Relay(endpoint)                                one client stream across every engine
+      relay.feed(chunk) -> bytes                   whole SSE events to pass on now
+      relay.failure                                an engine error event seen (held back)
+      relay.so_far()                               the answer relayed so far (SoFar)
+      relay.spliced(prompt_tokens)                 the next engine's stream continues it
+    Interrupted(cause, reason)                     raised by the relay path; the pipeline
+                                                   migrates, or answers ``cause`` as before
+
+What is migrated: streamed chat completions and completions (``lanes[].migrate``) whose engine
+failed after the answer began: the connection reset or closed mid-stream, the engine marked down
+or drained past its deadline (``marked_down``, ``drained``), an idle deadline (``idle``), an
+engine error event in the stream (``engine_error``: vLLM's dead engine core). The continuation
+is the request with the text already relayed as the answer's start: chat, an assistant message
+continued (``continue_final_message: true``, ``add_generation_prompt: false``; a client's own
+continued assistant message is extended); completions, the prompt plus the text. Its
+``max_tokens`` (and ``max_completion_tokens``, ``min_tokens``) shrinks by the tokens relayed
+(completions' default of 16 made explicit). The engine's output depends only on its context,
+so a greedy (temperature 0) continuation reads as the uninterrupted answer.
+
+Splicing (``Relay``): only whole SSE events reach the client (a cut event is dropped, and sent
+again by the continuation), so the text relayed is exactly the text the client has. A
+continuation's events are rewritten: the first stream's ``id`` and ``created``, no second role
+chunk, and usage made the whole answer's (prompt tokens of the original prompt, completion
+tokens plus those relayed before). An error event is held back, never relayed, while the
+answer can still migrate.
+
+Refused, and left as before (an error event), each named in ``route.migration_refused``:
+``n`` above 1 (``n``), logprobs (``logprobs``: they would restart), a JSON schema or other
+structured output (``structured_output``: the grammar state is not in the text), a tool choice
+that forces a call (``tool_choice``), a tool call or reasoning in progress in the stream
+(``tool_call``, ``reasoning``), ``echo``, a completions batch or token-id prompt
+(``prompt_not_text``), non-streamed answers (``not_streamed``), Responses and Messages
+(``endpoint``), and an answer that already finished (``finished``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from engine_pool.engine_api import RouteKind
+from gateway.errors import GatewayError
+
+MIGRATES: frozenset[RouteKind] = frozenset({"chat", "completions"})
+EVENT_END = b"\n\n"
+DATA = b"data: "
+DONE = b"[DONE]"
+ERROR_HEAD = b'data: {"error"'
+# Relayed events are kept as bytes and folded into text past this size: the parse is paid once
+# per event, and only by streams that keep going; memory stays bounded.
+KEEP_MAX = 65536
+# vLLM's CompletionRequest.max_tokens default.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+STRUCTURED = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+)
+
+
+class Interrupted(Exception):
+    """The engine failed after the answer began: ``cause`` is what the client is told if the
+    answer cannot migrate; ``reason`` names the failure (``route.migrated``'s reason)."""
+
+    def __init__(self, cause: GatewayError, reason: str) -> None:
+        super().__init__(reason)
+        self.cause = cause
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class SoFar:
+    """The answer relayed so far: its text, its output tokens, and what else it carried."""
+
+    text: str
+    tokens: int
+    role_sent: bool
+    finished: bool
+    other: str | None  # "tool_call" or "reasoning" when the answer carried one
+
+
+def _request_refusal(endpoint: RouteKind, data: dict[str, Any]) -> str | None:
+    n = data.get("n")
+    if isinstance(n, int) and n > 1:
+        return "n"
+    if data.get("logprobs") not in (None, False) or data.get("top_logprobs") not in (None, 0):
+        return "logprobs"
+    if data.get("prompt_logprobs") is not None:
+        return "logprobs"
+    fmt = data.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+        return "structured_output"
+    if any(data.get(name) is not None for name in STRUCTURED):
+        return "structured_output"
+    if data.get("tools") and data.get("tool_choice") not in (None, "auto", "none"):
+        return "tool_choice"
+    if data.get("echo"):
+        return "echo"
+    if endpoint == "completions" and not isinstance(data.get("prompt"), str):
+        return "prompt_not_text"
+    if endpoint == "chat" and not isinstance(data.get("messages"), list):
+        return "prompt_not_text"
+    return None
+
+
+def cannot_migrate(
+    endpoint: RouteKind, stream: bool, data: Any, so_far: SoFar | None
+) -> str | None:
+    """Why this request cannot migrate (a name for the log and the metric), or None."""
+    if endpoint not in MIGRATES:
+        return "endpoint"
+    if not stream or so_far is None:
+        return "not_streamed"
+    if not isinstance(data, dict):
+        return "prompt_not_text"
+    found = _request_refusal(endpoint, data)
+    if found is not None:
+        return found
+    if so_far.other is not None:
+        return so_far.other
+    if so_far.finished:
+        return "finished"
+    return None
+
+
+def _shrunk(value: Any, by: int, floor: int) -> Any:
+    return (
+        max(floor, value - by) if isinstance(value, int) and not isinstance(value, bool) else value
+    )
+
+
+def continuation(endpoint: RouteKind, data: dict[str, Any], so_far: SoFar) -> bytes:
+    """The request that continues the answer from ``so_far`` (``cannot_migrate`` found nothing)."""
+    body = dict(data)
+    sent = so_far.tokens
+    if endpoint == "completions":
+        body["prompt"] = data["prompt"] + so_far.text
+        body["max_tokens"] = max(
+            1, (data.get("max_tokens") or COMPLETIONS_DEFAULT_MAX_TOKENS) - sent
+        )
+    elif so_far.text:
+        messages = list(data["messages"])
+        last = messages[-1] if messages else None
+        continued = bool(data.get("continue_final_message"))
+        if continued and isinstance(last, dict) and isinstance(last.get("content"), str):
+            messages[-1] = {**last, "content": last["content"] + so_far.text}
+        else:
+            messages.append({"role": "assistant", "content": so_far.text})
+        body["messages"] = messages
+        body["continue_final_message"] = True
+        body["add_generation_prompt"] = False
+    if endpoint == "chat":
+        for name in ("max_tokens", "max_completion_tokens"):
+            if name in body:
+                body[name] = _shrunk(body[name], sent, 1)
+    if "min_tokens" in body:
+        body["min_tokens"] = _shrunk(body["min_tokens"], sent, 0)
+    return orjson.dumps(body)
+
+
+class Relay:
+    """One client stream of a chat or completions answer, across every engine that served it.
+
+    ``feed`` passes whole events on (the tail of a cut event waits for its end); the first
+    engine's events pass unchanged and are kept as bytes, folded into the text only when they
+    pile up or the stream is cut; a continuation's events (after ``spliced``) are parsed,
+    rewritten and their text added at once."""
+
+    __slots__ = (
+        "_base",
+        "_chat",
+        "_kept",
+        "_kept_bytes",
+        "_pending",
+        "_prompt_tokens",
+        "_splicing",
+        "created",
+        "failure",
+        "finished",
+        "held",
+        "id",
+        "migrations",
+        "other",
+        "role_sent",
+        "text",
+        "tokens",
+        "usage_tokens",
+    )
+
+    def __init__(self, endpoint: RouteKind) -> None:
+        self._chat = endpoint == "chat"
+        self._pending = b""
+        self._kept: list[bytes] = []
+        self._kept_bytes = 0
+        self._splicing = False
+        self._base = 0
+        # The original prompt's tokens (the engine's, else our exact count), for the usage.
+        self._prompt_tokens: int | None = None
+        self.id: Any = None
+        self.created: Any = None
+        self.text: list[str] = []
+        self.tokens = 0  # content events relayed (one token each on vLLM and SGLang)
+        self.usage_tokens: int | None = None  # the latest usage's completion tokens, if any
+        self.role_sent = False
+        self.finished = False
+        self.other: str | None = None
+        self.failure = False
+        # The engine's error event (and what followed it), relayed only if it cannot migrate.
+        self.held = b""
+        self.migrations = 0
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The whole events of what arrived, to relay now (rewritten after a splice); an error
+        event and everything after it is held back and sets ``failure``."""
+        data = self._pending + chunk if self._pending else chunk
+        cut = data.rfind(EVENT_END)
+        if cut < 0:
+            self._pending = data
+            return b""
+        whole, self._pending = data[: cut + 2], data[cut + 2 :]
+        if self._splicing:
+            return self._rewrite(whole)
+        at = whole.find(ERROR_HEAD)
+        if at >= 0 and (at == 0 or whole[at - 2 : at] == EVENT_END):
+            self.failure = True
+            whole, self.held = whole[:at], whole[at:]
+        if whole:
+            self._kept.append(whole)
+            self._kept_bytes += len(whole)
+            if self._kept_bytes > KEEP_MAX:
+                self._fold()
+        return whole
+
+    def rest(self) -> bytes:
+        """What is left of a stream that ended cleanly (an unterminated last event)."""
+        rest, self._pending = self._pending, b""
+        return rest if not self._splicing else self._rewrite(rest + EVENT_END)[:-2]
+
+    def _fold(self) -> None:
+        for whole in self._kept:
+            for event in whole.split(EVENT_END):
+                payload = _payload(event)
+                if payload is not None:
+                    self._note(payload)
+        self._kept, self._kept_bytes = [], 0
+
+    def _note(self, payload: dict[str, Any]) -> None:
+        """Add one parsed event of the answer to what was relayed."""
+        if self.id is None:
+            self.id, self.created = payload.get("id"), payload.get("created")
+        usage = payload.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            self.usage_tokens = usage["completion_tokens"]
+            if not self._splicing and isinstance(usage.get("prompt_tokens"), int):
+                self._prompt_tokens = usage["prompt_tokens"]  # the engine's own figure
+        choices = payload.get("choices")
+        if not choices or not isinstance(choices, list) or not isinstance(choices[0], dict):
+            return
+        choice = choices[0]
+        if choice.get("finish_reason") is not None:
+            self.finished = True
+        if self._chat:
+            delta = choice.get("delta")
+            if not isinstance(delta, dict):
+                return
+            if "role" in delta:
+                self.role_sent = True
+            if delta.get("tool_calls"):
+                self.other = "tool_call"
+            if delta.get("reasoning_content") or delta.get("reasoning"):
+                self.other = self.other or "reasoning"
+            piece = delta.get("content")
+            counts = "role" not in delta
+        else:
+            piece = choice.get("text")
+            counts = True
+        if isinstance(piece, str) and piece:
+            self.text.append(piece)
+        if counts and (piece or choice.get("finish_reason") is None):
+            self.tokens += 1
+
+    def so_far(self) -> SoFar:
+        self._fold()
+        tokens = self.tokens if self.usage_tokens is None else self.usage_tokens
+        text = "".join(self.text)
+        return SoFar(text, tokens, self.role_sent, self.finished, self.other)
+
+    def spliced(self, prompt_tokens: int | None) -> None:
+        """The next stream continues this answer: its events are rewritten from now on, its
+        usage made the whole answer's: the original prompt's tokens as the first engine reported
+        them (continuous usage), else ``prompt_tokens`` (our exact count), else the
+        continuation's minus the tokens relayed."""
+        self._fold()
+        if self._prompt_tokens is None:
+            self._prompt_tokens = prompt_tokens
+        self._splicing = True
+        self._pending = b""
+        self.failure = False
+        self.held = b""
+        self.migrations += 1
+        self._base = self.tokens if self.usage_tokens is None else self.usage_tokens
+        self.usage_tokens = None
+
+    def _rewrite(self, whole: bytes) -> bytes:
+        out: list[bytes] = []
+        for event in whole.split(EVENT_END)[:-1]:
+            payload = _payload(event)
+            if payload is None:  # [DONE], a comment, or not JSON: as it came
+                out.append(event + EVENT_END)
+                continue
+            if "error" in payload:
+                self.failure = True
+                self.held = whole[whole.find(event) :]
+                break
+            if not self._adopt(payload):
+                continue
+            self._note(payload)
+            out.append(DATA + orjson.dumps(payload) + EVENT_END)
+        return b"".join(out)
+
+    def _adopt(self, payload: dict[str, Any]) -> bool:
+        """Make a continuation's event the first stream's; False to drop it (a second role)."""
+        if "id" in payload and self.id is not None:
+            payload["id"] = self.id
+        if "created" in payload and self.created is not None:
+            payload["created"] = self.created
+        choices = payload.get("choices")
+        if self._chat and choices and isinstance(choices[0], dict):
+            delta = choices[0].get("delta")
+            if isinstance(delta, dict) and "role" in delta and self.role_sent:
+                if not delta.get("content") and choices[0].get("finish_reason") is None:
+                    return False
+                del delta["role"]
+        usage = payload.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            completion = usage["completion_tokens"] + self._base
+            prompt = usage.get("prompt_tokens")
+            if self._prompt_tokens is not None:
+                prompt = self._prompt_tokens
+            elif isinstance(prompt, int):
+                prompt = max(0, prompt - self._base)  # the continued text was part of it
+            usage["prompt_tokens"] = prompt
+            usage["completion_tokens"] = completion
+            if isinstance(prompt, int):
+                usage["total_tokens"] = prompt + completion
+        return True
+
+
+def _payload(event: bytes) -> dict[str, Any] | None:
+    """The JSON object of one ``data:`` event, or None ([DONE], a comment, not JSON)."""
+    start = event.find(DATA)
+    if start < 0:
+        return None
+    raw = event[start + len(DATA) :]
+    if raw.strip() == DONE:
+        return None
+    try:
+        payload = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    return payload if isinstance(payload, dict) else None

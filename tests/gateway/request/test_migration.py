@@ -1,0 +1,255 @@
+"""Mid-stream migration (gateway/request/migration.py): the refusals, the continuation's body,
+the relay's splice, pure; then through real sockets, two simulated engines of which the first
+cuts its streams after some chunks (the ``drop_after_chunks`` fault): ``lanes[].migrate``'s
+``enabled`` and ``max_migrations``, and the refusals named in the log."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from structlog.testing import capture_logs
+
+from engine_pool.sim.server import SimServer, run_sim
+from gateway.count.tokens import TokenCounter
+from gateway.request.migration import Relay, SoFar, cannot_migrate, continuation
+from gateway.tools.sim_support import RegistryCounter
+from tests.conftest import JSON, GatewayFactory, lanes_config
+from tests.support.prom import parse
+
+SO_FAR = SoFar(" lorem ipsum", 2, True, False, None)
+
+
+def sse(payload: Any) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def chunk(text: str, *, id_: str = "chatcmpl-a", role: bool = False, **extra: Any) -> bytes:
+    delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {"content": text}
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+    return sse({"id": id_, "object": "chat.completion.chunk", "created": 1, "choices": [choice]})
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "stream", "data", "reason"),
+    [
+        ("chat", True, {"messages": [], "n": 2}, "n"),
+        ("chat", True, {"messages": [], "logprobs": True}, "logprobs"),
+        ("completions", True, {"prompt": "x", "logprobs": 2}, "logprobs"),
+        (
+            "chat",
+            True,
+            {"messages": [], "response_format": {"type": "json_schema"}},
+            "structured_output",
+        ),
+        ("chat", True, {"messages": [], "structured_outputs": {"json": {}}}, "structured_output"),
+        ("chat", True, {"messages": [], "tools": [{}], "tool_choice": "required"}, "tool_choice"),
+        ("completions", True, {"prompt": "x", "echo": True}, "echo"),
+        ("completions", True, {"prompt": ["a", "b"]}, "prompt_not_text"),
+        ("completions", True, {"prompt": [1, 2]}, "prompt_not_text"),
+        ("chat", False, {"messages": []}, "not_streamed"),
+        ("responses", True, {"input": "x"}, "endpoint"),
+        ("messages", True, {"messages": []}, "endpoint"),
+        ("chat", True, {"messages": [], "tools": [{}], "tool_choice": "auto"}, None),
+        ("completions", True, {"prompt": "x"}, None),
+    ],
+)
+def test_what_cannot_migrate_is_named(
+    endpoint: Any, stream: bool, data: dict[str, Any], reason: str | None
+) -> None:
+    assert cannot_migrate(endpoint, stream, data, SO_FAR) == reason
+
+
+def test_an_answer_with_a_tool_call_or_finished_is_not_migrated() -> None:
+    data: dict[str, Any] = {"messages": []}
+    assert cannot_migrate("chat", True, data, SoFar("", 3, True, False, "tool_call")) == "tool_call"
+    assert cannot_migrate("chat", True, data, SoFar("x", 3, True, True, None)) == "finished"
+
+
+def test_a_chat_continues_as_the_assistant_message_with_a_smaller_budget() -> None:
+    data = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
+    body = orjson.loads(continuation("chat", data, SO_FAR))
+    assert body["messages"][-1] == {"role": "assistant", "content": " lorem ipsum"}
+    assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
+    assert body["max_tokens"] == 8
+    # A client's own continued assistant message is extended, not followed by another.
+    data = {
+        "messages": [{"role": "assistant", "content": "Once"}],
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+        "max_completion_tokens": 5,
+        "min_tokens": 1,
+    }
+    body = orjson.loads(continuation("chat", data, SO_FAR))
+    assert body["messages"] == [{"role": "assistant", "content": "Once lorem ipsum"}]
+    assert body["max_completion_tokens"] == 3 and body["min_tokens"] == 0
+    # Nothing relayed but the role: the request as it was.
+    nothing = SoFar("", 0, True, False, None)
+    assert orjson.loads(continuation("chat", {"messages": [], "max_tokens": 4}, nothing)) == {
+        "messages": [],
+        "max_tokens": 4,
+    }
+
+
+def test_a_completion_continues_as_the_prompt_plus_its_text() -> None:
+    body = orjson.loads(continuation("completions", {"prompt": "The river"}, SO_FAR))
+    assert body == {"prompt": "The river lorem ipsum", "max_tokens": 14}  # vLLM's default 16
+
+
+def test_the_relay_passes_whole_events_and_holds_back_an_error() -> None:
+    relay = Relay("chat")
+    first = chunk("", role=True) + chunk(" lorem")
+    assert relay.feed(first[:-10]) == chunk("", role=True)  # the cut event waits
+    assert relay.feed(first[-10:] + chunk(" ipsum")[:5]) == chunk(" lorem")
+    error = sse({"error": {"message": "dead", "code": 500}}) + b"data: [DONE]\n\n"
+    assert relay.feed(chunk(" ipsum")[5:] + error) == chunk(" ipsum")
+    assert relay.failure
+    assert relay.so_far() == SoFar(" lorem ipsum", 2, True, False, None)
+
+
+def test_a_spliced_stream_is_the_first_ones_id_without_a_second_role_and_whole_usage() -> None:
+    relay = Relay("chat")
+    relay.feed(chunk("", role=True) + chunk(" lorem") + chunk(" ipsum"))
+    relay.spliced(prompt_tokens=11)
+    usage = {"prompt_tokens": 13, "total_tokens": 14, "completion_tokens": 1}
+    second = (
+        chunk("", id_="chatcmpl-b", role=True)
+        + chunk(" dolor", id_="chatcmpl-b")
+        + sse({"id": "chatcmpl-b", "created": 9, "choices": [], "usage": usage})
+        + b"data: [DONE]\n\n"
+    )
+    out = relay.feed(second)
+    events = [orjson.loads(e[6:]) for e in out.split(b"\n\n") if e and e != b"data: [DONE]"]
+    assert [e["id"] for e in events] == ["chatcmpl-a", "chatcmpl-a"]
+    assert [e["created"] for e in events] == [1, 1]
+    assert events[0]["choices"][0]["delta"] == {"content": " dolor"}
+    assert events[1]["usage"] == {"prompt_tokens": 11, "total_tokens": 14, "completion_tokens": 3}
+    assert out.endswith(b"data: [DONE]\n\n")
+    assert relay.so_far().text == " lorem ipsum dolor" and relay.migrations == 1
+
+
+@asynccontextmanager
+async def two_sims(
+    counter: TokenCounter, drop_first: int, drop_second: int | None = None
+) -> AsyncIterator[tuple[SimServer, SimServer]]:
+    shared = RegistryCounter(counter, "qwen3.6")
+    async with (
+        run_sim("h100-fast", time_scale=0.05, counter=shared, seed=1) as a,
+        run_sim("h100-fast", time_scale=0.05, counter=shared, seed=2) as b,
+    ):
+        await a.set_faults({"drop_after_chunks": drop_first})
+        if drop_second is not None:
+            await b.set_faults({"drop_after_chunks": drop_second})
+        yield a, b
+
+
+def config_for(a: SimServer, b: SimServer, **migrate: Any) -> dict[str, Any]:
+    """The fast lane over two clusters, ``a``'s first: every request starts at ``a``."""
+    config = lanes_config([a.url], ["http://127.0.0.1:9"])
+    config["clusters"].append({"name": "spare", "endpoints": [b.url]})
+    config["lanes"][0]["clusters"] = ["fast", "spare"]
+    config["lanes"][0]["migrate"] = migrate
+    config["lanes"][0]["health"] = {"interval_s": 60, "timeout_s": 5, "up_after_successes": 2}
+    return config
+
+
+async def stream(url: str, body: dict[str, Any], path: str = "/v1/chat/completions") -> bytes:
+    async with httpx.AsyncClient(timeout=30) as client:
+        r = await client.post(url + path, content=orjson.dumps(body), headers=JSON)
+        assert r.status_code == 200
+        return r.content
+
+
+def text_of(raw: bytes) -> str:
+    out = []
+    for block in raw.split(b"\n\n"):
+        if block.startswith(b"data: {") and b'"choices":[{' in block:
+            choice = orjson.loads(block[6:])["choices"][0]
+            out.append(choice.get("delta", {}).get("content") or choice.get("text") or "")
+    return "".join(out)
+
+
+BODY = {
+    "model": "qwen3.6",
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 40,
+    "stream": True,
+}
+
+
+async def test_a_cut_stream_migrates_by_default_and_not_when_disabled(
+    gateway_at: GatewayFactory, counter: TokenCounter
+) -> None:
+    async with two_sims(counter, drop_first=10) as (a, b):
+        whole = text_of(await stream(b.url, BODY))
+        for enabled in (True, False):
+            async with gateway_at(config_for(a, b, enabled=enabled)) as (url, _):
+                with capture_logs() as logs:
+                    raw = await stream(url, BODY)
+                    async with httpx.AsyncClient() as client:
+                        metrics = parse((await client.get(url + "/metrics")).text)
+            events = {e["event"]: e for e in logs}
+            if enabled:
+                assert raw.endswith(b"data: [DONE]\n\n") and b'"error"' not in raw
+                assert text_of(raw) == whole
+                assert events["route.migrated"]["reason"] == "connection_lost"
+                assert events["route.migrated"]["tokens_sent"] == 9  # the role is chunk 1
+                assert events["route.finished"]["migrations"] == 1
+                outcome = "migrated"
+            else:
+                assert b'"error"' in raw and "route.migrated" not in events
+                assert events["route.migration_refused"]["reason"] == "disabled"
+                assert events["route.finished"]["migrations"] == 0
+                outcome = "refused"
+            assert metrics.value("shapegate_migrations_total", lane="fast", outcome=outcome) == 1
+
+
+async def test_max_migrations_bounds_how_often_a_stream_moves(
+    gateway_at: GatewayFactory, counter: TokenCounter
+) -> None:
+    async with (
+        two_sims(counter, drop_first=10, drop_second=10) as (a, b),
+        gateway_at(config_for(a, b, max_migrations=1)) as (url, _),
+    ):
+        with capture_logs() as logs:
+            raw = await stream(url, BODY)
+    assert b'"error"' in raw
+    assert [e["event"] for e in logs if "migrat" in e["event"]] == [
+        "route.migrated",
+        "route.migration_refused",
+    ]
+    assert [e["reason"] for e in logs if e["event"] == "route.migration_refused"] == [
+        "max_migrations"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "reason"),
+    [
+        ("/v1/chat/completions", {"n": 2}, "n"),
+        ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
+        ("/v1/responses", {}, "endpoint"),
+    ],
+)
+async def test_a_stream_that_cannot_migrate_ends_as_before_with_its_reason_logged(
+    gateway_at: GatewayFactory, counter: TokenCounter, path: str, extra: dict[str, Any], reason: str
+) -> None:
+    if path == "/v1/responses":
+        body: dict[str, Any] = {"model": "qwen3.6", "input": "hi", "stream": True}
+    else:
+        body = {**BODY, **extra}
+    async with (
+        two_sims(counter, drop_first=10) as (a, b),
+        gateway_at(config_for(a, b)) as (url, _),
+        httpx.AsyncClient(timeout=30) as client,
+    ):
+        with capture_logs() as logs:
+            r = await client.post(url + path, content=orjson.dumps(body), headers=JSON)
+    assert b"error" in r.content
+    refused = [e for e in logs if e["event"] == "route.migration_refused"]
+    assert [e["reason"] for e in refused] == [reason]
+    assert not [e for e in logs if e["event"] == "route.migrated"]
