@@ -29,6 +29,7 @@ from typing import Any
 import anyio
 
 from engine_pool.capability import holding, holds, refusal, too_long_message
+from engine_pool.chain import Ask, Ranked, rank
 from engine_pool.cluster import EngineView
 from engine_pool.picker import order_endpoints
 from engine_pool.registry import EnginePool
@@ -73,7 +74,8 @@ from gateway.request.lanes import (
     no_lane_message,
     pin_to_cluster,
 )
-from gateway.request.protocol import RoutedRequest, prefix_key
+from gateway.request.prefix import NOTHING, Prefixes, Seen
+from gateway.request.protocol import RoutedRequest
 from gateway.request.protocols.multipart import parse_multipart
 from gateway.request.response_affinity import MemoryAffinity, ResponseAffinity, response_id_of
 from gateway.request.routes import EngineRoute
@@ -158,13 +160,6 @@ def read_request(
             param=param,
         )
     return request, model
-
-
-def _affinity(request: RoutedRequest, lane: LaneSettings, route: EngineRoute) -> bytes | None:
-    """The prefix key when the lane routes by prefix affinity (multipart has no text)."""
-    if not lane.prefix_affinity or route.multipart:
-        return None
-    return prefix_key(request.prompt, lane.affinity_prefix_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +251,8 @@ class Pipeline:
         self.metrics = recorder.metrics
         self.log = recorder.log
         self.failover = failover
+        # Kept across reloads (its size and TTL are the boot policy's: restart to change).
+        self.prefixes = Prefixes(policy.settings.prefix_index, self.metrics)
         self.accepting = True
         self.in_flight = 0
 
@@ -357,13 +354,11 @@ class Pipeline:
         lane = decision.lane
         serving = tuple(c for c in decision.clusters if policy.serves(c, model.name))
 
-        affinity = _affinity(request, lane, route)
-
         exact, views_of = await self._holding(serving, policy, count, lane)
-
-        def candidates() -> Sequence[EngineView]:
-            views = [v for c in serving for v in order_endpoints(views_of(c), affinity)]
-            return views if pinned is None else [v for v in views if v.url == pinned]
+        limit_of = policy.limit_of(lane)
+        seen, candidates, chosen = self._chain(
+            request, route, serving, views_of, limit_of, lane, pinned
+        )
 
         if pinned is not None and not any(v.state.routable for v in candidates()):
             raise NoHealthyCluster(
@@ -372,7 +367,6 @@ class Pipeline:
                 retry_after_s=5,
             )
 
-        limit_of = policy.limit_of(lane)
         # One watch spans every attempt. A bound errs long: deadlines grown from it are never
         # shorter than the exact count's.
         watch = Watch(deadlines_for(lane.timeouts, exact.decided_by))
@@ -382,7 +376,8 @@ class Pipeline:
         # The slot token is ours, never the client's request id: two requests sharing an id
         # must not share (and free) one slot.
         async with self.admission.slot(lane, candidates, new_id(), limit_of, want) as held:
-            self.recorder.admitted(record, held.grant)
+            self.recorder.admitted(record, held.grant, chosen.get(held.url))
+            self.prefixes.sent(seen, held.url)
             try:
                 while True:
                     target = Target(
@@ -416,6 +411,7 @@ class Pipeline:
                         ):
                             raise
                         self.recorder.moved(record, held.grant, exc.reason)
+                        self.prefixes.sent(seen, held.url)
             finally:
                 record.prompt_tokens = exact.settle()
                 if exact.error is not None:
@@ -430,6 +426,36 @@ class Pipeline:
             self.recorder.engine_counted(record, model.name, policy.counter.template_of(model.name))
             if engine_down.cancelled_caught and not out.finished:
                 raise UpstreamError(f"engine was marked down mid-request: {engine.evidence}")
+
+    def _chain(
+        self,
+        request: RoutedRequest,
+        route: EngineRoute,
+        serving: Sequence[str],
+        views_of: Callable[[str], list[EngineView]],
+        limit_of: Callable[[EngineView], int],
+        lane: LaneSettings,
+        pinned: str | None,
+    ) -> tuple[Seen, Callable[[], Sequence[EngineView]], dict[str, Ranked]]:
+        """The prompt's prefix as the index knows it (none for multipart: no text) and the
+        admission's candidates, asked on every try: the endpoint chain (engine_pool/chain.py)
+        over each serving cluster in turn, by the lane's weights (load, and the share of the
+        prompt each endpoint is believed to hold). The dict holds each candidate's place of the
+        last try (its score and cached tokens, for ``route.decision``)."""
+        seen = NOTHING if route.multipart else self.prefixes.look_for(request.prompt, lane)
+        weights = lane.weights.as_map()
+        ask = Ask(tokens=seen.tokens, cached=seen.cached, limit_of=limit_of)
+        chosen: dict[str, Ranked] = {}
+
+        def candidates() -> Sequence[EngineView]:
+            ranked = [r for c in serving for r in rank(views_of(c), ask, weights)]
+            if pinned is not None:
+                ranked = [r for r in ranked if r.view.url == pinned]
+            chosen.clear()
+            chosen.update((r.view.url, r) for r in ranked)
+            return [r.view for r in ranked]
+
+        return seen, candidates, chosen
 
     async def _holding(
         self,
