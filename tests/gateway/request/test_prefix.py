@@ -9,6 +9,7 @@ import random
 from typing import Any
 
 import httpx
+from structlog.testing import capture_logs
 
 from gateway.observe.metrics import Metrics
 from gateway.request.prefix import Prefixes, prompt_data
@@ -126,3 +127,35 @@ def test_a_shared_prefix_is_found_up_to_its_last_whole_block() -> None:
     assert later.cached == {"http://a": 12}
     other = prefixes.look(CompletionPrompt(texts=("zbcdefgh12345678",)))
     assert other.cached == {}
+
+
+def test_the_index_keeps_at_most_max_blocks_and_exports_its_size() -> None:
+    metrics = Metrics()
+    prefixes = Prefixes(
+        PrefixIndexSettings(block_tokens=2, bytes_per_token=1, max_blocks=5), metrics
+    )
+    for i in range(10):
+        prefixes.sent(prefixes.look(CompletionPrompt(texts=(f"{i:04d}" * 4,))), "http://a")
+    assert prefixes.index.blocks == 5
+    assert metrics.registry.get_sample_value("shapegate_prefix_index_blocks") == 5
+
+
+async def test_route_decision_carries_the_chosen_endpoints_score_and_cached_tokens(
+    gateway_at: Any,
+) -> None:
+    engines = [FakeEngine() for _ in range(2)]
+    async with serve_asgi(engines[0]) as a, serve_asgi(engines[1]) as b:
+        config = lanes_config([a, b], [a])
+        config["lanes"][0]["weights"] = {"prefix": 2.0}
+        config["prefix_index"] = {"block_tokens": 8}
+        async with gateway_at(config) as (url, _), httpx.AsyncClient() as client:
+            with capture_logs() as logs:
+                for turn in range(2):
+                    r = await client.post(url + "/v1/chat/completions", json=_body(3, turn, 0.0))
+                    assert r.status_code == 200
+    first, second = [e for e in logs if e["event"] == "route.decision"]
+    assert first["cached_tokens"] == 0 and first["score"] == 1.0  # idle, nothing cached
+    assert second["endpoint"] == first["endpoint"]
+    # The system prompt (about 1,000 bytes, 4 a token) in whole blocks of 8 tokens.
+    assert 200 <= second["cached_tokens"] <= 260
+    assert second["score"] > 2.0 * 0.8
