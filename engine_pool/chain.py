@@ -11,8 +11,9 @@
    ``prefix`` (``scorers/prefix.py``: the share of the prompt the endpoint is believed to hold
    cached, from ``engine_pool/prefix_index.py``).
 3. An endpoint's score is the weighted sum, the weights being the lane's (``lanes[].weights``).
-   Ties go to the fewest in flight, then the fewest waiting in the engine's own queue, then the
-   URL, so with no prefix in play the order is plain least-loaded.
+   Ties go to the fewest in flight, then the fewest blocks held in the prefix index (a new
+   prefix's home goes where least is cached), then the fewest waiting in the engine's own
+   queue, then the URL, so with no prefix in play the order is plain least-loaded.
 
 The slot store takes the first endpoint of this order with room and never re-sorts it
 (gateway/request/admission.py). How overlap and load are weighed: with both weights 1, a
@@ -59,5 +60,14 @@ def rank(
     ranked = [
         Ranked(v, round(t, 6), ask.cached.get(v.url, 0)) for v, t in zip(kept, totals, strict=True)
     ]
-    ranked.sort(key=lambda r: (-r.score, r.view.in_flight, r.view.waiting or 0.0, r.view.url))
+    held = ask.held
+    ranked.sort(
+        key=lambda r: (
+            -r.score,
+            r.view.in_flight,
+            held.get(r.view.url, 0),
+            r.view.waiting or 0.0,
+            r.view.url,
+        )
+    )
     return ranked

@@ -35,7 +35,8 @@ from __future__ import annotations
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 
 Digest = int
 
@@ -65,6 +66,7 @@ class PrefixIndex:
         # block -> {url: when sent}; the order of (block, url) from least to most recently sent.
         self._where: dict[Digest, dict[str, float]] = {}
         self._order: OrderedDict[tuple[Digest, str], float] = OrderedDict()
+        self._per_url: dict[str, int] = {}
         self.evicted = 0
         self.expired = 0
 
@@ -72,6 +74,14 @@ class PrefixIndex:
     def blocks(self) -> int:
         """(block, endpoint) entries held."""
         return len(self._order)
+
+    def held_by(self, url: str) -> int:
+        """Blocks recorded for ``url``."""
+        return self._per_url.get(url, 0)
+
+    def held(self) -> Mapping[str, int]:
+        """Blocks recorded per endpoint URL (a read-only view)."""
+        return MappingProxyType(self._per_url)
 
     def oldest_age_s(self) -> float:
         if not self._order:
@@ -114,6 +124,8 @@ class PrefixIndex:
             key = (digest, url)
             if key in order:
                 order.move_to_end(key)
+            else:
+                self._per_url[url] = self._per_url.get(url, 0) + 1
             order[key] = now
         self._trim(now)
 
@@ -138,6 +150,9 @@ class PrefixIndex:
     def _drop(self, key: tuple[Digest, str]) -> None:
         del self._order[key]
         digest, url = key
+        self._per_url[url] -= 1
+        if not self._per_url[url]:
+            del self._per_url[url]
         holders = self._where.get(digest)
         if holders is not None:
             holders.pop(url, None)

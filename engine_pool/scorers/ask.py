@@ -17,4 +17,7 @@ class Ask:
     tokens: int = 0
     need: int = 0
     cached: Mapping[str, int] = field(default_factory=dict)
+    # Blocks the prefix index holds per endpoint URL: on a tie, the one holding least is the
+    # new home of a prefix (homes spread by what they hold, not by the URL).
+    held: Mapping[str, int] = field(default_factory=dict)
     limit_of: Callable[[EngineView], int] | None = None

@@ -444,9 +444,7 @@ class Admission:
             self._reserved[endpoint_key(*chosen)] = (token, time.monotonic(), key)
             self._log.info("borrow.reserved", lane=lane.name, endpoint=chosen[1])
 
-    async def _loans(
-        self, lent: Sequence[tuple[EngineView, Loan]]
-    ) -> list[Offer]:
+    async def _loans(self, lent: Sequence[tuple[EngineView, Loan]]) -> list[Offer]:
         """Lenders' endpoints with room for one more borrower, as (view, borrow limit, lender)."""
         if not lent:
             return []

@@ -444,7 +444,7 @@ class Pipeline:
         last try (its score and cached tokens, for ``route.decision``)."""
         seen = NOTHING if route.multipart else self.prefixes.look_for(request.prompt, lane)
         weights = lane.weights.as_map()
-        ask = Ask(tokens=seen.tokens, cached=seen.cached, limit_of=limit_of)
+        ask = Ask(tokens=seen.tokens, cached=seen.cached, held=seen.held, limit_of=limit_of)
         chosen: dict[str, Ranked] = {}
 
         def candidates() -> Sequence[EngineView]:

@@ -17,6 +17,7 @@ engine_pool/prefix_index.py; its size and the age of its oldest entry are the ga
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import orjson
@@ -34,6 +35,8 @@ class Seen:
     tokens: int = 0
     # Endpoint URL -> prefix tokens it is believed to hold.
     cached: dict[str, int] = field(default_factory=dict)
+    # Endpoint URL -> blocks the index holds for it (a new prefix's home: the least held).
+    held: Mapping[str, int] = field(default_factory=dict)
 
 
 NOTHING = Seen()
@@ -65,7 +68,7 @@ class Prefixes:
         hashes = tuple(chained_hashes(data, block_tokens * per_token))
         matched = self.index.match(hashes)
         cached = {url: blocks * block_tokens for url, blocks in matched.items()}
-        return Seen(hashes, -(-len(data) // per_token), cached)
+        return Seen(hashes, -(-len(data) // per_token), cached, self.index.held())
 
     def sent(self, seen: Seen, url: str) -> None:
         if not seen.hashes:

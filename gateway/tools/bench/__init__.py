@@ -25,6 +25,7 @@ SUITES: tuple[str, ...] = (
     "gateway.tools.bench.borrow",  # shapegate bench borrow
     "gateway.tools.bench.workers",  # shapegate bench workers
     "gateway.tools.bench.monsters",  # shapegate bench monsters
+    "gateway.tools.bench.prefix",  # shapegate bench prefix
     # one module path a line
 )
 
