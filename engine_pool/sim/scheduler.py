@@ -16,6 +16,14 @@ A sequence finishes when it has generated ``output_tokens``; its seat and KV are
 as they are on ``abort``. KV is reserved at admission for prompt + output tokens, so a running
 sequence is never preempted; ``kv_used_tokens`` reports the tokens actually cached.
 
+With a prefix cache (``prefix_cache.BlockCache``, ``Scheduler(..., cache=, block_tokens=)``) a
+request added with its prompt's block keys looks them up when it is admitted (not when it
+arrives: a request queued behind the prefill of the same document finds it cached, as in vLLM)
+and skips the prefill of the blocks held; its full blocks are stored as each chunk computes
+them (a request admitted in the step that finishes another's prefill misses only that step's
+blocks, as in vLLM V1).
+``hits`` maps each such request's key to the prompt tokens it found cached.
+
 ``step`` returns a frozen ``StepResult`` (what ran, how long it took in simulated seconds, who
 got a token) or ``None`` when nothing can run at ``now``.
 """
@@ -23,9 +31,11 @@ got a token) or ``None`` when nothing can run at ``now``.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 
 from engine_pool.sim.costs import step_cost
+from engine_pool.sim.prefix_cache import BlockCache
 from engine_pool.sim.profile import CostParams, SchedulerLimits
 
 
@@ -37,6 +47,7 @@ class _Seq:
     arrival: float
     computed: int = 0
     generated: int = 0
+    blocks: Sequence[Hashable] = field(default=())
 
     @property
     def prefilled(self) -> bool:
@@ -86,8 +97,17 @@ class SchedulerSnapshot:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, costs: CostParams) -> None:
+    def __init__(
+        self,
+        limits: SchedulerLimits,
+        costs: CostParams,
+        cache: BlockCache | None = None,
+        block_tokens: int = 16,
+    ) -> None:
         self._limits = limits
+        self.cache = cache
+        self._block_tokens = block_tokens
+        self.hits: dict[str, int] = {}
         self._costs = costs
         self._waiting: deque[_Seq] = deque()
         self._running: dict[str, _Seq] = {}
@@ -95,8 +115,16 @@ class Scheduler:
         self._reserved = 0
         self._keys: set[str] = set()
 
-    def add(self, key: str, prompt_tokens: int, output_tokens: int, arrival: float) -> None:
-        """Queue a request; keys must be unique among live requests."""
+    def add(
+        self,
+        key: str,
+        prompt_tokens: int,
+        output_tokens: int,
+        arrival: float,
+        blocks: Sequence[Hashable] = (),
+    ) -> None:
+        """Queue a request; keys must be unique among live requests. ``blocks``: its prompt's
+        block keys, looked up in the prefix cache when it is admitted (none: no lookup)."""
         if prompt_tokens < 1 or output_tokens < 1:
             raise ValueError("a request needs at least one prompt and one output token")
         if prompt_tokens + output_tokens > self._limits.kv_capacity_tokens:
@@ -104,7 +132,7 @@ class Scheduler:
         if key in self._keys:
             raise ValueError(f"duplicate request key {key!r}")
         self._keys.add(key)
-        self._waiting.append(_Seq(key, prompt_tokens, output_tokens, arrival))
+        self._waiting.append(_Seq(key, prompt_tokens, output_tokens, arrival, blocks=blocks))
 
     def abort(self, key: str) -> bool:
         """Remove a request wherever it is; True if it was live."""
@@ -160,7 +188,12 @@ class Scheduler:
             self._waiting.popleft()
             self._running[head.key] = head
             self._reserved += head.reservation
-            n = min(head.prompt_tokens, budget)
+            if self.cache is not None and head.blocks:
+                # A hit skips those blocks' prefill; the last prompt token is always computed.
+                held = self.cache.hit(head.blocks) * self._block_tokens
+                head.computed = min(held, head.prompt_tokens - 1)
+                self.hits[head.key] = head.computed
+            n = min(head.prompt_tokens - head.computed, budget)
             chunks.append((head, n))
             budget -= n
         return chunks
@@ -184,6 +217,10 @@ class Scheduler:
         self._partial = None
         for seq, n in chunks:
             seq.computed += n
+            if self.cache is not None and seq.blocks:
+                # Full blocks are cached as soon as computed (vLLM V1): a request admitted
+                # while this prefill runs finds what it computed so far.
+                self.cache.store(seq.blocks[: seq.computed // self._block_tokens])
             if seq.prefilled:
                 seq.generated = 1
                 tokens.append(seq.key)

@@ -296,6 +296,17 @@ class Metrics:
             "Leases in flight re-established after the shared store lost its data.",
             registry=r,
         )
+        # The prefix index (engine_pool/prefix_index.py, gateway/request/prefix.py).
+        self.prefix_index_blocks = Gauge(
+            "shapegate_prefix_index_blocks",
+            "(block, endpoint) entries the prefix index holds (at most prefix_index.max_blocks).",
+            registry=r,
+        )
+        self.prefix_index_oldest = Gauge(
+            "shapegate_prefix_index_oldest_seconds",
+            "Age of the prefix index's oldest entry: how far back it remembers (<= ttl_s).",
+            registry=r,
+        )
         self.ejections = Counter(
             "shapegate_engine_ejections",
             "Endpoints marked down by what real requests saw (not by a probe).",

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from engine_pool.chain import Ranked
 from engine_pool.engine_api import RouteKind
 from engine_pool.latency import LatencyBook
 from gateway.core.count import TokenCount
@@ -291,7 +292,9 @@ class Recorder:
         record.prompt_tokens = routed.count.exact  # None while only the bound is known
         self._remember(record)
 
-    def admitted(self, record: Record, grant: Grant) -> None:
+    def admitted(self, record: Record, grant: Grant, ranked: Ranked | None = None) -> None:
+        """``ranked``: the endpoint's place in the chain (engine_pool/chain.py) when it chose:
+        its score and the prompt tokens it was believed to hold cached."""
         record.grant = grant
         routed = record.routed
         assert routed is not None, "admitted before the lane was decided"
@@ -304,6 +307,8 @@ class Recorder:
             cluster=grant.cluster,
             endpoint=grant.url,
             queue_wait_s=round(grant.queued_s, 4),
+            score=None if ranked is None else ranked.score,
+            cached_tokens=None if ranked is None else ranked.cached_tokens,
         )
         m = self.metrics
         m.child(m.route_decisions, grant.lane, routed.reason, routed.count.method).inc()

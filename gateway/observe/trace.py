@@ -6,13 +6,16 @@ A trace is JSON lines, one request each::
      "prompt_chars": 9050, "output_tokens": 37, "stream": true, "prefix": "agent-3"}
 
 ``t`` is seconds from the start of the trace; ``prompt_chars`` may be null in captured traces
-(the gateway counts bytes and tokens, not characters); ``prefix`` names a shared prompt prefix.
+(the gateway counts bytes and tokens, not characters); ``prefix`` names a shared prompt prefix
+and ``prefix_tokens``, when known, its length: requests naming the same prefix share their first
+``prefix_tokens`` tokens, so a replay predicts prefix-cache hits (fleet_sim.py, ``PrefixSim``).
 
 - ``synthesize(kind, seed)`` makes a trace from a description: ``production-burst`` (658
   requests over three hours, p50 prompt 3,000 tokens with 37 output tokens, nine monsters of
   100k to 720k tokens with ~124 output tokens, a dozen 40k-90k-token JSON tool results; content
   mixed prose/code/JSON so characters per token vary) or ``burst-32k`` (40 requests of ~32k
-  tokens within seconds) or ``agent-storm`` (a second burst shape, below). Same seed, same
+  tokens within seconds) or ``agent-storm`` (a second burst shape, below) or ``shared-prefix``
+  (agents with long system prompts and documents asked many questions, below). Same seed, same
   trace.
 - ``TraceWriter`` records live traffic (``state.trace_file``): ``record`` only appends to a
   bounded buffer on the request path (past the bound, lines are dropped: memory stays flat when
@@ -31,7 +34,7 @@ from pathlib import Path
 import anyio
 import orjson
 
-SYNTH_KINDS: tuple[str, ...] = ("production-burst", "burst-32k", "agent-storm")
+SYNTH_KINDS: tuple[str, ...] = ("production-burst", "burst-32k", "agent-storm", "shared-prefix")
 # Characters per Qwen3 token by content (shared/FACTS.md): prose ~5, code ~4.5, dense JSON ~2.1.
 CHARS_PER_TOKEN = {"prose": 4.9, "code": 4.4, "json": 2.1}
 
@@ -48,6 +51,8 @@ class TraceRecord:
     prefix: str | None = None
     # The request's priority class (gateway/request/classes.py); None: the policy's default.
     priority: str | None = None
+    # How many leading tokens the requests naming ``prefix`` share (None: unknown).
+    prefix_tokens: int | None = None
 
     @property
     def chars(self) -> int:
@@ -156,6 +161,36 @@ def _agent_storm(rng: random.Random, model: str) -> Iterator[TraceRecord]:
         yield _shape(rng, at, tokens, max(16, int(rng.gauss(150, 40))), model, None)
 
 
+def _shared_prefix(rng: random.Random, model: str) -> Iterator[TraceRecord]:
+    """Twenty minutes of prefix reuse. 160 agents, each with its own system prompt of 8k-20k
+    tokens (2.2M tokens in all: more than one fast engine's KV cache holds, less than four's),
+    each calling at its own rate (log-normal, ~2.4 requests a second in all) with a fresh
+    100-3,000-token tail after the system prompt. Ten documents of 150k-300k tokens (2.25M in
+    all: more than one heavy engine's KV cache holds beside its running monsters' need, less
+    than two's), each asked six questions (50-400 tokens after the document) in three bursts
+    of two a few seconds apart: repeated-document monsters. Every record carries its prefix
+    and its length."""
+    duration, agents = 1200.0, 160
+    for a in range(agents):
+        system = rng.randint(8_000, 20_000)
+        rate = rng.lognormvariate(math.log(2.4 / agents), 0.8)
+        t = rng.uniform(0, 30)
+        while t < duration:
+            tokens = system + rng.randint(100, 3_000)
+            output = min(600, max(1, int(rng.lognormvariate(math.log(37), 0.6))))
+            record = _shape(rng, t, tokens, output, model, f"agent-{a}")
+            yield replace(record, prefix_tokens=system)
+            t += rng.expovariate(rate)
+    for d in range(10):
+        document = rng.randint(150_000, 300_000)
+        for burst in sorted(rng.uniform(30, duration - 200) for _ in range(3)):
+            for _ in range(2):
+                tokens = document + rng.randint(50, 400)
+                at = burst + rng.uniform(0, 5)
+                record = _shape(rng, at, tokens, max(16, int(rng.gauss(124, 30))), model, None)
+                yield replace(record, prefix=f"doc-{d}", prefix_tokens=document)
+
+
 def _burst_32k(rng: random.Random, model: str) -> Iterator[TraceRecord]:
     for _ in range(40):
         tokens = int(rng.uniform(30_500, 33_500))
@@ -170,6 +205,8 @@ def synthesize(kind: str, seed: int = 0, model: str = "qwen3.6") -> list[TraceRe
         records = list(_burst_32k(rng, model))
     elif kind == "agent-storm":
         records = list(_agent_storm(rng, model))
+    elif kind == "shared-prefix":
+        records = list(_shared_prefix(rng, model))
     else:
         raise ValueError(f"unknown trace kind {kind!r}; known: {', '.join(SYNTH_KINDS)}")
     return sorted(records, key=lambda r: r.t)

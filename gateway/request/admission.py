@@ -69,6 +69,8 @@ LOCAL_POLL_S = 0.25
 
 
 LimitOf = Callable[[EngineView], int]
+# An endpoint the store may take: its view, its slot limit, and the lender when it is lent.
+Offer = tuple[EngineView, Limit, str | None]
 NO_CLASSES = ClassSettings()
 
 
@@ -360,12 +362,10 @@ class Admission:
         own_limits = [self._endpoint_limit(v, limit_of) for v in own]
         if lane.lend is not None:
             own_limits = self._protected(lane, token, own, own_limits)
-        offers: list[tuple[EngineView, Limit, str | None]] = [
-            (v, lim, None) for v, lim in zip(own, own_limits, strict=True)
-        ]
-        offers += await self._loans(lent)
-        # Least loaded first, own endpoints before lent ones on a tie (a stable sort).
-        offers.sort(key=lambda offer: offer[0].in_flight)
+        offers = merge_loans(
+            [(v, lim, None) for v, lim in zip(own, own_limits, strict=True)],
+            await self._loans(lent),
+        )
         limits = [lim for _, lim, _ in offers]
         try:
             index = await self.store.try_acquire(token, lane_limit, limits)
@@ -434,14 +434,12 @@ class Admission:
             self._reserved[endpoint_key(*chosen)] = (token, time.monotonic(), key)
             self._log.info("borrow.reserved", lane=lane.name, endpoint=chosen[1])
 
-    async def _loans(
-        self, lent: Sequence[tuple[EngineView, Loan]]
-    ) -> list[tuple[EngineView, Limit, str | None]]:
+    async def _loans(self, lent: Sequence[tuple[EngineView, Loan]]) -> list[Offer]:
         """Lenders' endpoints with room for one more borrower, as (view, borrow limit, lender)."""
         if not lent:
             return []
         uses = await self._uses([v for v, _ in lent])
-        offers: list[tuple[EngineView, Limit, str | None]] = []
+        offers: list[Offer] = []
         for (view, loan), use in zip(lent, uses, strict=True):
             # The counts are a moment old (other replicas): the guards decide, atomically.
             if view.state.routable and borrow_room(loan.rule, use) > 0:
@@ -484,6 +482,20 @@ class Admission:
     def oldest_wait_s(self, lane: str) -> float:
         queue = self._queues.get(lane)
         return time.monotonic() - queue[0].since if queue else 0.0
+
+
+def merge_loans(own: Sequence[Offer], lent: Sequence[Offer]) -> list[Offer]:
+    """The own endpoints in the chain's order, exactly as given (engine_pool/chain.py ranked
+    them: load and prefix overlap; never re-sorted here), with each lent endpoint placed
+    before the first own endpoint that has more requests in flight (an idle lender's engine is
+    tried before a busy own one; own first on a tie)."""
+    out: list[Offer] = []
+    waiting = sorted(lent, key=lambda offer: offer[0].in_flight)
+    for offer in own:
+        while waiting and waiting[0][0].in_flight < offer[0].in_flight:
+            out.append(waiting.pop(0))
+        out.append(offer)
+    return out + waiting
 
 
 def borrowing_state(admission: Admission, lane: LaneSettings) -> dict[str, object]:

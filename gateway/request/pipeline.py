@@ -30,6 +30,7 @@ import anyio
 import orjson
 
 from engine_pool.capability import holding, holds, refusal, too_long_message
+from engine_pool.chain import Ask, Ranked, rank
 from engine_pool.cluster import EngineView
 from engine_pool.picker import order_endpoints
 from engine_pool.registry import EnginePool
@@ -71,7 +72,7 @@ from gateway.observe.log import Logger, swallowed
 from gateway.observe.metrics import Metrics
 from gateway.observe.record import Record, Recorder, Routed
 from gateway.protocols.multipart import parse_multipart
-from gateway.protocols.openai import RoutedRequest, prefix_key
+from gateway.protocols.openai import RoutedRequest
 from gateway.protocols.routes import EngineRoute
 from gateway.request.admission import Admission, Held, Want
 from gateway.request.auth import ClientAuth
@@ -94,6 +95,7 @@ from gateway.request.migration import (
     cannot_migrate,
     continuation,
 )
+from gateway.request.prefix import NOTHING, Prefixes, Seen
 from gateway.request.response_affinity import MemoryAffinity, ResponseAffinity, response_id_of
 from gateway.request.shadow_live import ShadowLive
 from gateway.settings import (
@@ -201,13 +203,6 @@ def _cut(exc: GatewayError) -> str | None:
     return "connection_lost" if isinstance(exc, UpstreamError) else None
 
 
-def _affinity(request: RoutedRequest, lane: LaneSettings, route: EngineRoute) -> bytes | None:
-    """The prefix key when the lane routes by prefix affinity (multipart has no text)."""
-    if not lane.prefix_affinity or route.multipart:
-        return None
-    return prefix_key(request.prompt, lane.affinity_prefix_bytes)
-
-
 @dataclass(frozen=True, slots=True)
 class Policy:
     """What a request is admitted under: settings, tokenizers and engine keys, swapped whole on
@@ -299,10 +294,12 @@ class Pipeline:
         self.metrics = recorder.metrics
         self.log = recorder.log
         self.failover = failover
+        # Kept across reloads (its size and TTL are the boot policy's: restart to change).
+        self.prefixes = Prefixes(policy.settings.prefix_index, self.metrics)
         self.accepting = True
         self.in_flight = 0
         # A candidate policy deciding beside this one (POST /admin/shadow); off by default.
-        self.shadow = ShadowLive(pool, self.metrics, self.log)
+        self.shadow = ShadowLive(pool, self.metrics, self.log, self.prefixes)
 
     async def handle(self, route: EngineRoute, scope: Scope, receive: Receive, send: Send) -> None:
         policy = self.policy
@@ -381,13 +378,11 @@ class Pipeline:
         assert lane is not None, "_decide refuses a request without a lane"
         serving = tuple(c for c in decision.clusters if policy.serves(c, model.name))
 
-        affinity = _affinity(request, lane, route)
-
         exact, views_of = await self._holding(serving, policy, count, lane)
-
-        def candidates() -> Sequence[EngineView]:
-            views = [v for c in serving for v in order_endpoints(views_of(c), affinity)]
-            return views if pinned is None else [v for v in views if v.url == pinned]
+        limit_of = policy.limit_of(lane)
+        seen, candidates, chosen = self._chain(
+            request, route, serving, views_of, limit_of, lane, pinned
+        )
 
         if pinned is not None and not any(v.state.routable for v in candidates()):
             raise NoHealthyCluster(
@@ -396,7 +391,6 @@ class Pipeline:
                 retry_after_s=5,
             )
 
-        limit_of = policy.limit_of(lane)
         # One watch spans every attempt. A bound errs long: deadlines grown from it are never
         # shorter than the exact count's.
         watch = Watch(deadlines_for(lane.timeouts, exact.decided_by))
@@ -408,7 +402,8 @@ class Pipeline:
         # The slot token is ours, never the client's request id: two requests sharing an id
         # must not share (and free) one slot.
         async with self.admission.slot(lane, candidates, new_id(), limit_of, want) as held:
-            self.recorder.admitted(record, held.grant)
+            self.recorder.admitted(record, held.grant, chosen.get(held.url))
+            self.prefixes.sent(seen, held.url)
             try:
                 while True:
                     target = Target(
@@ -434,6 +429,7 @@ class Pipeline:
                         ):
                             raise
                         self.recorder.moved(record, held.grant, exc.reason)
+                        self.prefixes.sent(seen, held.url)
                     except Interrupted as cut:
                         following = await self._migrate(
                             record, request, body, cut, held, attempts, target
@@ -444,6 +440,7 @@ class Pipeline:
                             raise cut.cause from None
                         sent = following
                         self.recorder.migrated(record, held.grant, cut.reason)
+                        self.prefixes.sent(seen, held.url)
                     except GatewayError as exc:
                         # The answer began and cannot migrate: said in the log, ended as before.
                         if record.status == 200 and (why := _untracked(request, lane)):
@@ -589,6 +586,36 @@ class Pipeline:
         (gateway/request/shadow_live.py), with the health map the decision used."""
         self.recorder.decided(record, routed)
         self.shadow.observe(record, request, route.multipart, scope, healthy)
+
+    def _chain(
+        self,
+        request: RoutedRequest,
+        route: EngineRoute,
+        serving: Sequence[str],
+        views_of: Callable[[str], list[EngineView]],
+        limit_of: Callable[[EngineView], int],
+        lane: LaneSettings,
+        pinned: str | None,
+    ) -> tuple[Seen, Callable[[], Sequence[EngineView]], dict[str, Ranked]]:
+        """The prompt's prefix as the index knows it (none for multipart: no text) and the
+        admission's candidates, asked on every try: the endpoint chain (engine_pool/chain.py)
+        over each serving cluster in turn, by the lane's weights (load, and the share of the
+        prompt each endpoint is believed to hold). The dict holds each candidate's place of the
+        last try (its score and cached tokens, for ``route.decision``)."""
+        seen = NOTHING if route.multipart else self.prefixes.look_for(request.prompt, lane)
+        weights = lane.weights.as_map()
+        ask = Ask(tokens=seen.tokens, cached=seen.cached, held=seen.held, limit_of=limit_of)
+        chosen: dict[str, Ranked] = {}
+
+        def candidates() -> Sequence[EngineView]:
+            ranked = [r for c in serving for r in rank(views_of(c), ask, weights)]
+            if pinned is not None:
+                ranked = [r for r in ranked if r.view.url == pinned]
+            chosen.clear()
+            chosen.update((r.view.url, r) for r in ranked)
+            return [r.view for r in ranked]
+
+        return seen, candidates, chosen
 
     async def _holding(
         self,

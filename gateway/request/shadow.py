@@ -12,7 +12,8 @@ Contract:
   request's output budget, class header and API key digest. ``decide`` runs the same pure
   functions the pipeline runs on it (``request/lanes.py`` ``lane_tokens``/``choose_lane``,
   ``request/classes.py`` ``class_of``, ``engine_pool/capability.py`` ``holding``/``refusal``,
-  ``engine_pool/picker.py`` ``order_endpoints``, ``request/borrowing.py`` ``loans_for``/
+  ``engine_pool/chain.py`` ``rank`` (the lane's weights, the prefix index as the request saw
+  it), ``request/borrowing.py`` ``loans_for``/
   ``borrow_room``) and returns the lane, the reason, the class, the endpoint the chain would
   pick (the first ordered endpoint with room in the snapshot), the lane it would borrow from,
   and why it would reject the request (``prompt_too_long``, ``no_healthy_cluster``,
@@ -37,11 +38,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from engine_pool.capability import holding, refusal
+from engine_pool.chain import Ask, rank
 from engine_pool.cluster import EngineView
 from engine_pool.outlier import ramped_limit
 from engine_pool.picker import order_endpoints
@@ -50,6 +52,8 @@ from gateway.observe.trace import TraceRecord
 from gateway.request.borrowing import EndpointUse, borrow_room, loans_for
 from gateway.request.classes import UnknownClass, class_of
 from gateway.request.lanes import choose_lane, choose_named_lane, endpoint_limit, lane_tokens
+from gateway.request.prefix import NOTHING
+from gateway.request.prefix import Seen as PrefixSeen
 from gateway.settings import LaneSettings, Settings, served_models
 
 WINDOW = 10_000  # requests of the live window kept for the predicted effect
@@ -98,8 +102,9 @@ class Seen:
     views: Mapping[str, Sequence[EngineView]]  # cluster -> its endpoints, at decision time
     key_digest: str | None = None
     class_header: str | None = None
-    # affinity_prefix_bytes -> the prompt's prefix key (gateway/protocols/openai.py prefix_key).
-    prefixes: Mapping[int, bytes] = field(default_factory=dict)
+    # The prompt's prefix as the index knew it at the decision (gateway/request/prefix.py): the
+    # chain's prefix scorer reads it for a shadow lane that weighs prefix overlap.
+    prefix: PrefixSeen = NOTHING
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,17 +162,30 @@ def decide(policy: ShadowPolicy, seen: Seen) -> ShadowDecision:
     views = [v for c in serving for v in seen.views.get(c, ())]
     if refusal(views, need) is not None:
         return made("context_too_small", priority=priority)
-    affinity = seen.prefixes.get(lane.affinity_prefix_bytes) if lane.prefix_affinity else None
+    prefix = seen.prefix if lane.weights.prefix else NOTHING
+    weights = lane.weights.as_map()
     for cluster in serving:
-        for view in order_endpoints(holding(seen.views.get(cluster, ()), need), affinity):
-            if _room(view, policy.limits.get((lane.name, cluster), lane.slots.per_endpoint)):
-                return made(endpoint=view.url, priority=priority)
+        limit = policy.limits.get((lane.name, cluster), lane.slots.per_endpoint)
+        ask = Ask(
+            tokens=prefix.tokens,
+            cached=prefix.cached,
+            held=prefix.held,
+            limit_of=_fixed(limit),
+        )
+        for ranked in rank(holding(seen.views.get(cluster, ()), need), ask, weights):
+            if _room(ranked.view, limit):
+                return made(endpoint=ranked.view.url, priority=priority)
     lender = _lender(policy, lane, seen) if decision.reason == "in_range" else None
     if lender is not None:
         return made(endpoint=lender[1], lender=lender[0], priority=priority)
     if lane.on_full == "reject":
         return made("overloaded", priority=priority)
     return made(priority=priority)
+
+
+def _fixed(limit: int) -> Callable[[EngineView], int]:
+    """Every endpoint's slot limit is the cluster's, for the lane (the chain's load scorer)."""
+    return lambda view: limit
 
 
 def _lender(policy: ShadowPolicy, lane: LaneSettings, seen: Seen) -> tuple[str, str] | None:

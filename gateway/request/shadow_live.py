@@ -35,15 +35,20 @@ from gateway.observe.log import Logger, swallowed
 from gateway.observe.metrics import Metrics
 from gateway.observe.record import Record
 from gateway.observe.trace import TraceRecord
-from gateway.protocols.openai import RoutedRequest, prefix_key
+from gateway.protocols.openai import RoutedRequest
 from gateway.request.classes import bearer_digest
+from gateway.request.prefix import NOTHING, Prefixes
 from gateway.request.shadow import Seen, ShadowPolicy, ShadowReport, decide
 from gateway.settings import Settings
 
 
 class ShadowLive:
-    def __init__(self, pool: EnginePool, metrics: Metrics, log: Logger) -> None:
+    def __init__(
+        self, pool: EnginePool, metrics: Metrics, log: Logger, prefixes: Prefixes | None = None
+    ) -> None:
         self.pool = pool
+        # The live prefix index (read only: the shadow records nothing in it).
+        self.prefixes = prefixes
         self.metrics = metrics
         self.log = log
         self.policy: ShadowPolicy | None = None
@@ -99,13 +104,10 @@ class ShadowLive:
         healthy: Mapping[str, bool],
     ) -> Seen:
         settings = policy.settings
-        prefixes: dict[int, bytes] = {}
-        if not multipart:
-            for lane in settings.lanes:
-                if lane.prefix_affinity and lane.affinity_prefix_bytes not in prefixes:
-                    key = prefix_key(request.prompt, lane.affinity_prefix_bytes)
-                    if key is not None:
-                        prefixes[lane.affinity_prefix_bytes] = key
+        weighs = any(lane.weights.prefix for lane in settings.lanes)
+        prefix = NOTHING
+        if weighs and not multipart and self.prefixes is not None:
+            prefix = self.prefixes.look(request.prompt)
         asked = header(scope, settings.classes.header.encode())
         return Seen(
             tokens=0,  # the count is taken at the end (finished): the exact one, if it came
@@ -118,7 +120,7 @@ class ShadowLive:
             views={c: tuple(self.pool.views(c)) for c in policy.clusters},
             key_digest=bearer_digest(header(scope, b"authorization")),
             class_header=asked.decode("latin-1") if asked is not None else None,
-            prefixes=prefixes,
+            prefix=prefix,
         )
 
     def finished(self, record: Record) -> None:
@@ -162,7 +164,7 @@ class ShadowLive:
             views=seen.views,
             key_digest=seen.key_digest,
             class_header=seen.class_header,
-            prefixes=seen.prefixes,
+            prefix=seen.prefix,
         )
         decision = decide(policy, seen)
         output = record.output_tokens

@@ -28,6 +28,24 @@ reserving the endpoint; each lane's queue goes by class then arrival with the st
 A trace has no ``max_tokens``: a request's real output length stands in for it (the budget it
 declared is at least that).
 
+Prefix caching (``FleetSim(..., prefix=PrefixSim(router))``): each engine holds a prefix cache, a
+block LRU of its profile's KV size (``engine_pool/sim/prefix_cache.py``); a trace record naming
+a ``prefix`` of ``prefix_tokens`` shares that many leading tokens with the others naming it, and
+the scheduler skips the prefill of the blocks its engine holds when it admits it. The router
+picks the endpoint order:
+
+- ``least-loaded``: the picker's order (fewest in flight), what a lane without prefix weight does;
+- ``affinity``: the previous picker (a rendezvous hash of the prefix name puts its home first)
+  followed by the previous admission's re-sort by in-flight count (a stable sort: home first
+  only on a tie);
+- ``chain``: the live chain (engine_pool/chain.py) with the lane's ``weights`` and the
+  gateway's approximate index (engine_pool/prefix_index.py) fed by where it sent each prefix;
+- ``cache-aware``: SGLang Model Gateway's ``cache_aware`` policy with its defaults, on the same
+  approximate record: when the loads are imbalanced (max - min > 64 and max > 1.5 x min) the
+  least loaded; else the endpoint with the longest match if it covers more than 30% of the
+  prompt, else the one whose record holds the fewest blocks;
+- ``oracle``: the chain, told each engine's real cache instead of the index.
+
 What it leaves out, on purpose: health changes and faults (a replay is about policy under load,
 not failure).
 """
@@ -41,8 +59,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
+from engine_pool import chain
 from engine_pool.cluster import EngineState, EngineView
 from engine_pool.picker import order_endpoints
+from engine_pool.prefix_index import PrefixIndex
+from engine_pool.sim.prefix_cache import BlockCache
 from engine_pool.sim.profile import EngineProfile
 from engine_pool.sim.scheduler import Scheduler, StepResult
 from gateway.observe.trace import TraceRecord
@@ -60,6 +81,18 @@ from gateway.settings import LaneSettings, Settings
 from gateway.tuning.fleet_model import LiveCosts
 
 CountBy = Literal["tokens", "chars4"]
+Router = Literal["least-loaded", "affinity", "chain", "cache-aware", "oracle"]
+ROUTERS: tuple[Router, ...] = ("least-loaded", "affinity", "cache-aware", "chain", "oracle")
+# SGLang Model Gateway's cache_aware defaults (--cache-threshold, --balance-abs-threshold,
+# --balance-rel-threshold).
+SMG_CACHE_THRESHOLD, SMG_BALANCE_ABS, SMG_BALANCE_REL = 0.3, 64, 1.5
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixSim:
+    """Model each engine's prefix cache and route by ``router`` (see the module's docstring)."""
+
+    router: Router = "chain"
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +110,8 @@ class SimulatedRequest:
     # The lane whose engine served the request when it borrowed one; its priority class.
     lender: str | None = None
     priority: str = "standard"
+    # Prompt tokens the engine found in its prefix cache (PrefixSim only).
+    cached_tokens: int = 0
 
     @classmethod
     def of(cls, key: str, record: TraceRecord, lane: str, **rest: Any) -> SimulatedRequest:
@@ -137,6 +172,8 @@ class _Ticket:
     priority: str
     rank: int
     loans: tuple[Loan, ...]
+    # The prompt's block keys (PrefixSim, a record with a known prefix), as ints.
+    blocks: tuple[int, ...] = ()
 
 
 class FleetSim:
@@ -146,15 +183,19 @@ class FleetSim:
         profiles: Mapping[str, EngineProfile],
         count_by: CountBy = "tokens",
         live: LiveCosts | None = None,
+        prefix: PrefixSim | None = None,
     ) -> None:
         self.settings = settings
         self.count_by = count_by
         self.live = live or LiveCosts()
+        self.prefix = prefix
+        self._block = settings.prefix_index.block_tokens
+        self._clock = 0.0
+        self.index = PrefixIndex(
+            settings.prefix_index.max_blocks, settings.prefix_index.ttl_s, lambda: self._clock
+        )
         self.engines: dict[str, list[_Engine]] = {
-            c.name: [
-                _Engine(c.name, url, Scheduler(profiles[c.name].scheduler, profiles[c.name].costs))
-                for url in c.endpoints
-            ]
+            c.name: [_Engine(c.name, url, self._scheduler(profiles[c.name])) for url in c.endpoints]
             for c in settings.clusters
         }
         self._max_len = {c.name: profiles[c.name].max_model_len for c in settings.clusters}
@@ -170,6 +211,23 @@ class FleetSim:
         self._lender_of = {
             c: lane for lane in settings.lanes if lane.lend is not None for c in lane.clusters
         }
+
+    def _scheduler(self, profile: EngineProfile) -> Scheduler:
+        limits = profile.scheduler
+        if self.prefix is None:
+            return Scheduler(limits, profile.costs)
+        cache = BlockCache(limits.kv_capacity_tokens // self._block)
+        return Scheduler(limits, profile.costs, cache=cache, block_tokens=self._block)
+
+    def _blocks(self, key: str, record: TraceRecord) -> tuple[int, ...]:
+        """The prompt's full blocks: the shared prefix's, then the request's own."""
+        if self.prefix is None or record.prefix is None or record.prefix_tokens is None:
+            return ()
+        shared = min(record.prefix_tokens, record.prompt_tokens) // self._block
+        total = record.prompt_tokens // self._block
+        return tuple(hash((record.prefix, i)) for i in range(shared)) + tuple(
+            hash((key, i)) for i in range(total - shared)
+        )
 
     def _routing_count(self, record: TraceRecord) -> int:
         return record.prompt_tokens if self.count_by == "tokens" else record.chars // 4
@@ -187,6 +245,7 @@ class FleetSim:
         clock, handled, total = 0.0, 0, len(trace)
         while self._events:
             clock, _, kind, payload = heapq.heappop(self._events)
+            self._clock = clock
             if kind == "arrive":
                 key, record = cast(tuple[str, TraceRecord], payload)
                 self._arrive(key, record, clock)
@@ -236,7 +295,9 @@ class FleetSim:
         """The request reaches its engine, which stamps its arrival now."""
         ticket, engine = self._tickets[key]
         record = ticket.record
-        engine.scheduler.add(key, record.prompt_tokens, max(1, record.output_tokens), now)
+        engine.scheduler.add(
+            key, record.prompt_tokens, max(1, record.output_tokens), now, ticket.blocks
+        )
         if not engine.busy:
             self._start_step(engine, now)
 
@@ -251,7 +312,14 @@ class FleetSim:
         priority = self._priority(record)
         loans = loans_for(lane, self.settings.lanes, record.prompt_tokens, record.output_tokens)
         ticket = _Ticket(
-            key, record, lane, decision.clusters, priority, rank(classes, priority), loans
+            key,
+            record,
+            lane,
+            decision.clusters,
+            priority,
+            rank(classes, priority),
+            loans,
+            self._blocks(key, record),
         )
         if queue and (lane.on_full == "reject" or len(queue) >= lane.queue.depth):
             self._reject(key, record, lane.name, now, "lane_full")
@@ -299,7 +367,46 @@ class FleetSim:
             EngineView(e.cluster, e.url, EngineState.UP, len(e.running), e.scraped_waiting)
             for e, _ in offers.values()
         ]
-        return [offers[(v.cluster, v.url)] for v in order_endpoints(views)]
+        return [offers[(v.cluster, v.url)] for v in self._order(ticket, views)]
+
+    def _order(self, ticket: _Ticket, views: list[EngineView]) -> list[EngineView]:
+        """The endpoint order of the router in play (the module's docstring)."""
+        router = self.prefix.router if self.prefix is not None else "least-loaded"
+        if router == "least-loaded" or not ticket.blocks:
+            return order_endpoints(views)
+        prefix = ticket.record.prefix or ""
+        if router == "affinity":
+            every = [e.url for c in ticket.clusters for e in self.engines[c]]
+            home = max(every, key=lambda url: hash((prefix, url)))
+            ordered = sorted(views, key=lambda v: (v.url != home, v.in_flight))
+            return sorted(ordered, key=lambda v: v.in_flight)
+        if router == "cache-aware":
+            return self._cache_aware(ticket, views)
+        if router == "oracle":
+            cache = {e.url: e.scheduler.cache for c in ticket.clusters for e in self.engines[c]}
+            held = {url: c.peek(ticket.blocks) for url, c in cache.items() if c is not None}
+        else:
+            held = self.index.match(ticket.blocks)
+        ask = chain.Ask(
+            tokens=ticket.record.prompt_tokens,
+            cached={url: n * self._block for url, n in held.items()},
+            limit_of=lambda v: ticket.lane.slots.per_endpoint,
+            held={v.url: self.index.held_by(v.url) for v in views},
+        )
+        return [r.view for r in chain.rank(views, ask, ticket.lane.weights.as_map())]
+
+    def _cache_aware(self, ticket: _Ticket, views: list[EngineView]) -> list[EngineView]:
+        least = order_endpoints(views)
+        loads = [v.in_flight for v in views]
+        if max(loads) - min(loads) > SMG_BALANCE_ABS and max(loads) > SMG_BALANCE_REL * min(loads):
+            return least
+        held = self.index.match(ticket.blocks)
+        best = max(least, key=lambda v: held.get(v.url, 0))
+        if held.get(best.url, 0) / len(ticket.blocks) > SMG_CACHE_THRESHOLD:
+            choice = best
+        else:
+            choice = min(least, key=lambda v: self.index.held_by(v.url))
+        return [choice, *(v for v in least if v is not choice)]
 
     def _reserve(self, ticket: _Ticket, now: float) -> None:
         """A lender's own request blocked by borrowers reserves an endpoint and is woken when
@@ -344,6 +451,8 @@ class FleetSim:
             self._unreserve(ticket)
             engine, loan = candidates[0]
             record = ticket.record
+            if ticket.blocks and self.prefix is not None:
+                self.index.record(ticket.blocks, engine.url)
             if record.prompt_tokens + record.output_tokens > self._max_len[engine.cluster]:
                 # The engine answers 400 (context length exceeded), as vLLM does.
                 self._reject(ticket.key, record, lane, now, "engine_context_exceeded")
@@ -405,5 +514,6 @@ class FleetSim:
                 finished=now,
                 lender=info.lender,
                 priority=ticket.priority,
+                cached_tokens=engine.scheduler.hits.pop(key, 0),
             )
         )

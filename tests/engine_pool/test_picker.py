@@ -17,13 +17,3 @@ def test_least_in_flight_first_and_down_never() -> None:
 
 def test_slow_engines_stay_routable() -> None:
     assert [v.url for v in order_endpoints([view("a", state=EngineState.SLOW)])] == ["a"]
-
-
-def test_affinity_is_stable_and_spreads() -> None:
-    views = [view(f"u{i}") for i in range(4)]
-    homes = {order_endpoints(views, affinity=f"prefix-{k}".encode())[0].url for k in range(64)}
-    assert len(homes) == 4
-    first = order_endpoints(views, affinity=b"agent-7")[0].url
-    shuffled = list(reversed(views))
-    assert order_endpoints(shuffled, affinity=b"agent-7")[0].url == first
-    assert len(order_endpoints(views, affinity=b"agent-7")) == 4

@@ -26,6 +26,7 @@ SUITES: tuple[str, ...] = (
     "gateway.tools.bench.workers",  # shapegate bench workers
     "gateway.tools.bench.monsters",  # shapegate bench monsters
     "gateway.tools.bench.shadow",  # shapegate bench shadow
+    "gateway.tools.bench.prefix",  # shapegate bench prefix
     # one module path a line
 )
 

@@ -1,0 +1,73 @@
+"""Endpoint choice as a small chain: filters, then weighted scorers, then an order. Pure.
+
+    rank(views, ask, weights) -> list[Ranked]      best first, each with its score and the
+                                                   prefix tokens it is believed to hold
+
+1. Filters drop the endpoints that cannot take the request at all: not routable
+   (``scorers/routable.py``), or a context too small for the prompt plus one output token
+   (``scorers/fits_context.py``).
+2. Each scorer gives every remaining endpoint a score in [0, 1], higher is better:
+   ``load`` (``scorers/load.py``: the share of the endpoint's slot limit still free) and
+   ``prefix`` (``scorers/prefix.py``: the share of the prompt the endpoint is believed to hold
+   cached, from ``engine_pool/prefix_index.py``).
+3. An endpoint's score is the weighted sum, the weights being the lane's (``lanes[].weights``).
+   Ties go to the fewest in flight, then the fewest blocks held in the prefix index (a new
+   prefix's home goes where least is cached), then the fewest waiting in the engine's own
+   queue, then the URL, so with no prefix in play the order is plain least-loaded.
+
+The slot store takes the first endpoint of this order with room and never re-sorts it
+(gateway/request/admission.py). How overlap and load are weighed: with both weights 1, a
+request whose prompt is 80% cached on endpoint A stays on A until A's used share of its slots
+is 0.8 above another endpoint's (A at 7 of 8 slots, B at 0 of 8 moves it); a full endpoint is
+skipped by the store whatever its score. README "Prefix-cache-aware routing" says the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from engine_pool.cluster import EngineView
+from engine_pool.scorers import fits_context, load, prefix, routable
+from engine_pool.scorers.ask import Ask
+
+Filter = Callable[[EngineView, Ask], bool]
+Scorer = Callable[[Sequence[EngineView], Ask], list[float]]
+
+FILTERS: tuple[Filter, ...] = (routable.keep, fits_context.keep)
+SCORERS: dict[str, Scorer] = {"load": load.score, "prefix": prefix.score}
+LEAST_LOADED: dict[str, float] = {"load": 1.0}
+
+__all__ = ["Ask", "Ranked", "rank"]
+
+
+@dataclass(frozen=True, slots=True)
+class Ranked:
+    view: EngineView
+    score: float
+    cached_tokens: int
+
+
+def rank(
+    views: Sequence[EngineView], ask: Ask, weights: Mapping[str, float] = LEAST_LOADED
+) -> list[Ranked]:
+    kept = [v for v in views if all(keep(v, ask) for keep in FILTERS)]
+    totals = [0.0] * len(kept)
+    for name, weight in weights.items():
+        if weight:
+            for i, s in enumerate(SCORERS[name](kept, ask)):
+                totals[i] += weight * s
+    ranked = [
+        Ranked(v, round(t, 6), ask.cached.get(v.url, 0)) for v, t in zip(kept, totals, strict=True)
+    ]
+    held = ask.held
+    ranked.sort(
+        key=lambda r: (
+            -r.score,
+            r.view.in_flight,
+            held.get(r.view.url, 0),
+            r.view.waiting or 0.0,
+            r.view.url,
+        )
+    )
+    return ranked

@@ -1,0 +1,227 @@
+"""``shapegate bench prefix``: prefix-cache-aware routing against least-loaded, the previous
+affinity and SGLang Model Gateway's ``cache_aware``, on simulated engines with a prefix cache.
+
+Each seed's ``shared-prefix`` trace (``gateway.observe.trace.synthesize``: 160 agents with their
+own 8k-20k-token system prompts at unequal rates, ten 150k-300k-token documents asked six
+questions each in bursts of two) is played by ``gateway.tuning.fleet_sim`` over configs/demo.yaml
+widened to 4 fast engines (h100-fast) and 2 heavy ones (h100-heavy-lending, the lending rule
+removed), every engine holding a prefix cache (a block LRU of its KV size, blocks of
+``prefix_index.block_tokens`` = 64 tokens), once per router (``fleet_sim.ROUTERS``):
+``least-loaded``, ``affinity`` (the previous rendezvous home re-sorted by in-flight count),
+``cache-aware`` (smg's ``cache_aware`` with its default thresholds, on the same approximate
+record), ``chain`` (the live chain: ``lanes[].weights`` load 1, prefix 1, over the gateway's
+approximate index) and ``oracle`` (the chain told every engine's real cache).
+
+Reported per seed and router: small-request (fast lane) TTFT p90, repeated-document monster
+completion p50 and mean, and the prefix hit rate (prompt tokens found cached / all prompt
+tokens); then the index's lookup time for a 200k-token prompt (hash and match, blocks of 16 and
+of 128 tokens, best of 20). Targets, on the worst seed: chain small TTFT p90 at least 3x better
+than least-loaded and no worse than cache-aware; monster completion p50 at least 2x better than
+least-loaded; hit rate within 5 points of the oracle; lookup under 2 ms. ``--smoke``: seed 1,
+its first ten minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from typing import Any
+
+import yaml
+
+from gateway.settings import Settings, parse_settings
+from gateway.shipped import resolve_policy
+from gateway.tools.bench.harness import machine, machine_line, publish, with_targets
+from gateway.tuning.fleet_sim import ROUTERS, FleetSim, PrefixSim
+from gateway.tuning.replay import SimReport, cluster_profiles, plot, summarize
+
+TTFT_X_BETTER, MONSTER_X_BETTER, HIT_POINTS, LOOKUP_MS = 3.0, 2.0, 5.0, 2.0
+SMOKE_SPAN_S = 600.0
+
+
+def register(suites: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = suites.add_parser("prefix", help="prefix-cache-aware routing vs other routers")
+    parser.add_argument("--out", default="bench-results", help="folder for prefix.json/png")
+    parser.add_argument("--seeds", type=int, default=3, help="traces (seeds 1..N)")
+    parser.add_argument("--smoke", action="store_true", help="seed 1, first ten minutes")
+    parser.set_defaults(func=run)
+
+
+def policy() -> Settings:
+    raw: dict[str, Any] = yaml.safe_load(
+        resolve_policy("configs/demo.yaml").read_text(encoding="utf-8")
+    )
+    fast, heavy = raw["clusters"][0], raw["clusters"][1]
+    fast["endpoints"] = [f"http://127.0.0.1:{9101 + i}" for i in range(4)]
+    heavy["endpoints"] = [f"http://127.0.0.1:{9201 + i}" for i in range(2)]
+    for lane in raw["lanes"]:
+        lane.pop("lend", None)
+        lane["weights"] = {"load": 1.0, "prefix": 1.0}
+    raw["prefix_index"] = {"block_tokens": 64}
+    return parse_settings(raw, {})
+
+
+def run(args: argparse.Namespace) -> int:
+    result, first = measure(seeds=1 if args.smoke else args.seeds, smoke=args.smoke)
+    return publish(args.out, "prefix", result, table(result), lambda png: plot(first, png))
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+def _row(report: SimReport, heavy: int) -> dict[str, Any]:
+    done = [o for o in report.result.outcomes if o.finished is not None]
+    small = [o.ttft for o in done if o.prompt_tokens < heavy and o.ttft is not None]
+    monsters = [o.e2e for o in done if o.prompt_tokens >= heavy and o.e2e is not None]
+    prompt = sum(o.prompt_tokens for o in done)
+    return {
+        "small_ttft_p90_s": round(_percentile(small, 0.9), 3),
+        "monster_e2e_p50_s": round(_percentile(monsters, 0.5), 2),
+        "monster_e2e_mean_s": round(statistics.mean(monsters), 2) if monsters else 0.0,
+        "hit_rate": round(sum(o.cached_tokens for o in done) / prompt, 4) if prompt else 0.0,
+        "monsters": len(monsters),
+        "rejected": len(report.result.outcomes) - len(done),
+    }
+
+
+def lookup_ms(tokens: int = 200_000) -> dict[str, float]:
+    """The index's lookup of a ``tokens``-token prompt it holds: hash the ids, then match."""
+    from engine_pool.prefix_index import PrefixIndex, chained_hashes, token_bytes
+
+    ids = token_bytes([random.Random(1).randrange(150_000) for _ in range(tokens)])
+    out = {}
+    for block in (16, 128):
+        index = PrefixIndex(1_000_000, 600)
+        index.record(chained_hashes(ids, block * 4), "http://a")
+        best = float("inf")
+        for _ in range(20):
+            started = time.perf_counter()
+            index.match(chained_hashes(ids, block * 4))
+            best = min(best, time.perf_counter() - started)
+        out[f"block_{block}_ms"] = round(best * 1000, 3)
+    return out
+
+
+def measure(*, seeds: int, smoke: bool) -> tuple[dict[str, Any], list[SimReport]]:
+    from gateway.observe.trace import synthesize
+
+    info = machine()
+    settings = policy()
+    profiles = cluster_profiles(settings)
+    heavy = settings.lane("heavy").min_prompt_tokens
+    started = time.perf_counter()
+    per_seed: list[dict[str, Any]] = []
+    first: list[SimReport] = []
+    for seed in range(1, seeds + 1):
+        trace = synthesize("shared-prefix", seed)
+        if smoke:
+            trace = [r for r in trace if r.t < SMOKE_SPAN_S]
+        rows = {}
+        for router in ROUTERS:
+            played = FleetSim(settings, profiles, prefix=PrefixSim(router)).run(trace)
+            report = summarize(router, settings, played, small_below=heavy)
+            rows[router] = _row(report, heavy)
+            if seed == 1:
+                first.append(report)
+        per_seed.append({"seed": seed, "requests": len(trace), "routers": rows})
+    result: dict[str, Any] = {
+        "suite": "prefix",
+        "smoke": smoke,
+        "machine": info,
+        "seeds": seeds,
+        "capacity": "4 x h100-fast + 2 x h100-heavy-lending, a prefix cache each (block LRU of "
+        "its KV size, 64-token blocks)",
+        "simulated_in_s": round(time.perf_counter() - started, 2),
+        "per_seed": per_seed,
+        "lookup_200k_tokens": lookup_ms(),
+    }
+    result["targets"] = targets(result)
+    return result, first
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    seeds = [s["routers"] for s in result["per_seed"]]
+
+    def worst(values: list[float], low: bool) -> float:
+        return round(min(values) if low else max(values), 3)
+
+    ttft_x = [r["least-loaded"]["small_ttft_p90_s"] / r["chain"]["small_ttft_p90_s"] for r in seeds]
+    vs_smg = [r["chain"]["small_ttft_p90_s"] / r["cache-aware"]["small_ttft_p90_s"] for r in seeds]
+    monster_x = [
+        r["least-loaded"]["monster_e2e_p50_s"] / max(r["chain"]["monster_e2e_p50_s"], 1e-9)
+        for r in seeds
+    ]
+    gap = [100 * abs(r["oracle"]["hit_rate"] - r["chain"]["hit_rate"]) for r in seeds]
+    lookup = result["lookup_200k_tokens"]["block_16_ms"]
+    return [
+        {
+            "target": "chain small TTFT p90, times better than least-loaded (worst seed)",
+            "value": worst(ttft_x, low=True),
+            "limit": TTFT_X_BETTER,
+            "met": min(ttft_x) >= TTFT_X_BETTER,
+        },
+        {
+            "target": "chain small TTFT p90 / cache-aware's (worst seed)",
+            "value": worst(vs_smg, low=False),
+            "limit": 1.0,
+            "met": max(vs_smg) <= 1.0,
+        },
+        {
+            "target": "chain monster completion p50, times better than least-loaded (worst seed)",
+            "value": worst(monster_x, low=True),
+            "limit": MONSTER_X_BETTER,
+            "met": min(monster_x) >= MONSTER_X_BETTER,
+        },
+        {
+            "target": "chain hit rate, points from the oracle's (worst seed)",
+            "value": worst(gap, low=False),
+            "limit": HIT_POINTS,
+            "met": max(gap) <= HIT_POINTS,
+        },
+        {
+            "target": "index lookup of a 200k-token prompt, 16-token blocks (ms)",
+            "value": lookup,
+            "limit": LOOKUP_MS,
+            "met": lookup < LOOKUP_MS,
+        },
+    ]
+
+
+ROWS = (
+    ("small TTFT p90 s", "small_ttft_p90_s"),
+    ("monster done p50 s", "monster_e2e_p50_s"),
+    ("monster done mean s", "monster_e2e_mean_s"),
+    ("prefix hit rate", "hit_rate"),
+    ("rejected", "rejected"),
+)
+
+
+def table(result: dict[str, Any]) -> str:
+    width = 14
+    lines = [
+        f"shapegate bench prefix: shared-prefix trace, seeds 1..{result['seeds']}"
+        f"{' (SMOKE: first ten minutes)' if result['smoke'] else ''}",
+        machine_line(result["machine"]),
+        f"capacity: {result['capacity']}",
+    ]
+    for seed in result["per_seed"]:
+        rows = seed["routers"]
+        lines += [
+            "",
+            f"seed {seed['seed']} ({seed['requests']} requests):",
+            f"{'':>20} " + " ".join(f"{n:>{width}}" for n in ROUTERS),
+        ]
+        for label, key in ROWS:
+            cells = [f"{rows[n][key]:g}" for n in ROUTERS]
+            lines.append(f"{label:>20} " + " ".join(f"{c:>{width}}" for c in cells))
+    look = result["lookup_200k_tokens"]
+    lines += [
+        "",
+        f"index lookup, 200k-token prompt: {look['block_16_ms']} ms (16-token blocks), "
+        f"{look['block_128_ms']} ms (128-token blocks)",
+    ]
+    return with_targets(lines, result["targets"])

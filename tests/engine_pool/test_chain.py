@@ -1,0 +1,50 @@
+"""The endpoint chain: filters, weighted scorers, and how prefix overlap is weighed against load."""
+
+from __future__ import annotations
+
+from engine_pool.chain import Ask, rank
+from engine_pool.cluster import EngineState, EngineView
+
+BOTH = {"load": 1.0, "prefix": 1.0}
+
+
+def view(
+    url: str, in_flight: int = 0, state: EngineState = EngineState.UP, context: int | None = None
+) -> EngineView:
+    return EngineView("c", url, state, in_flight, context_tokens=context)
+
+
+def urls(views: list[EngineView], ask: Ask, weights: dict[str, float] = BOTH) -> list[str]:
+    return [r.view.url for r in rank(views, ask, weights)]
+
+
+def test_filters_drop_down_endpoints_and_contexts_too_small() -> None:
+    views = [view("a", state=EngineState.DOWN), view("b", context=1000), view("c", context=5000)]
+    assert urls(views, Ask(need=2000)) == ["c"]
+    assert urls(views, Ask()) == ["b", "c"]  # need 0: no context check
+
+
+def test_overlap_holds_a_request_until_load_outweighs_it() -> None:
+    """Both weights 1, 80% of the prompt cached on A, slot limit 8: A keeps the request while
+    its used share of slots is less than 0.8 above B's, and loses it past that."""
+    cached = {"a": 800}
+    for a_load, b_load, first in [(0, 0, "a"), (6, 0, "a"), (6, 1, "a"), (7, 0, "b"), (8, 1, "b")]:
+        ask = Ask(tokens=1000, cached=cached, limit_of=lambda v: 8)
+        got = urls([view("a", a_load), view("b", b_load)], ask)[0]
+        assert got == first, (a_load, b_load)
+
+
+def test_without_a_prefix_weight_the_order_is_least_loaded() -> None:
+    views = [view("a", 3), view("b", 1), view("c", 1)]
+    ask = Ask(tokens=1000, cached={"a": 1000}, limit_of=lambda v: 8)
+    assert urls(views, ask, {"load": 1.0, "prefix": 0.0}) == ["b", "c", "a"]
+    assert urls(views, ask) == ["a", "b", "c"]
+
+
+def test_the_ranking_carries_each_endpoints_score_and_cached_tokens() -> None:
+    ask = Ask(tokens=1000, cached={"a": 500}, limit_of=lambda v: 4)
+    ranked = rank([view("a", 2), view("b", 0)], ask, BOTH)
+    assert [(r.view.url, r.score, r.cached_tokens) for r in ranked] == [
+        ("b", 1.0, 0),
+        ("a", 1.0, 500),
+    ]  # a tie: fewer in flight first

@@ -1,0 +1,82 @@
+"""The approximate prefix index: chained blocks, longest-prefix match, TTL and size bound."""
+
+from __future__ import annotations
+
+import random
+import time
+
+from engine_pool.prefix_index import PrefixIndex, chained_hashes, token_bytes
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_chained_hashes_share_the_common_prefix_only() -> None:
+    a = chained_hashes(b"aaaabbbbccccdd", 4)
+    b = chained_hashes(b"aaaabbbbxxxxdd", 4)
+    assert len(a) == 3  # full blocks only
+    assert a[:2] == b[:2] and a[2] != b[2]
+    # A block's hash covers its parents: the same block after a different prefix differs.
+    assert chained_hashes(b"zzzzbbbb", 4)[1] != a[1]
+
+
+def test_match_is_the_longest_recorded_prefix_per_endpoint() -> None:
+    index = PrefixIndex(1000, 60)
+    blocks = chained_hashes(bytes(range(64)), 8)
+    index.record(blocks, "a")
+    index.record(blocks[:3], "b")
+    assert index.match(blocks) == {"a": 8, "b": 3}
+    assert index.match(chained_hashes(b"other" * 20, 8)) == {}
+    index.forget("a")
+    assert index.match(blocks) == {"b": 3}
+
+
+def test_entries_expire_after_the_ttl() -> None:
+    clock = Clock()
+    index = PrefixIndex(1000, 10, clock)
+    blocks = chained_hashes(bytes(64), 8)
+    index.record(blocks, "a")
+    clock.now = 9.0
+    assert index.match(blocks) == {"a": 8}
+    clock.now = 10.5
+    assert index.match(blocks) == {}
+    index.record(chained_hashes(b"x" * 8, 8), "b")  # a record trims what expired
+    assert index.blocks == 1 and index.expired == 8
+
+
+def test_the_size_bound_evicts_the_least_recent_and_cuts_prefixes_from_their_end() -> None:
+    index = PrefixIndex(10, 600)
+    first = chained_hashes(b"a" * 64, 8)  # 8 blocks
+    index.record(first, "a")
+    index.record(chained_hashes(b"b" * 32, 8), "b")  # 4 more: 2 of a's evicted
+    assert index.blocks == 10 and index.evicted == 2
+    assert index.match(first) == {"a": 6}  # its last two blocks went first
+
+
+def test_unique_prefixes_never_grow_it_past_its_bound() -> None:
+    index = PrefixIndex(5000, 600)
+    rng = random.Random(1)
+    for i in range(2000):
+        index.record(chained_hashes(rng.randbytes(256), 16), f"e{i % 4}")
+        assert index.blocks <= 5000
+    assert index.blocks == 5000
+
+
+def test_lookup_of_a_200k_token_prompt_is_under_2_ms() -> None:
+    ids = [random.randrange(150_000) for _ in range(200_000)]
+    index = PrefixIndex(1_000_000, 600)
+    data = token_bytes(ids)
+    index.record(chained_hashes(data, 16 * 4), "a")
+    best = float("inf")
+    for _ in range(5):
+        started = time.perf_counter()
+        found = index.match(chained_hashes(data, 16 * 4))
+        best = min(best, time.perf_counter() - started)
+    print(f"prefix index lookup, 200k tokens, block 16: {best * 1000:.2f} ms")
+    assert found == {"a": 12_500}
+    assert best < 0.002

@@ -1,0 +1,161 @@
+"""Prefix-cache-aware routing on the live path: agents keep to the endpoint holding their
+prompt's prefix, under concurrency and unequal loads, without hotspotting it."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import random
+from typing import Any
+
+import httpx
+from structlog.testing import capture_logs
+
+from gateway.observe.metrics import Metrics
+from gateway.protocols.openai import ChatPrompt, CompletionPrompt
+from gateway.request.prefix import Prefixes, prompt_data
+from gateway.settings import PrefixIndexSettings
+from tests.conftest import lanes_config
+from tests.support.fake_engine import FakeEngine
+from tests.support.servers import serve_asgi
+
+AGENTS = 16
+TURNS = 12
+
+
+def _body(agent: int, turn: int, delay: float) -> dict[str, Any]:
+    return {
+        "model": "qwen3.6",
+        "messages": [
+            {"role": "system", "content": f"agent {agent} instructions. " * 40},
+            {"role": "user", "content": f"turn {turn}"},
+        ],
+        "fake": {"mode": "slow_first_byte", "delay": delay},
+    }
+
+
+async def _agents(url: str, seed: int) -> None:
+    """Every agent at once, each its own pace: unequal think times and request lengths."""
+    rng = random.Random(seed)
+    paces = [(rng.uniform(0.02, 0.12), rng.uniform(0.0, 0.05)) for _ in range(AGENTS)]
+
+    async def agent(i: int, client: httpx.AsyncClient) -> None:
+        work, think = paces[i]
+        await asyncio.sleep(i * 0.01)
+        for turn in range(TURNS):
+            r = await client.post(url + "/v1/chat/completions", json=_body(i, turn, work))
+            assert r.status_code == 200, r.text
+            await asyncio.sleep(think)
+
+    limits = httpx.Limits(max_connections=AGENTS * 2)
+    async with httpx.AsyncClient(limits=limits, timeout=30) as client:
+        await asyncio.gather(*(agent(i, client) for i in range(AGENTS)))
+
+
+def _homes_and_loads(engines: list[FakeEngine]) -> tuple[dict[int, float], list[float]]:
+    """Per agent, the share of its requests its most used endpoint took; per endpoint, the
+    engine time it was asked for (the sum of its requests' delays)."""
+    where: dict[int, collections.Counter[int]] = collections.defaultdict(collections.Counter)
+    loads = [0.0] * len(engines)
+    for index, engine in enumerate(engines):
+        for seen in engine.seen.values():
+            agent = int(seen.body.split(b"agent ")[1].split(b" ")[0])
+            where[agent][index] += 1
+            loads[index] += float(seen.body.split(b'"delay":')[1].split(b"}")[0])
+    homes = {a: c.most_common(1)[0][1] / sum(c.values()) for a, c in where.items()}
+    return homes, loads
+
+
+async def test_agents_keep_to_their_home_endpoint_under_concurrency_without_a_hotspot(
+    gateway_at: Any,
+) -> None:
+    engines = [FakeEngine() for _ in range(4)]
+    async with (
+        serve_asgi(engines[0]) as a,
+        serve_asgi(engines[1]) as b,
+        serve_asgi(engines[2]) as c,
+        serve_asgi(engines[3]) as d,
+    ):
+        config = lanes_config([a, b, c, d], [a])
+        config["lanes"][0]["slots"] = {"lane": 64, "per_endpoint": 8}
+        config["lanes"][0]["weights"] = {"load": 1.0, "prefix": 1.0}
+        async with gateway_at(config) as (url, _):
+            await _agents(url, seed=7)
+    homes, loads = _homes_and_loads(engines)
+    mean = sum(loads) / len(loads)
+    print(f"home share min {min(homes.values()):.2f} mean {sum(homes.values()) / len(homes):.2f}")
+    print(f"load max/mean {max(loads) / mean:.2f} ({[round(x, 2) for x in loads]})")
+    assert len(homes) == AGENTS
+    assert min(homes.values()) >= 0.9, homes
+    assert max(loads) <= 1.5 * mean, loads
+
+
+async def test_without_prefix_weight_requests_spread_by_load(gateway_at: Any) -> None:
+    """``weights.prefix: 0`` (the default) is plain least-loaded: the same agents scatter."""
+    engines = [FakeEngine() for _ in range(4)]
+    async with (
+        serve_asgi(engines[0]) as a,
+        serve_asgi(engines[1]) as b,
+        serve_asgi(engines[2]) as c,
+        serve_asgi(engines[3]) as d,
+    ):
+        config = lanes_config([a, b, c, d], [a])
+        config["lanes"][0]["slots"] = {"lane": 64, "per_endpoint": 8}
+        async with gateway_at(config) as (url, _):
+            await _agents(url, seed=7)
+    homes, _ = _homes_and_loads(engines)
+    assert sum(homes.values()) / len(homes) < 0.8, homes
+
+
+def test_prompt_data_is_the_prompt_in_order() -> None:
+    chat = ChatPrompt(
+        messages=({"role": "system", "content": "s"}, {"role": "user", "content": "u"})
+    )
+    data, ids = prompt_data(chat)
+    assert not ids and data.index(b'"s"') < data.index(b'"u"')
+    assert prompt_data(CompletionPrompt(token_ids=((1, 2),))) == (b"\x01\0\0\0\x02\0\0\0", True)
+    assert prompt_data(CompletionPrompt(texts=("abc",))) == (b"abc", False)
+
+
+def test_a_shared_prefix_is_found_up_to_its_last_whole_block() -> None:
+    settings = PrefixIndexSettings(block_tokens=4, bytes_per_token=1)
+    prefixes = Prefixes(settings, Metrics())
+    first = prefixes.look(CompletionPrompt(texts=("abcdefgh" + "12345678",)))
+    assert first.cached == {} and first.tokens == 16 and len(first.hashes) == 4
+    prefixes.sent(first, "http://a")
+    later = prefixes.look(CompletionPrompt(texts=("abcdefgh" + "1234xxxx",)))
+    assert later.cached == {"http://a": 12}
+    other = prefixes.look(CompletionPrompt(texts=("zbcdefgh12345678",)))
+    assert other.cached == {}
+
+
+def test_the_index_keeps_at_most_max_blocks_and_exports_its_size() -> None:
+    metrics = Metrics()
+    prefixes = Prefixes(
+        PrefixIndexSettings(block_tokens=2, bytes_per_token=1, max_blocks=5), metrics
+    )
+    for i in range(10):
+        prefixes.sent(prefixes.look(CompletionPrompt(texts=(f"{i:04d}" * 4,))), "http://a")
+    assert prefixes.index.blocks == 5
+    assert metrics.registry.get_sample_value("shapegate_prefix_index_blocks") == 5
+
+
+async def test_route_decision_carries_the_chosen_endpoints_score_and_cached_tokens(
+    gateway_at: Any,
+) -> None:
+    engines = [FakeEngine() for _ in range(2)]
+    async with serve_asgi(engines[0]) as a, serve_asgi(engines[1]) as b:
+        config = lanes_config([a, b], [a])
+        config["lanes"][0]["weights"] = {"prefix": 2.0}
+        config["prefix_index"] = {"block_tokens": 8}
+        async with gateway_at(config) as (url, _), httpx.AsyncClient() as client:
+            with capture_logs() as logs:
+                for turn in range(2):
+                    r = await client.post(url + "/v1/chat/completions", json=_body(3, turn, 0.0))
+                    assert r.status_code == 200
+    first, second = [e for e in logs if e["event"] == "route.decision"]
+    assert first["cached_tokens"] == 0 and first["score"] == 1.0  # idle, nothing cached
+    assert second["endpoint"] == first["endpoint"]
+    # The system prompt (about 1,000 bytes, 4 a token) in whole blocks of 8 tokens.
+    assert 200 <= second["cached_tokens"] <= 260
+    assert second["score"] > 2.0 * 0.8
