@@ -438,7 +438,8 @@ def _against_hf(
     """Time HF tokenizers on the very prompts counted exactly; every backend's counts must agree."""
     import tokenizers
 
-    from gateway.count.tokenizers.vocab import builtin_path, read_tokenizer_json
+    from gateway.count.tokenizers.hf_json import read_tokenizer_json
+    from gateway.count.tokenizers.sources import builtin_path
 
     if spec.source == "builtin":
         with builtin_path(spec.name or "") as path:
@@ -481,7 +482,7 @@ def _calibration(
     counter: TokenCounter, model: str, corpus: Corpus, chars: int
 ) -> list[dict[str, Any]]:
     """Characters and bytes per token by kind of text, on every shipped vocabulary."""
-    from gateway.count.tokenizers.vocab import BUILTIN_VOCABULARIES, load_vocabulary
+    from gateway.count.tokenizers.sources import BUILTIN_VOCABULARIES, load_vocabulary
 
     rows = []
     encoders: list[tuple[str, Callable[[str], int]]] = [

