@@ -62,6 +62,7 @@ from jinja2 import TemplateError
 from gateway.core.count import Method, TokenCount
 from gateway.count.tokenizers import cache, warmup
 from gateway.count.tokenizers.backends import EncoderLimits
+from gateway.count.tokenizers.child import warm_text
 from gateway.count.tokenizers.encoders import GIL_FREE_ABOVE_CHARS
 from gateway.count.tokenizers.sources import load_vocabulary
 from gateway.count.tokenizers.templates import (
@@ -72,7 +73,6 @@ from gateway.count.tokenizers.templates import (
     split_before,
 )
 from gateway.count.tokenizers.vocab import Vocabulary
-from gateway.count.tokenizers.worker import warm_text
 from gateway.errors import BadRequest, ModelNotFound
 from gateway.observe.log import Logger, get_logger, swallowed
 from gateway.observe.metrics import Metrics

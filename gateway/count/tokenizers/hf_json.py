@@ -22,9 +22,9 @@ from gateway.count.tokenizers.backends import (
     require_gigatoken,
 )
 from gateway.count.tokenizers.byte_level import tiktoken_eligibility, tiktoken_from_json
+from gateway.count.tokenizers.child import gigatoken_from_json
 from gateway.count.tokenizers.encoders import Backend, Encoder, HFEncoder
 from gateway.count.tokenizers.vocab import Vocabulary, split_token
-from gateway.count.tokenizers.worker import gigatoken_from_json
 from gateway.settings import ConfigError, TokenizerSettings
 
 # Pre-tokenizers that only cut the text (never add bytes), for the bound's soundness.

@@ -18,9 +18,9 @@ from gateway.count.tokenizers.backends import (
     require_gigatoken,
     warm,
 )
+from gateway.count.tokenizers.child import gigatoken_from_tiktoken
 from gateway.count.tokenizers.encoders import Backend, Encoder, TiktokenEncoder
 from gateway.count.tokenizers.vocab import Vocabulary, split_token
-from gateway.count.tokenizers.worker import gigatoken_from_tiktoken
 from gateway.settings import ConfigError, TokenizerSettings
 
 CL100K_SPECIALS = {
