@@ -201,5 +201,7 @@ class ExactCount:
                 self._pending = None
                 pending.cancel()
         elif self._count.exact is None:
-            self._count = self._counter.exact_now(self._count) or self._count
+            step = self._counter.start_exact(self._count)
+            if isinstance(step, TokenCount):  # else it needs the worker: abandoned, as above
+                self._count = step
         return self._count.exact

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from gateway.config_check import parse_policy
-from gateway.count.tokenizers.vocab import BUILTIN_NAMES, builtin_path
+from gateway.count.tokenizers.sources import BUILTIN_NAMES, builtin_path
 from gateway.edge.admin.guard import reload_command
 from gateway.settings import ConfigError
 

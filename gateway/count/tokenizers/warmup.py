@@ -19,7 +19,7 @@ from gateway.settings import Settings
 
 # A policy that admits 10**9 tokens still warms with a text of about this many.
 MAX_WARM_TOKENS = 1_048_576
-# Characters a token of the warm-up text (worker.warm_text: prose, CJK, emoji, JSON) for Qwen3.6:
+# Characters a token of the warm-up text (child.warm_text: prose, CJK, emoji, JSON) for Qwen3.6:
 # 40,960 characters are 24,868 tokens. Other vocabularies land near it; a warm-up need not be exact.
 CHARS_PER_TOKEN = 1.65
 

@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from gateway.config_check import load_settings
-from gateway.count.tokenizers.vocab import DEFAULT_MAX_RSS_MB, EncoderLimits, load_vocabulary
+from gateway.count.tokenizers.backends import DEFAULT_MAX_RSS_MB, EncoderLimits
+from gateway.count.tokenizers.sources import load_vocabulary
 from gateway.count.tokens import TokenCounter
 from gateway.protocols.openai import ChatPrompt
 from gateway.settings import CountingSettings, Settings, TokenizerSettings

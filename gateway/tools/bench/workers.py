@@ -1,6 +1,6 @@
 """``shapegate bench workers``: closed-loop throughput of ``serve --workers N``, N = 1 and 2.
 
-Set-up: the fixed fast upstream of ``httpload`` (one process), ``shapegate serve --workers N``
+Set-up: the fixed fast upstream (``upstream.py``) (one process), ``shapegate serve --workers N``
 in front of it (the overhead suite's policy: one lane, limits far above the load, memory slots,
 which with N > 1 are the supervisor's slot server), and a closed-loop generator in this process:
 ``--connections`` keep-alive connections, each sending the next request (the small JSON chat

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
+from gateway.count.tokenizers.backends import EncoderLimits
 from gateway.count.tokenizers.encoders import GigatokenEncoder
-from gateway.count.tokenizers.vocab import EncoderLimits, load_vocabulary
+from gateway.count.tokenizers.sources import load_vocabulary
 from gateway.count.tokenizers.worker import ChildEncoder
 from gateway.count.tokens import TokenCounter
 from gateway.settings import TokenizerSettings, parse_settings

@@ -225,9 +225,6 @@ class CongestedCounter:
     def __init__(self, result: TokenCount, delay_s: float) -> None:
         self.result, self.delay_s = result, delay_s
 
-    def exact_now(self, count: TokenCount) -> TokenCount | None:
-        return None
-
     def start_exact(self, count: TokenCount) -> object:
         return object()  # what is left for the worker
 
