@@ -15,8 +15,9 @@ Contract:
   ``engine_pool/picker.py`` ``order_endpoints``, ``request/borrowing.py`` ``loans_for``/
   ``borrow_room``) and returns the lane, the reason, the class, the endpoint the chain would
   pick (the first ordered endpoint with room in the snapshot), the lane it would borrow from,
-  and why it would reject the request (``prompt_too_long``, ``no_healthy_cluster``,
-  ``context_too_small``, ``unknown_class``, ``overloaded``: ``on_full: reject`` and no room).
+  and why it would reject the request (``unknown_model``, ``prompt_too_long``,
+  ``no_healthy_cluster``, ``context_too_small``, ``unknown_class``, ``overloaded``:
+  ``on_full: reject`` and no room).
 - Room is read from the snapshot's gateway in-flight counts against the shadow's endpoint
   limits (slow start included): the shadow holds no slot, so its view of a lane's room is the
   endpoints' load, not the slot store's leases (a lane limit below the sum of its endpoints'
@@ -96,7 +97,7 @@ class Seen:
     tokens: int  # the exact count when known, else the figure the active lane was decided by
     longest: int  # a batch's largest prompt (``tokens`` for a single one)
     exact: bool
-    model: str
+    model: str  # as the request named it (a name or an alias)
     max_tokens: int | None
     multipart: bool
     healthy: Mapping[str, bool]
@@ -149,6 +150,9 @@ def decide(policy: ShadowPolicy, seen: Seen) -> ShadowDecision:
             decision.lane_name, decision.reason, priority, endpoint, lender, rejected
         )
 
+    model = settings.model(seen.model)  # by name or alias, as the shadow policy names it
+    if model is None:
+        return made("unknown_model")
     if lane is None:
         return made("prompt_too_long")
     if not decision.clusters:
@@ -157,7 +161,7 @@ def decide(policy: ShadowPolicy, seen: Seen) -> ShadowDecision:
         priority = class_of(settings.classes, seen.key_digest, seen.class_header)
     except UnknownClass:
         return made("unknown_class")
-    serving = [c for c in decision.clusters if seen.model in policy.served.get(c, ())]
+    serving = [c for c in decision.clusters if model.name in policy.served.get(c, ())]
     need = seen.longest + 1
     views = [v for c in serving for v in seen.views.get(c, ())]
     if refusal(views, need) is not None:
@@ -167,7 +171,7 @@ def decide(policy: ShadowPolicy, seen: Seen) -> ShadowDecision:
         for view in order_endpoints(holding(seen.views.get(cluster, ()), need), affinity):
             if _room(view, policy.limits.get((lane.name, cluster), lane.slots.per_endpoint)):
                 return made(endpoint=view.url, priority=priority)
-    lender = _lender(policy, lane, seen) if decision.reason == "in_range" else None
+    lender = _lender(policy, lane, seen, model.name) if decision.reason == "in_range" else None
     if lender is not None:
         return made(endpoint=lender[1], lender=lender[0], priority=priority)
     if lane.on_full == "reject":
@@ -175,11 +179,13 @@ def decide(policy: ShadowPolicy, seen: Seen) -> ShadowDecision:
     return made(priority=priority)
 
 
-def _lender(policy: ShadowPolicy, lane: LaneSettings, seen: Seen) -> tuple[str, str] | None:
+def _lender(
+    policy: ShadowPolicy, lane: LaneSettings, seen: Seen, model: str
+) -> tuple[str, str] | None:
     """The first lender endpoint that would take this request, as (lender, url)."""
     for loan in loans_for(lane, policy.settings.lanes, seen.tokens, seen.max_tokens):
         for cluster in loan.clusters:
-            if seen.model not in policy.served.get(cluster, ()):
+            if model not in policy.served.get(cluster, ()):
                 continue
             for view in order_endpoints(seen.views.get(cluster, ())):
                 if borrow_room(loan.rule, EndpointUse(owners=view.in_flight, borrowers=0)) > 0:

@@ -146,8 +146,6 @@ class ShadowLive:
         routed = record.routed
         assert routed is not None
         count = routed.count
-        # The model by its policy name (the request may have named an alias).
-        model = policy.settings.model(routed.model)
         exact = record.prompt_tokens
         tokens = exact if exact is not None else count.tokens
         longest = tokens if count.largest is None else count.largest
@@ -155,7 +153,7 @@ class ShadowLive:
             tokens=tokens,
             longest=longest,
             exact=exact is not None or routed.count.method == "none",
-            model=model.name if model is not None else routed.model,
+            model=routed.model,
             max_tokens=seen.max_tokens,
             multipart=seen.multipart,
             healthy=seen.healthy,
@@ -172,7 +170,7 @@ class ShadowLive:
         if exact is not None and record.admitted:
             shape = TraceRecord(
                 t=round(arrival, 3),
-                model=seen.model,
+                model=_model_name(policy, routed.model),
                 prompt_tokens=exact,
                 prompt_bytes=count.prompt_bytes,
                 output_tokens=output or 0,
@@ -193,3 +191,9 @@ class ShadowLive:
             shadow_rejected=decision.rejected,
             prompt_tokens=tokens,
         )
+
+
+def _model_name(policy: ShadowPolicy, asked: str) -> str:
+    """The model by its policy name (a trace names models so), the request's name otherwise."""
+    model = policy.settings.model(asked)
+    return asked if model is None else model.name

@@ -80,6 +80,7 @@ def test_what_the_shadow_would_reject_and_why() -> None:
     small_engines = seen(50_000, views=views(context=32_768))
     assert decide(shadow, small_engines).rejected == "context_too_small"
     assert decide(shadow, seen(10, class_header="nope")).rejected == "unknown_class"
+    assert decide(shadow, seen(10, model="other")).rejected == "unknown_model"
     full = {u: 32 for u in FAST}
     rejecting = policy(threshold=8192, lane0={"on_full": "reject"})
     assert decide(rejecting, seen(10, views=views(full))).rejected == "overloaded"

@@ -167,7 +167,7 @@ async def test_a_shadow_is_validated_as_a_reload_and_guarded_as_admin(gateway_at
     assert "request body:" in refused.json()["error"]["message"]
     assert "gap" in refused.json()["error"]["message"]
     assert models.status_code == 400
-    assert "models must be the active policy's" in models.json()["error"]["message"]
+    assert "with the same tokenizer (not so: other;" in models.json()["error"]["message"]
     assert empty.status_code == 400
     assert unguarded.status_code == 403
     assert form.status_code == 415
