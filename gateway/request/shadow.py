@@ -59,6 +59,16 @@ from gateway.settings import LaneSettings, Settings, served_models
 from gateway.tuning.trace import TraceRecord
 
 WINDOW = 10_000  # requests of the live window kept for the predicted effect
+Shape = tuple[float, str, int, int, int, bool, str | None]
+SHAPE_FIELDS = (
+    "t",
+    "model",
+    "prompt_tokens",
+    "prompt_bytes",
+    "output_tokens",
+    "stream",
+    "priority",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +79,10 @@ class ShadowPolicy:
     version: int
     served: Mapping[str, frozenset[str]]
     limits: Mapping[tuple[str, str], int]
+    # Every name and alias -> the model's name; the prefix sizes its affinity lanes key by.
+    model_names: Mapping[str, str] = field(default_factory=dict)
+    prefix_bytes: tuple[int, ...] = ()
+    clusters: tuple[str, ...] = ()
     started_at: float = field(default_factory=time.time)
 
     @classmethod
@@ -83,11 +97,15 @@ class ShadowPolicy:
                 for lane in lanes
                 for c in settings.clusters
             },
+            {
+                name: model.name
+                for model in settings.models
+                for name in (model.name, *model.aliases)
+            },
+            tuple(sorted({lane.affinity_prefix_bytes for lane in lanes if lane.prefix_affinity})),
+            tuple(c.name for c in settings.clusters),
         )
 
-    @property
-    def clusters(self) -> tuple[str, ...]:
-        return tuple(c.name for c in self.settings.clusters)
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,10 +234,12 @@ class ShadowReport:
         self.rejected: dict[str, int] = {}
         self.borrowed: dict[str, int] = {}
         self.endpoints: dict[str, int] = {}
-        self.trace: deque[TraceRecord] = deque(maxlen=window)
+        # (t, model, prompt_tokens, prompt_bytes, output_tokens, stream, priority): a
+        # ``TraceRecord``'s fields, made into records only when the report is read.
+        self.trace: deque[Shape] = deque(maxlen=window)
 
     def add(
-        self, active_lane: str, decision: ShadowDecision, seen: Seen, shape: TraceRecord | None
+        self, active_lane: str, decision: ShadowDecision, seen: Seen, shape: Shape | None
     ) -> None:
         self.compared += 1
         self.by_bound += not seen.exact
@@ -251,7 +271,7 @@ class ShadowReport:
             "endpoints": dict(self.endpoints),
         }
         if window:
-            out["window"] = [asdict(r) for r in self.trace]
+            out["window"] = [dict(zip(SHAPE_FIELDS, shape, strict=True)) for shape in self.trace]
         return out
 
 

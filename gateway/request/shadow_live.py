@@ -13,8 +13,8 @@ Contract:
   from that snapshot with ``request/shadow.py``'s pure ``decide`` and the same count the
   gateway ended with (the exact prompt count, which the gateway finishes while the engine
   works when a bound decided the active lane; else that bound), and adds it to the report,
-  the ``shapegate_shadow_decisions_total{lane, shadow_lane}`` counter and one
-  ``shadow.decision`` log event at debug level.
+  and the ``shapegate_shadow_decisions_total{lane, shadow_lane}`` counter (no log line per
+  request: the report and the counter are the record; start, stop and promote are logged).
 - Nothing of it reaches an engine, takes a slot, waits or raises into the request: every
   exception is logged and counted (``swallowed``, ``where=shadow.observe``/``shadow.finished``,
   ``decision=not_compared``) and the request goes on as if no shadow ran. With no shadow,
@@ -26,9 +26,10 @@ Contract:
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
+from engine_pool.cluster import EngineView
 from engine_pool.registry import EnginePool
 from gateway.edge.exchange import Scope, header
 from gateway.observe.log import Logger, swallowed
@@ -38,7 +39,18 @@ from gateway.request.classes import bearer_digest
 from gateway.request.protocol import RoutedRequest, prefix_key
 from gateway.request.shadow import Seen, ShadowPolicy, ShadowReport, decide
 from gateway.settings import Settings
-from gateway.tuning.trace import TraceRecord
+
+
+class _Pending(NamedTuple):
+    """What the active decision saw, kept until the request ends (``Seen`` but the count)."""
+
+    max_tokens: int | None
+    multipart: bool
+    healthy: Mapping[str, bool]
+    views: Mapping[str, Sequence[EngineView]]
+    key_digest: str | None
+    class_header: str | None
+    prefixes: Mapping[int, bytes]
 
 
 class ShadowLive:
@@ -49,7 +61,7 @@ class ShadowLive:
         self.policy: ShadowPolicy | None = None
         self.report = ShadowReport()
         # id(record) -> (the policy that saw it, what it saw but the final count, arrival).
-        self._seen: dict[int, tuple[ShadowPolicy, Seen, float]] = {}
+        self._seen: dict[int, tuple[ShadowPolicy, _Pending, float]] = {}
 
     def start(self, settings: Settings, version: int) -> ShadowPolicy:
         self.policy = ShadowPolicy.of(settings, version)
@@ -97,28 +109,25 @@ class ShadowLive:
         multipart: bool,
         scope: Scope,
         healthy: Mapping[str, bool],
-    ) -> Seen:
+    ) -> _Pending:
         settings = policy.settings
         prefixes: dict[int, bytes] = {}
-        if not multipart:
-            for lane in settings.lanes:
-                if lane.prefix_affinity and lane.affinity_prefix_bytes not in prefixes:
-                    key = prefix_key(request.prompt, lane.affinity_prefix_bytes)
-                    if key is not None:
-                        prefixes[lane.affinity_prefix_bytes] = key
+        if not multipart and policy.prefix_bytes:
+            for size in policy.prefix_bytes:
+                key = prefix_key(request.prompt, size)
+                if key is not None:
+                    prefixes[size] = key
         asked = header(scope, settings.classes.header.encode())
-        return Seen(
-            tokens=0,  # the count is taken at the end (finished): the exact one, if it came
-            longest=0,
-            exact=False,
-            model=request.model,
-            max_tokens=request.max_tokens,
-            multipart=multipart,
-            healthy=dict(healthy),
-            views={c: tuple(self.pool.views(c)) for c in policy.clusters},
-            key_digest=bearer_digest(header(scope, b"authorization")),
-            class_header=asked.decode("latin-1") if asked is not None else None,
-            prefixes=prefixes,
+        auth = header(scope, b"authorization")
+        return _Pending(
+            request.max_tokens,
+            multipart,
+            # The pipeline's own map, made for this request and never changed after.
+            healthy,
+            {c: self.pool.views(c) for c in policy.clusters},
+            bearer_digest(auth) if auth is not None else None,
+            asked.decode("latin-1") if asked is not None else None,
+            prefixes,
         )
 
     def finished(self, record: Record) -> None:
@@ -142,58 +151,35 @@ class ShadowLive:
                 request_id=record.request_id,
             )
 
-    def _decide(self, record: Record, policy: ShadowPolicy, seen: Seen, arrival: float) -> None:
+    def _decide(
+        self, record: Record, policy: ShadowPolicy, pending: _Pending, arrival: float
+    ) -> None:
         routed = record.routed
         assert routed is not None
         count = routed.count
         exact = record.prompt_tokens
         tokens = exact if exact is not None else count.tokens
-        longest = tokens if count.largest is None else count.largest
         seen = Seen(
-            tokens=tokens,
-            longest=longest,
-            exact=exact is not None or routed.count.method == "none",
-            model=routed.model,
-            max_tokens=seen.max_tokens,
-            multipart=seen.multipart,
-            healthy=seen.healthy,
-            views=seen.views,
-            key_digest=seen.key_digest,
-            class_header=seen.class_header,
-            prefixes=seen.prefixes,
+            tokens,
+            tokens if count.largest is None else count.largest,
+            exact is not None or count.method == "none",
+            routed.model,
+            *pending,
         )
         decision = decide(policy, seen)
-        output = record.output_tokens
-        if output is None:
-            output = record.output_tokens_estimate
         shape = None
         if exact is not None and record.admitted:
-            shape = TraceRecord(
-                t=round(arrival, 3),
-                model=_model_name(policy, routed.model),
-                prompt_tokens=exact,
-                prompt_bytes=count.prompt_bytes,
-                output_tokens=output or 0,
-                stream=routed.stream,
-                priority=routed.priority,
+            output = record.output_tokens
+            if output is None:
+                output = record.output_tokens_estimate
+            shape = (
+                round(arrival, 3),
+                policy.model_names.get(routed.model, routed.model),
+                exact,
+                count.prompt_bytes,
+                output or 0,
+                routed.stream,
+                routed.priority,
             )
         self.report.add(routed.lane, decision, seen, shape)
         self.metrics.child(self.metrics.shadow_decisions, routed.lane, decision.lane).inc()
-        self.log.debug(
-            "shadow.decision",
-            request_id=record.request_id,
-            lane=routed.lane,
-            shadow_lane=decision.lane,
-            shadow_reason=decision.reason,
-            shadow_verdict=decision.verdict,
-            shadow_endpoint=decision.endpoint,
-            shadow_lender=decision.lender,
-            shadow_rejected=decision.rejected,
-            prompt_tokens=tokens,
-        )
-
-
-def _model_name(policy: ShadowPolicy, asked: str) -> str:
-    """The model by its policy name (a trace names models so), the request's name otherwise."""
-    model = policy.settings.model(asked)
-    return asked if model is None else model.name

@@ -15,7 +15,6 @@ from gateway.request.shadow import (
     window_trace,
 )
 from gateway.settings import parse_settings
-from gateway.tuning.trace import TraceRecord
 from tests.conftest import lanes_config
 
 FAST = ("http://f1", "http://f2")
@@ -127,12 +126,8 @@ def test_the_report_counts_agreement_by_lane_and_disagreements_with_their_token_
 def test_reports_of_several_workers_merge_into_one() -> None:
     shadow = policy(threshold=8192)
     one, two = ShadowReport(), ShadowReport()
-    first = TraceRecord(
-        t=100.0, model="qwen3.6", prompt_tokens=9000, prompt_bytes=1, output_tokens=3
-    )
-    second = TraceRecord(
-        t=99.5, model="qwen3.6", prompt_tokens=20000, prompt_bytes=1, output_tokens=3
-    )
+    first = (100.0, "qwen3.6", 9000, 1, 3, True, None)
+    second = (99.5, "qwen3.6", 20000, 1, 3, True, None)
     one.add("fast", decide(shadow, seen(9000)), seen(9000), first)
     two.add("fast", decide(shadow, seen(20000)), seen(20000), second)
     two.add("fast", decide(shadow, seen(10)), seen(10), None)
