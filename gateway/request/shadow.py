@@ -40,7 +40,8 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 from engine_pool.capability import holding, refusal
 from engine_pool.cluster import EngineView
@@ -58,6 +59,7 @@ from gateway.request.lanes import (
 from gateway.settings import LaneSettings, Settings, served_models
 from gateway.tuning.trace import TraceRecord
 
+_NO_PREFIXES: Mapping[int, bytes] = MappingProxyType({})
 WINDOW = 10_000  # requests of the live window kept for the predicted effect
 Shape = tuple[float, str, int, int, int, bool, str | None]
 SHAPE_FIELDS = (
@@ -107,10 +109,9 @@ class ShadowPolicy:
         )
 
 
-
-@dataclass(frozen=True, slots=True)
-class Seen:
-    """One live request as the active decision saw it (no text: the prefix keys are hashes)."""
+class Seen(NamedTuple):
+    """One live request as the active decision saw it (no text: the prefix keys are hashes).
+    A named tuple, not a frozen dataclass: one is made for every live request."""
 
     tokens: int  # the exact count when known, else the figure the active lane was decided by
     longest: int  # a batch's largest prompt (``tokens`` for a single one)
@@ -123,11 +124,10 @@ class Seen:
     key_digest: str | None = None
     class_header: str | None = None
     # affinity_prefix_bytes -> the prompt's prefix key (gateway/request/protocol.py prefix_key).
-    prefixes: Mapping[int, bytes] = field(default_factory=dict)
+    prefixes: Mapping[int, bytes] = _NO_PREFIXES
 
 
-@dataclass(frozen=True, slots=True)
-class ShadowDecision:
+class ShadowDecision(NamedTuple):
     lane: str  # "none": no lane takes it
     reason: Reason
     priority: str | None

@@ -117,6 +117,7 @@ def overhead(rate: float, seconds: float, rounds: int) -> dict[str, Any]:
         shadow = candidate(gateway_policy(rig.upstream_port, rig.gateway_port))
         medians: dict[str, list[float]] = {"off": [], "on": []}
         cpu = dict.fromkeys(medians, 0.0)
+        round_cpu: dict[str, list[float]] = {"off": [], "on": []}
         sent = dict.fromkeys(medians, 0)
         errors = dict.fromkeys(medians, 0)
         compared = 0
@@ -132,7 +133,9 @@ def overhead(rate: float, seconds: float, rounds: int) -> dict[str, Any]:
                         "127.0.0.1", rig.gateway_port, PATH, BODIES["json"], rate, seconds
                     )
                     result = runner.run(load)
-                    cpu[mode] += rig.gateway.cpu_s() - before
+                    spent = rig.gateway.cpu_s() - before
+                    cpu[mode] += spent
+                    round_cpu[mode].append(spent / max(1, result.sent))
                     if mode == "on":
                         compared += _admin(url, "DELETE", "/admin/shadow")["report"]["compared"]
                     medians[mode].append(percentile(result.total, 0.5))
@@ -152,6 +155,9 @@ def overhead(rate: float, seconds: float, rounds: int) -> dict[str, Any]:
         "added_median_ms": round(median_ms["on"] - median_ms["off"], 3),
         "cpu_ms_per_request": {m: round(v * 1000, 4) for m, v in cpu_per_request.items()},
         "cpu_ratio": round(cpu_per_request["on"] / cpu_per_request["off"], 3),
+        "round_cpu_ms_per_request": {
+            m: [round(x * 1000, 4) for x in v] for m, v in round_cpu.items()
+        },
     }
 
 
