@@ -54,6 +54,7 @@ from gateway.request.lanes import (
     choose_lane,
     choose_named_lane,
     endpoint_limit,
+    exact_count_above,
     lane_tokens,
 )
 from gateway.settings import LaneSettings, Settings, served_models
@@ -85,6 +86,9 @@ class ShadowPolicy:
     model_names: Mapping[str, str] = field(default_factory=dict)
     prefix_bytes: tuple[int, ...] = ()
     clusters: tuple[str, ...] = ()
+    # Below this figure a free bound fixes the shadow's decision as an exact count would
+    # (``request/pipeline.py`` ``Policy.exact_above``, for this policy).
+    exact_above: int = 0
     started_at: float = field(default_factory=time.time)
 
     @classmethod
@@ -106,6 +110,12 @@ class ShadowPolicy:
             },
             tuple(sorted({lane.affinity_prefix_bytes for lane in lanes if lane.prefix_affinity})),
             tuple(c.name for c in settings.clusters),
+            min(
+                [
+                    exact_count_above(lanes),
+                    *(lane.lend.max_prompt_tokens for lane in lanes if lane.lend is not None),
+                ]
+            ),
         )
 
 
@@ -156,45 +166,35 @@ def decide(policy: ShadowPolicy, seen: Seen) -> ShadowDecision:
         decision = choose_named_lane(settings.multipart_lane, lanes, seen.healthy)
     else:
         decision = choose_lane(lane_tokens(seen.tokens, seen.longest, lanes), lanes, seen.healthy)
-    lane = decision.lane
-
-    def made(
-        rejected: str | None = None,
-        endpoint: str | None = None,
-        lender: str | None = None,
-        priority: str | None = None,
-    ) -> ShadowDecision:
-        return ShadowDecision(
-            decision.lane_name, decision.reason, priority, endpoint, lender, rejected
-        )
-
-    model = settings.model(seen.model)  # by name or alias, as the shadow policy names it
+    lane, name, reason = decision.lane, decision.lane_name, decision.reason
+    model = policy.model_names.get(seen.model)  # by name or alias, as the shadow names it
     if model is None:
-        return made("unknown_model")
+        return ShadowDecision(name, reason, None, None, None, "unknown_model")
     if lane is None:
-        return made("prompt_too_long")
+        return ShadowDecision(name, reason, None, None, None, "prompt_too_long")
     if not decision.clusters:
-        return made("no_healthy_cluster")
+        return ShadowDecision(name, reason, None, None, None, "no_healthy_cluster")
     try:
         priority = class_of(settings.classes, seen.key_digest, seen.class_header)
     except UnknownClass:
-        return made("unknown_class")
-    serving = [c for c in decision.clusters if model.name in policy.served.get(c, ())]
+        return ShadowDecision(name, reason, None, None, None, "unknown_class")
+    serving = {
+        c: seen.views.get(c, ()) for c in decision.clusters if model in policy.served.get(c, ())
+    }
     need = seen.longest + 1
-    views = [v for c in serving for v in seen.views.get(c, ())]
-    if refusal(views, need) is not None:
-        return made("context_too_small", priority=priority)
+    if refusal([v for views in serving.values() for v in views], need) is not None:
+        return ShadowDecision(name, reason, priority, None, None, "context_too_small")
     affinity = seen.prefixes.get(lane.affinity_prefix_bytes) if lane.prefix_affinity else None
-    for cluster in serving:
-        for view in order_endpoints(holding(seen.views.get(cluster, ()), need), affinity):
-            if _room(view, policy.limits.get((lane.name, cluster), lane.slots.per_endpoint)):
-                return made(endpoint=view.url, priority=priority)
-    lender = _lender(policy, lane, seen, model.name) if decision.reason == "in_range" else None
+    for cluster, views in serving.items():
+        limit = policy.limits.get((name, cluster), lane.slots.per_endpoint)
+        for view in order_endpoints(holding(views, need), affinity):
+            if _room(view, limit):
+                return ShadowDecision(name, reason, priority, view.url, None, None)
+    lender = _lender(policy, lane, seen, model) if reason == "in_range" else None
     if lender is not None:
-        return made(endpoint=lender[1], lender=lender[0], priority=priority)
-    if lane.on_full == "reject":
-        return made("overloaded", priority=priority)
-    return made(priority=priority)
+        return ShadowDecision(name, reason, priority, lender[1], lender[0], None)
+    rejected = "overloaded" if lane.on_full == "reject" else None
+    return ShadowDecision(name, reason, priority, None, None, rejected)
 
 
 def _lender(
@@ -239,14 +239,19 @@ class ShadowReport:
         self.trace: deque[Shape] = deque(maxlen=window)
 
     def add(
-        self, active_lane: str, decision: ShadowDecision, seen: Seen, shape: Shape | None
+        self,
+        active_lane: str,
+        decision: ShadowDecision,
+        tokens: int,
+        exact: bool,
+        shape: Shape | None,
     ) -> None:
         self.compared += 1
-        self.by_bound += not seen.exact
+        self.by_bound += not exact
         if decision.lane == active_lane:
             self.agreed[active_lane] = self.agreed.get(active_lane, 0) + 1
         else:
-            self.disagreed.setdefault((active_lane, decision.lane), _Range()).add(seen.tokens)
+            self.disagreed.setdefault((active_lane, decision.lane), _Range()).add(tokens)
         if decision.rejected is not None:
             self.rejected[decision.rejected] = self.rejected.get(decision.rejected, 0) + 1
         if decision.lender is not None:

@@ -2,19 +2,24 @@
 
     shadow.start(settings, version)  a validated candidate starts deciding (a fresh report)
     shadow.stop() -> report | None   it stops; its last report
-    shadow.observe(record, ...)      after the active decision: the snapshot it saw, kept
-    shadow.finished(record)          at the request's end: the shadow decides and is counted
+    shadow.observe(record, ...)      after the active decision: the shadow decides (or keeps
+                                     the snapshot until the exact count is known)
+    shadow.finished(record)          at the request's end: the decision is counted
 
 Contract:
 - ``observe`` is called by ``Pipeline._route`` right after the active lane decision, with the
-  same health map the active decision used; it takes the endpoints' snapshot (the pool's views
-  of every cluster the shadow names) and the request's class inputs and prefix keys, then
-  returns. ``finished`` is called once the request ended (whatever its outcome): it decides
-  from that snapshot with ``request/shadow.py``'s pure ``decide`` and the same count the
-  gateway ended with (the exact prompt count, which the gateway finishes while the engine
-  works when a bound decided the active lane; else that bound), and adds it to the report,
-  and the ``shapegate_shadow_decisions_total{lane, shadow_lane}`` counter (no log line per
-  request: the report and the counter are the record; start, stop and promote are logged).
+  same health map that decision used, before anything else can run. When the count already
+  fixes the shadow's figure (an exact count, a multipart route, or a free bound below the
+  shadow's ``exact_above``: only its lowest lane and no loan's budget), the shadow decides there
+  and then with ``request/shadow.py``'s pure ``decide``, reading the pool's endpoints of the
+  clusters it needs at that same moment. Otherwise (a bound past the shadow's threshold) it
+  keeps a snapshot of every cluster's endpoints and the request's class inputs and prefix keys,
+  and decides in ``finished`` from that snapshot and the exact count the gateway finished while
+  the engine worked (the bound, if the count never came: ``by_bound`` in the report).
+- ``finished`` is called once the request ended (whatever its outcome): the decision is added
+  to the report (with the exact prompt tokens for the ranges and the window) and to
+  ``shapegate_shadow_decisions_total{lane, shadow_lane}`` (no log line per request: the report
+  and the counter are the record; start, stop and promote are logged).
 - Nothing of it reaches an engine, takes a slot, waits or raises into the request: every
   exception is logged and counted (``swallowed``, ``where=shadow.observe``/``shadow.finished``,
   ``decision=not_compared``) and the request goes on as if no shadow ran. With no shadow,
@@ -26,7 +31,7 @@ Contract:
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from engine_pool.cluster import EngineView
@@ -37,12 +42,13 @@ from gateway.observe.metrics import Metrics
 from gateway.observe.record import Record
 from gateway.request.classes import bearer_digest
 from gateway.request.protocol import RoutedRequest, prefix_key
-from gateway.request.shadow import Seen, ShadowPolicy, ShadowReport, decide
+from gateway.request.shadow import Seen, ShadowDecision, ShadowPolicy, ShadowReport, decide
 from gateway.settings import Settings
 
 
 class _Pending(NamedTuple):
-    """What the active decision saw, kept until the request ends (``Seen`` but the count)."""
+    """What the active decision saw, for a shadow decision that waits for the exact count
+    (``Seen`` but the count)."""
 
     max_tokens: int | None
     multipart: bool
@@ -53,6 +59,30 @@ class _Pending(NamedTuple):
     prefixes: Mapping[int, bytes]
 
 
+class _LiveViews(Mapping[str, Sequence[EngineView]]):
+    """The pool's endpoints of a cluster, read when the decision asks (it asks at once, in the
+    same step as the active decision: the same snapshot) and only for the clusters it needs."""
+
+    __slots__ = ("_pool",)
+
+    def __init__(self, pool: EnginePool) -> None:
+        self._pool = pool
+
+    def __getitem__(self, cluster: str) -> Sequence[EngineView]:
+        return self._pool.views(cluster)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._pool.clusters)
+
+    def __len__(self) -> int:
+        return len(self._pool.clusters)
+
+
+# Kept from ``observe`` to ``finished``: the policy, the arrival (wall seconds), and either the
+# decision already made or what a decision waiting for the exact count needs.
+_Kept = tuple[ShadowPolicy, float, ShadowDecision | None, _Pending | None]
+
+
 class ShadowLive:
     def __init__(self, pool: EnginePool, metrics: Metrics, log: Logger) -> None:
         self.pool = pool
@@ -60,20 +90,20 @@ class ShadowLive:
         self.log = log
         self.policy: ShadowPolicy | None = None
         self.report = ShadowReport()
-        # id(record) -> (the policy that saw it, what it saw but the final count, arrival).
-        self._seen: dict[int, tuple[ShadowPolicy, _Pending, float]] = {}
+        self._kept: dict[int, _Kept] = {}  # by id(record)
+        self._live = _LiveViews(pool)
 
     def start(self, settings: Settings, version: int) -> ShadowPolicy:
         self.policy = ShadowPolicy.of(settings, version)
         self.report = ShadowReport()
-        self._seen.clear()
+        self._kept.clear()
         return self.policy
 
     def stop(self) -> dict[str, Any] | None:
         if self.policy is None:
             return None
         self.policy = None
-        self._seen.clear()
+        self._kept.clear()
         return self.report.as_json(window=False)
 
     def observe(
@@ -85,13 +115,22 @@ class ShadowLive:
         healthy: Mapping[str, bool],
     ) -> None:
         policy = self.policy
-        if policy is None:
+        if policy is None or record.routed is None:
             return
         try:
-            seen = self._snapshot(policy, request, multipart, scope, healthy)
+            count = record.routed.count
             # Arrival in wall seconds (replicas' windows merge by it), when the request came.
             arrival = time.time() - (time.monotonic() - record.started)
-            self._seen[id(record)] = (policy, seen, arrival)
+            if multipart or count.exact is not None or count.tokens < policy.exact_above:
+                # The figure is final for this policy (exact, or a bound that can only mean
+                # its lowest lane and no loan's budget): decide now, from the live snapshot.
+                now = self._inputs(policy, request, multipart, scope, healthy, self._live)
+                seen = Seen(count.tokens, count.longest, True, request.model, *now)
+                self._kept[id(record)] = (policy, arrival, decide(policy, seen), None)
+            else:  # a bound past this policy's threshold: decide on the exact count, at the end
+                views = {c: self.pool.views(c) for c in policy.clusters}
+                kept = self._inputs(policy, request, multipart, scope, healthy, views)
+                self._kept[id(record)] = (policy, arrival, None, kept)
         except Exception as exc:  # noqa: BLE001 - the shadow never fails a live request
             swallowed(
                 self.log,
@@ -102,13 +141,14 @@ class ShadowLive:
                 request_id=record.request_id,
             )
 
-    def _snapshot(
-        self,
+    @staticmethod
+    def _inputs(
         policy: ShadowPolicy,
         request: RoutedRequest,
         multipart: bool,
         scope: Scope,
         healthy: Mapping[str, bool],
+        views: Mapping[str, Sequence[EngineView]],
     ) -> _Pending:
         settings = policy.settings
         prefixes: dict[int, bytes] = {}
@@ -124,23 +164,22 @@ class ShadowLive:
             multipart,
             # The pipeline's own map, made for this request and never changed after.
             healthy,
-            {c: self.pool.views(c) for c in policy.clusters},
+            views,
             bearer_digest(auth) if auth is not None else None,
             asked.decode("latin-1") if asked is not None else None,
             prefixes,
         )
 
     def finished(self, record: Record) -> None:
-        if not self._seen:
+        if not self._kept:
             return
-        found = self._seen.pop(id(record), None)
+        found = self._kept.pop(id(record), None)
         if found is None:
             return
-        policy, seen, arrival = found
-        if policy is not self.policy or record.routed is None:
+        if found[0] is not self.policy or record.routed is None:
             return
         try:
-            self._decide(record, policy, seen, arrival)
+            self._count(record, *found)
         except Exception as exc:  # noqa: BLE001 - the shadow never fails a live request
             swallowed(
                 self.log,
@@ -151,22 +190,24 @@ class ShadowLive:
                 request_id=record.request_id,
             )
 
-    def _decide(
-        self, record: Record, policy: ShadowPolicy, pending: _Pending, arrival: float
+    def _count(
+        self,
+        record: Record,
+        policy: ShadowPolicy,
+        arrival: float,
+        decision: ShadowDecision | None,
+        kept: _Pending | None,
     ) -> None:
         routed = record.routed
         assert routed is not None
         count = routed.count
         exact = record.prompt_tokens
         tokens = exact if exact is not None else count.tokens
-        seen = Seen(
-            tokens,
-            tokens if count.largest is None else count.largest,
-            exact is not None or count.method == "none",
-            routed.model,
-            *pending,
-        )
-        decision = decide(policy, seen)
+        known = exact is not None or count.method == "none"
+        if decision is None:
+            assert kept is not None
+            longest = tokens if count.largest is None else count.largest
+            decision = decide(policy, Seen(tokens, longest, known, routed.model, *kept))
         shape = None
         if exact is not None and record.admitted:
             output = record.output_tokens
@@ -181,5 +222,5 @@ class ShadowLive:
                 routed.stream,
                 routed.priority,
             )
-        self.report.add(routed.lane, decision, seen, shape)
+        self.report.add(routed.lane, decision, tokens, known, shape)
         self.metrics.child(self.metrics.shadow_decisions, routed.lane, decision.lane).inc()
