@@ -93,7 +93,9 @@ class ShadowRoutes:
                 "one of the active policy's, with the same tokenizer (not so: "
                 f"{', '.join(counted_otherwise)}; a reload changes models)"
             )
-        shadow = gateway.pipeline.shadow.start(settings, gateway.pipeline.policy.version + 1)
+        shadow = gateway.pipeline.shadow.start(
+            settings, gateway.pipeline.policy.version + 1, active
+        )
         self.candidate = checked
         changed = diff_settings(active, settings)
         gateway.log.info("shadow.started", version=shadow.version, changed=changed)

@@ -89,10 +89,12 @@ class ShadowPolicy:
     # Below this figure a free bound fixes the shadow's decision as an exact count would
     # (``request/pipeline.py`` ``Policy.exact_above``, for this policy).
     exact_above: int = 0
+    # Its priority classes are the active policy's: the active class is the shadow's too.
+    classes_as_active: bool = False
     started_at: float = field(default_factory=time.time)
 
     @classmethod
-    def of(cls, settings: Settings, version: int) -> ShadowPolicy:
+    def of(cls, settings: Settings, version: int, active: Settings | None = None) -> ShadowPolicy:
         lanes = settings.lanes
         return cls(
             settings,
@@ -116,6 +118,7 @@ class ShadowPolicy:
                     *(lane.lend.max_prompt_tokens for lane in lanes if lane.lend is not None),
                 ]
             ),
+            active is not None and active.classes == settings.classes,
         )
 
 
@@ -135,6 +138,9 @@ class Seen(NamedTuple):
     class_header: str | None = None
     # affinity_prefix_bytes -> the prompt's prefix key (gateway/request/protocol.py prefix_key).
     prefixes: Mapping[int, bytes] = _NO_PREFIXES
+    # The class ``class_of`` gave the active decision, when the shadow's classes are the active
+    # ones (the same function of the same inputs: taken, not computed again).
+    priority: str | None = None
 
 
 class ShadowDecision(NamedTuple):
@@ -174,10 +180,12 @@ def decide(policy: ShadowPolicy, seen: Seen) -> ShadowDecision:
         return ShadowDecision(name, reason, None, None, None, "prompt_too_long")
     if not decision.clusters:
         return ShadowDecision(name, reason, None, None, None, "no_healthy_cluster")
-    try:
-        priority = class_of(settings.classes, seen.key_digest, seen.class_header)
-    except UnknownClass:
-        return ShadowDecision(name, reason, None, None, None, "unknown_class")
+    priority = seen.priority
+    if priority is None:
+        try:
+            priority = class_of(settings.classes, seen.key_digest, seen.class_header)
+        except UnknownClass:
+            return ShadowDecision(name, reason, None, None, None, "unknown_class")
     serving = {
         c: seen.views.get(c, ()) for c in decision.clusters if model in policy.served.get(c, ())
     }

@@ -39,7 +39,7 @@ from engine_pool.registry import EnginePool
 from gateway.edge.exchange import Scope, header
 from gateway.observe.log import Logger, swallowed
 from gateway.observe.metrics import Metrics
-from gateway.observe.record import Record
+from gateway.observe.record import Record, Routed
 from gateway.request.classes import bearer_digest
 from gateway.request.protocol import RoutedRequest, prefix_key
 from gateway.request.shadow import Seen, ShadowDecision, ShadowPolicy, ShadowReport, decide
@@ -57,6 +57,7 @@ class _Pending(NamedTuple):
     key_digest: str | None
     class_header: str | None
     prefixes: Mapping[int, bytes]
+    priority: str | None
 
 
 class _LiveViews(Mapping[str, Sequence[EngineView]]):
@@ -78,9 +79,9 @@ class _LiveViews(Mapping[str, Sequence[EngineView]]):
         return len(self._pool.clusters)
 
 
-# Kept from ``observe`` to ``finished``: the policy, the arrival (wall seconds), and either the
-# decision already made or what a decision waiting for the exact count needs.
-_Kept = tuple[ShadowPolicy, float, ShadowDecision | None, _Pending | None]
+# Kept from ``observe`` to ``finished``: the policy, and either the decision already made or
+# what a decision waiting for the exact count needs.
+_Kept = tuple[ShadowPolicy, ShadowDecision | None, _Pending | None]
 
 
 class ShadowLive:
@@ -93,8 +94,8 @@ class ShadowLive:
         self._kept: dict[int, _Kept] = {}  # by id(record)
         self._live = _LiveViews(pool)
 
-    def start(self, settings: Settings, version: int) -> ShadowPolicy:
-        self.policy = ShadowPolicy.of(settings, version)
+    def start(self, settings: Settings, version: int, active: Settings) -> ShadowPolicy:
+        self.policy = ShadowPolicy.of(settings, version, active)
         self.report = ShadowReport()
         self._kept.clear()
         return self.policy
@@ -118,19 +119,18 @@ class ShadowLive:
         if policy is None or record.routed is None:
             return
         try:
-            count = record.routed.count
-            # Arrival in wall seconds (replicas' windows merge by it), when the request came.
-            arrival = time.time() - (time.monotonic() - record.started)
+            routed = record.routed
+            count = routed.count
             if multipart or count.exact is not None or count.tokens < policy.exact_above:
                 # The figure is final for this policy (exact, or a bound that can only mean
                 # its lowest lane and no loan's budget): decide now, from the live snapshot.
-                now = self._inputs(policy, request, multipart, scope, healthy, self._live)
+                now = self._inputs(policy, request, routed, multipart, scope, healthy, self._live)
                 seen = Seen(count.tokens, count.longest, True, request.model, *now)
-                self._kept[id(record)] = (policy, arrival, decide(policy, seen), None)
+                self._kept[id(record)] = (policy, decide(policy, seen), None)
             else:  # a bound past this policy's threshold: decide on the exact count, at the end
                 views = {c: self.pool.views(c) for c in policy.clusters}
-                kept = self._inputs(policy, request, multipart, scope, healthy, views)
-                self._kept[id(record)] = (policy, arrival, None, kept)
+                kept = self._inputs(policy, request, routed, multipart, scope, healthy, views)
+                self._kept[id(record)] = (policy, None, kept)
         except Exception as exc:  # noqa: BLE001 - the shadow never fails a live request
             swallowed(
                 self.log,
@@ -145,29 +145,35 @@ class ShadowLive:
     def _inputs(
         policy: ShadowPolicy,
         request: RoutedRequest,
+        routed: Routed,
         multipart: bool,
         scope: Scope,
         healthy: Mapping[str, bool],
         views: Mapping[str, Sequence[EngineView]],
     ) -> _Pending:
-        settings = policy.settings
         prefixes: dict[int, bytes] = {}
         if not multipart and policy.prefix_bytes:
             for size in policy.prefix_bytes:
                 key = prefix_key(request.prompt, size)
                 if key is not None:
                     prefixes[size] = key
-        asked = header(scope, settings.classes.header.encode())
-        auth = header(scope, b"authorization")
+        if policy.classes_as_active:
+            digest = asked = None
+        else:
+            auth = header(scope, b"authorization")
+            digest = bearer_digest(auth) if auth is not None else None
+            given = header(scope, policy.settings.classes.header.encode())
+            asked = given.decode("latin-1") if given is not None else None
         return _Pending(
             request.max_tokens,
             multipart,
             # The pipeline's own map, made for this request and never changed after.
             healthy,
             views,
-            bearer_digest(auth) if auth is not None else None,
-            asked.decode("latin-1") if asked is not None else None,
+            digest,
+            asked,
             prefixes,
+            routed.priority if policy.classes_as_active else None,
         )
 
     def finished(self, record: Record) -> None:
@@ -194,7 +200,6 @@ class ShadowLive:
         self,
         record: Record,
         policy: ShadowPolicy,
-        arrival: float,
         decision: ShadowDecision | None,
         kept: _Pending | None,
     ) -> None:
@@ -213,6 +218,8 @@ class ShadowLive:
             output = record.output_tokens
             if output is None:
                 output = record.output_tokens_estimate
+            # Arrival in wall seconds (replicas' windows merge by it), when the request came.
+            arrival = time.time() - (time.monotonic() - record.started)
             shape = (
                 round(arrival, 3),
                 policy.model_names.get(routed.model, routed.model),
@@ -223,4 +230,5 @@ class ShadowLive:
                 routed.priority,
             )
         self.report.add(routed.lane, decision, tokens, known, shape)
-        self.metrics.child(self.metrics.shadow_decisions, routed.lane, decision.lane).inc()
+        pairs, pair = self.metrics.shadow_decisions, (routed.lane, decision.lane)
+        pairs[pair] = pairs.get(pair, 0) + 1
