@@ -113,6 +113,24 @@ CLIENTS: dict[str, tuple[str, str]] = {
         "shapegate demo",
         '"version":3',
     ),
+    # A candidate policy as the shadow, its report with the predicted effect, its promotion
+    # (after the two reloads above: version 4).
+    "shapegate init --engine http://127.0.0.1:9101 --engine http://127.0.0.1:9102 --heavy-engine http://127.0.0.1:9111 --heavy-engine http://127.0.0.1:9112 --threshold 8192 --out candidate.yaml": (
+        "shapegate demo",
+        "wrote candidate.yaml",
+    ),
+    "curl --fail-with-body -X POST localhost:8000/admin/shadow -H 'x-shapegate-admin: 1' -H 'content-type: application/yaml' --data-binary @candidate.yaml": (
+        "shapegate demo",
+        '"lanes":[{"name":"fast","min":0,"max":8192}',
+    ),
+    "curl -s 'localhost:8000/admin/shadow?effect=1&time_scale=0.1'": (
+        "shapegate demo",
+        '"predicted_effect":',
+    ),
+    "curl --fail-with-body -X POST localhost:8000/admin/shadow/promote -H 'x-shapegate-admin: 1'": (
+        "shapegate demo",
+        '"version":4',
+    ),
 }
 
 CI = "CI runs it (.ci/run), and it installs or runs the whole suite: not inside the suite"
@@ -168,6 +186,7 @@ EXCLUDED: dict[str, str] = {
     "shapegate bench lanes": "a benchmark suite (minutes); tests/gateway/tools/test_bench_lanes.py runs it small",
     "shapegate bench memory": "a benchmark suite (minutes); tests/gateway/tools/test_bench_memory.py runs it small",
     "shapegate bench monsters": "a benchmark suite (minutes); tests/gateway/tools/test_bench_monsters.py runs it small",
+    "shapegate bench shadow": "a benchmark suite (minutes); tests/gateway/tools/test_bench_shadow.py runs it small",
     "shapegate trace synth agent-storm": NAMED,
     "shapegate demo --time-scale 0.1 &": "`shapegate demo` (run here) in the background, for the `replay --live` after it",
     "shapegate replay --config configs/demo.yaml cut.jsonl --live http://127.0.0.1:8000 --time-scale 0.1 --simulate --engine http://127.0.0.1:9101 --engine http://127.0.0.1:9102 --engine http://127.0.0.1:9111 --engine http://127.0.0.1:9112": "plays 300 s of traffic at time scale 0.1 (minutes, monsters included); tests/gateway/tuning/test_live_replay.py plays a live replay",

@@ -17,8 +17,9 @@
 Contract:
 - Behind the admin guard like every ``/admin`` path (``edge/admin/guard.py``): a state
   change needs the bearer token or ``X-Shapegate-Admin``.
-- The shadow decides from the count the active policy's tokenizers make, so its ``models`` must
-  equal the active ones (a 400 says so); a reload that changes models is what changes counts.
+- The shadow decides from the count the active policy's tokenizers make, so each of its
+  ``models`` must be an active one with the same ``tokenizer`` (a 400 says which is not);
+  aliases and ``max_model_len`` may differ. A reload is what changes tokenizers.
 - With ``serve --workers N``, each worker decides on its own traffic: a start, stop or promote
   is passed on to every worker (``edge/peers.py``) and the report merges every worker's
   (``shadow.merge_reports``); the predicted effect replays the merged window. Replicas are
@@ -81,12 +82,20 @@ class ShadowRoutes:
         gateway = self.gateway
         active = gateway.pipeline.policy.settings
         settings = effective_settings(gateway, checked.settings)
-        if settings.models != active.models:
+        counted_otherwise = [
+            m.name
+            for m in settings.models
+            if (same := active.model(m.name)) is None or same.tokenizer != m.tokenizer
+        ]
+        if counted_otherwise:
             raise ConfigError(
-                "the shadow decides from the active policy's count: its models must be the "
-                "active policy's (reload to change models)"
+                "the shadow decides from the active policy's count: each of its models must be "
+                "one of the active policy's, with the same tokenizer (not so: "
+                f"{', '.join(counted_otherwise)}; a reload changes models)"
             )
-        shadow = gateway.pipeline.shadow.start(settings, gateway.pipeline.policy.version + 1)
+        shadow = gateway.pipeline.shadow.start(
+            settings, gateway.pipeline.policy.version + 1, active
+        )
         self.candidate = checked
         changed = diff_settings(active, settings)
         gateway.log.info("shadow.started", version=shadow.version, changed=changed)

@@ -16,8 +16,9 @@ Contract:
   it), ``request/borrowing.py`` ``loans_for``/
   ``borrow_room``) and returns the lane, the reason, the class, the endpoint the chain would
   pick (the first ordered endpoint with room in the snapshot), the lane it would borrow from,
-  and why it would reject the request (``prompt_too_long``, ``no_healthy_cluster``,
-  ``context_too_small``, ``unknown_class``, ``overloaded``: ``on_full: reject`` and no room).
+  and why it would reject the request (``unknown_model``, ``prompt_too_long``,
+  ``no_healthy_cluster``, ``context_too_small``, ``unknown_class``, ``overloaded``:
+  ``on_full: reject`` and no room).
 - Room is read from the snapshot's gateway in-flight counts against the shadow's endpoint
   limits (slow start included): the shadow holds no slot, so its view of a lane's room is the
   endpoints' load, not the slot store's leases (a lane limit below the sum of its endpoints'
@@ -40,7 +41,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from engine_pool.capability import holding, refusal
 from engine_pool.chain import Ask, rank
@@ -51,12 +52,28 @@ from gateway.core.decision import Reason
 from gateway.observe.trace import TraceRecord
 from gateway.request.borrowing import EndpointUse, borrow_room, loans_for
 from gateway.request.classes import UnknownClass, class_of
-from gateway.request.lanes import choose_lane, choose_named_lane, endpoint_limit, lane_tokens
+from gateway.request.lanes import (
+    choose_lane,
+    choose_named_lane,
+    endpoint_limit,
+    exact_count_above,
+    lane_tokens,
+)
 from gateway.request.prefix import NOTHING
 from gateway.request.prefix import Seen as PrefixSeen
 from gateway.settings import LaneSettings, Settings, served_models
 
 WINDOW = 10_000  # requests of the live window kept for the predicted effect
+Shape = tuple[float, str, int, int, int, bool, str | None]
+SHAPE_FIELDS = (
+    "t",
+    "model",
+    "prompt_tokens",
+    "prompt_bytes",
+    "output_tokens",
+    "stream",
+    "priority",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,10 +84,20 @@ class ShadowPolicy:
     version: int
     served: Mapping[str, frozenset[str]]
     limits: Mapping[tuple[str, str], int]
+    # Every name and alias -> the model's name; whether a lane weighs prefix overlap (then the
+    # live request's prefix is looked up in the index for it).
+    model_names: Mapping[str, str] = field(default_factory=dict)
+    weighs_prefix: bool = False
+    clusters: tuple[str, ...] = ()
+    # Below this figure a free bound fixes the shadow's decision as an exact count would
+    # (``request/pipeline.py`` ``Policy.exact_above``, for this policy).
+    exact_above: int = 0
+    # Its priority classes are the active policy's: the active class is the shadow's too.
+    classes_as_active: bool = False
     started_at: float = field(default_factory=time.time)
 
     @classmethod
-    def of(cls, settings: Settings, version: int) -> ShadowPolicy:
+    def of(cls, settings: Settings, version: int, active: Settings | None = None) -> ShadowPolicy:
         lanes = settings.lanes
         return cls(
             settings,
@@ -81,34 +108,46 @@ class ShadowPolicy:
                 for lane in lanes
                 for c in settings.clusters
             },
+            {
+                name: model.name
+                for model in settings.models
+                for name in (model.name, *model.aliases)
+            },
+            any(lane.weights.prefix for lane in lanes),
+            tuple(c.name for c in settings.clusters),
+            min(
+                [
+                    exact_count_above(lanes),
+                    *(lane.lend.max_prompt_tokens for lane in lanes if lane.lend is not None),
+                ]
+            ),
+            active is not None and active.classes == settings.classes,
         )
 
-    @property
-    def clusters(self) -> tuple[str, ...]:
-        return tuple(c.name for c in self.settings.clusters)
 
-
-@dataclass(frozen=True, slots=True)
-class Seen:
-    """One live request as the active decision saw it (no text: the prefix keys are hashes)."""
+class Seen(NamedTuple):
+    """One live request as the active decision saw it (no text: the prefix keys are hashes).
+    A named tuple, not a frozen dataclass: one is made for every live request."""
 
     tokens: int  # the exact count when known, else the figure the active lane was decided by
     longest: int  # a batch's largest prompt (``tokens`` for a single one)
     exact: bool
-    model: str
+    model: str  # as the request named it (a name or an alias)
     max_tokens: int | None
     multipart: bool
     healthy: Mapping[str, bool]
     views: Mapping[str, Sequence[EngineView]]  # cluster -> its endpoints, at decision time
     key_digest: str | None = None
     class_header: str | None = None
-    # The prompt's prefix as the index knew it at the decision (gateway/request/prefix.py): the
-    # chain's prefix scorer reads it for a shadow lane that weighs prefix overlap.
+    # The prompt's prefix as the live index knew it at the decision (gateway/request/prefix.py),
+    # for a shadow lane that weighs prefix overlap.
     prefix: PrefixSeen = NOTHING
+    # The class ``class_of`` gave the active decision, when the shadow's classes are the active
+    # ones (the same function of the same inputs: taken, not computed again).
+    priority: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class ShadowDecision:
+class ShadowDecision(NamedTuple):
     lane: str  # "none": no lane takes it
     reason: Reason
     priority: str | None
@@ -137,50 +176,41 @@ def decide(policy: ShadowPolicy, seen: Seen) -> ShadowDecision:
         decision = choose_named_lane(settings.multipart_lane, lanes, seen.healthy)
     else:
         decision = choose_lane(lane_tokens(seen.tokens, seen.longest, lanes), lanes, seen.healthy)
-    lane = decision.lane
-
-    def made(
-        rejected: str | None = None,
-        endpoint: str | None = None,
-        lender: str | None = None,
-        priority: str | None = None,
-    ) -> ShadowDecision:
-        return ShadowDecision(
-            decision.lane_name, decision.reason, priority, endpoint, lender, rejected
-        )
-
+    lane, name, reason = decision.lane, decision.lane_name, decision.reason
+    model = policy.model_names.get(seen.model)  # by name or alias, as the shadow names it
+    if model is None:
+        return ShadowDecision(name, reason, None, None, None, "unknown_model")
     if lane is None:
-        return made("prompt_too_long")
+        return ShadowDecision(name, reason, None, None, None, "prompt_too_long")
     if not decision.clusters:
-        return made("no_healthy_cluster")
-    try:
-        priority = class_of(settings.classes, seen.key_digest, seen.class_header)
-    except UnknownClass:
-        return made("unknown_class")
-    serving = [c for c in decision.clusters if seen.model in policy.served.get(c, ())]
+        return ShadowDecision(name, reason, None, None, None, "no_healthy_cluster")
+    priority = seen.priority
+    if priority is None:
+        try:
+            priority = class_of(settings.classes, seen.key_digest, seen.class_header)
+        except UnknownClass:
+            return ShadowDecision(name, reason, None, None, None, "unknown_class")
+    serving = {
+        c: seen.views.get(c, ()) for c in decision.clusters if model in policy.served.get(c, ())
+    }
     need = seen.longest + 1
-    views = [v for c in serving for v in seen.views.get(c, ())]
-    if refusal(views, need) is not None:
-        return made("context_too_small", priority=priority)
+    if refusal([v for views in serving.values() for v in views], need) is not None:
+        return ShadowDecision(name, reason, priority, None, None, "context_too_small")
     prefix = seen.prefix if lane.weights.prefix else NOTHING
     weights = lane.weights.as_map()
-    for cluster in serving:
-        limit = policy.limits.get((lane.name, cluster), lane.slots.per_endpoint)
+    for cluster, views in serving.items():
+        limit = policy.limits.get((name, cluster), lane.slots.per_endpoint)
         ask = Ask(
-            tokens=prefix.tokens,
-            cached=prefix.cached,
-            held=prefix.held,
-            limit_of=_fixed(limit),
+            tokens=prefix.tokens, cached=prefix.cached, held=prefix.held, limit_of=_fixed(limit)
         )
-        for ranked in rank(holding(seen.views.get(cluster, ()), need), ask, weights):
+        for ranked in rank(holding(views, need), ask, weights):
             if _room(ranked.view, limit):
-                return made(endpoint=ranked.view.url, priority=priority)
-    lender = _lender(policy, lane, seen) if decision.reason == "in_range" else None
+                return ShadowDecision(name, reason, priority, ranked.view.url, None, None)
+    lender = _lender(policy, lane, seen, model) if reason == "in_range" else None
     if lender is not None:
-        return made(endpoint=lender[1], lender=lender[0], priority=priority)
-    if lane.on_full == "reject":
-        return made("overloaded", priority=priority)
-    return made(priority=priority)
+        return ShadowDecision(name, reason, priority, lender[1], lender[0], None)
+    rejected = "overloaded" if lane.on_full == "reject" else None
+    return ShadowDecision(name, reason, priority, None, None, rejected)
 
 
 def _fixed(limit: int) -> Callable[[EngineView], int]:
@@ -188,11 +218,13 @@ def _fixed(limit: int) -> Callable[[EngineView], int]:
     return lambda view: limit
 
 
-def _lender(policy: ShadowPolicy, lane: LaneSettings, seen: Seen) -> tuple[str, str] | None:
+def _lender(
+    policy: ShadowPolicy, lane: LaneSettings, seen: Seen, model: str
+) -> tuple[str, str] | None:
     """The first lender endpoint that would take this request, as (lender, url)."""
     for loan in loans_for(lane, policy.settings.lanes, seen.tokens, seen.max_tokens):
         for cluster in loan.clusters:
-            if seen.model not in policy.served.get(cluster, ()):
+            if model not in policy.served.get(cluster, ()):
                 continue
             for view in order_endpoints(seen.views.get(cluster, ())):
                 if borrow_room(loan.rule, EndpointUse(owners=view.in_flight, borrowers=0)) > 0:
@@ -223,17 +255,24 @@ class ShadowReport:
         self.rejected: dict[str, int] = {}
         self.borrowed: dict[str, int] = {}
         self.endpoints: dict[str, int] = {}
-        self.trace: deque[TraceRecord] = deque(maxlen=window)
+        # (t, model, prompt_tokens, prompt_bytes, output_tokens, stream, priority): a
+        # ``TraceRecord``'s fields, made into records only when the report is read.
+        self.trace: deque[Shape] = deque(maxlen=window)
 
     def add(
-        self, active_lane: str, decision: ShadowDecision, seen: Seen, shape: TraceRecord | None
+        self,
+        active_lane: str,
+        decision: ShadowDecision,
+        tokens: int,
+        exact: bool,
+        shape: Shape | None,
     ) -> None:
         self.compared += 1
-        self.by_bound += not seen.exact
+        self.by_bound += not exact
         if decision.lane == active_lane:
             self.agreed[active_lane] = self.agreed.get(active_lane, 0) + 1
         else:
-            self.disagreed.setdefault((active_lane, decision.lane), _Range()).add(seen.tokens)
+            self.disagreed.setdefault((active_lane, decision.lane), _Range()).add(tokens)
         if decision.rejected is not None:
             self.rejected[decision.rejected] = self.rejected.get(decision.rejected, 0) + 1
         if decision.lender is not None:
@@ -258,7 +297,7 @@ class ShadowReport:
             "endpoints": dict(self.endpoints),
         }
         if window:
-            out["window"] = [asdict(r) for r in self.trace]
+            out["window"] = [dict(zip(SHAPE_FIELDS, shape, strict=True)) for shape in self.trace]
         return out
 
 

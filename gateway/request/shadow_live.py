@@ -2,19 +2,25 @@
 
     shadow.start(settings, version)  a validated candidate starts deciding (a fresh report)
     shadow.stop() -> report | None   it stops; its last report
-    shadow.observe(record, ...)      after the active decision: the snapshot it saw, kept
-    shadow.finished(record)          at the request's end: the shadow decides and is counted
+    shadow.observe(record, ...)      after the active decision: the shadow decides (or keeps
+                                     the snapshot until the exact count is known)
+    shadow.finished(record)          at the request's end: the decision is counted
 
 Contract:
 - ``observe`` is called by ``Pipeline._route`` right after the active lane decision, with the
-  same health map the active decision used; it takes the endpoints' snapshot (the pool's views
-  of every cluster the shadow names) and the request's class inputs and prefix keys, then
-  returns. ``finished`` is called once the request ended (whatever its outcome): it decides
-  from that snapshot with ``request/shadow.py``'s pure ``decide`` and the same count the
-  gateway ended with (the exact prompt count, which the gateway finishes while the engine
-  works when a bound decided the active lane; else that bound), and adds it to the report,
-  the ``shapegate_shadow_decisions_total{lane, shadow_lane}`` counter and one
-  ``shadow.decision`` log event at debug level.
+  same health map that decision used, before anything else can run. When the count already
+  fixes the shadow's figure (an exact count, a multipart route, or a free bound below the
+  shadow's ``exact_above``: only its lowest lane and no loan's budget), the shadow decides there
+  and then with ``request/shadow.py``'s pure ``decide``, reading the pool's endpoints of the
+  clusters it needs at that same moment. Otherwise (a bound past the shadow's threshold) it
+  keeps a snapshot of every cluster's endpoints, the request's class inputs and its prefix as
+  the index knew it, and decides in ``finished`` from that snapshot and the exact count the
+  gateway finished while the engine worked (the bound, if the count never came: ``by_bound``
+  in the report).
+- ``finished`` is called once the request ended (whatever its outcome): the decision is added
+  to the report (with the exact prompt tokens for the ranges and the window) and to
+  ``shapegate_shadow_decisions_total{lane, shadow_lane}`` (no log line per request: the report
+  and the counter are the record; start, stop and promote are logged).
 - Nothing of it reaches an engine, takes a slot, waits or raises into the request: every
   exception is logged and counted (``swallowed``, ``where=shadow.observe``/``shadow.finished``,
   ``decision=not_compared``) and the request goes on as if no shadow ran. With no shadow,
@@ -26,20 +32,59 @@ Contract:
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
+from engine_pool.cluster import EngineView
 from engine_pool.registry import EnginePool
 from gateway.core.exchange import Scope, header
 from gateway.observe.log import Logger, swallowed
 from gateway.observe.metrics import Metrics
-from gateway.observe.record import Record
-from gateway.observe.trace import TraceRecord
+from gateway.observe.record import Record, Routed
 from gateway.protocols.openai import RoutedRequest
 from gateway.request.classes import bearer_digest
 from gateway.request.prefix import NOTHING, Prefixes
-from gateway.request.shadow import Seen, ShadowPolicy, ShadowReport, decide
+from gateway.request.prefix import Seen as PrefixSeen
+from gateway.request.shadow import Seen, ShadowDecision, ShadowPolicy, ShadowReport, decide
 from gateway.settings import Settings
+
+
+class _Pending(NamedTuple):
+    """What the active decision saw, for a shadow decision that waits for the exact count
+    (``Seen`` but the count)."""
+
+    max_tokens: int | None
+    multipart: bool
+    healthy: Mapping[str, bool]
+    views: Mapping[str, Sequence[EngineView]]
+    key_digest: str | None
+    class_header: str | None
+    prefix: PrefixSeen
+    priority: str | None
+
+
+class _LiveViews(Mapping[str, Sequence[EngineView]]):
+    """The pool's endpoints of a cluster, read when the decision asks (it asks at once, in the
+    same step as the active decision: the same snapshot) and only for the clusters it needs."""
+
+    __slots__ = ("_pool",)
+
+    def __init__(self, pool: EnginePool) -> None:
+        self._pool = pool
+
+    def __getitem__(self, cluster: str) -> Sequence[EngineView]:
+        return self._pool.views(cluster)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._pool.clusters)
+
+    def __len__(self) -> int:
+        return len(self._pool.clusters)
+
+
+# Kept from ``observe`` to ``finished``: the policy, and either the decision already made or
+# what a decision waiting for the exact count needs.
+_Kept = tuple[ShadowPolicy, ShadowDecision | None, _Pending | None]
 
 
 class ShadowLive:
@@ -47,26 +92,26 @@ class ShadowLive:
         self, pool: EnginePool, metrics: Metrics, log: Logger, prefixes: Prefixes | None = None
     ) -> None:
         self.pool = pool
-        # The live prefix index (read only: the shadow records nothing in it).
+        # The live prefix index, read only (the shadow records nothing in it).
         self.prefixes = prefixes
         self.metrics = metrics
         self.log = log
         self.policy: ShadowPolicy | None = None
         self.report = ShadowReport()
-        # id(record) -> (the policy that saw it, what it saw but the final count, arrival).
-        self._seen: dict[int, tuple[ShadowPolicy, Seen, float]] = {}
+        self._kept: dict[int, _Kept] = {}  # by id(record)
+        self._live = _LiveViews(pool)
 
-    def start(self, settings: Settings, version: int) -> ShadowPolicy:
-        self.policy = ShadowPolicy.of(settings, version)
+    def start(self, settings: Settings, version: int, active: Settings) -> ShadowPolicy:
+        self.policy = ShadowPolicy.of(settings, version, active)
         self.report = ShadowReport()
-        self._seen.clear()
+        self._kept.clear()
         return self.policy
 
     def stop(self) -> dict[str, Any] | None:
         if self.policy is None:
             return None
         self.policy = None
-        self._seen.clear()
+        self._kept.clear()
         return self.report.as_json(window=False)
 
     def observe(
@@ -78,13 +123,21 @@ class ShadowLive:
         healthy: Mapping[str, bool],
     ) -> None:
         policy = self.policy
-        if policy is None:
+        if policy is None or record.routed is None:
             return
         try:
-            seen = self._snapshot(policy, request, multipart, scope, healthy)
-            # Arrival in wall seconds (replicas' windows merge by it), when the request came.
-            arrival = time.time() - (time.monotonic() - record.started)
-            self._seen[id(record)] = (policy, seen, arrival)
+            routed = record.routed
+            count = routed.count
+            if multipart or count.exact is not None or count.tokens < policy.exact_above:
+                # The figure is final for this policy (exact, or a bound that can only mean
+                # its lowest lane and no loan's budget): decide now, from the live snapshot.
+                now = self._inputs(policy, request, routed, multipart, scope, healthy, self._live)
+                seen = Seen(count.tokens, count.longest, True, request.model, *now)
+                self._kept[id(record)] = (policy, decide(policy, seen), None)
+            else:  # a bound past this policy's threshold: decide on the exact count, at the end
+                views = {c: self.pool.views(c) for c in policy.clusters}
+                kept = self._inputs(policy, request, routed, multipart, scope, healthy, views)
+                self._kept[id(record)] = (policy, None, kept)
         except Exception as exc:  # noqa: BLE001 - the shadow never fails a live request
             swallowed(
                 self.log,
@@ -95,45 +148,48 @@ class ShadowLive:
                 request_id=record.request_id,
             )
 
-    def _snapshot(
+    def _inputs(
         self,
         policy: ShadowPolicy,
         request: RoutedRequest,
+        routed: Routed,
         multipart: bool,
         scope: Scope,
         healthy: Mapping[str, bool],
-    ) -> Seen:
-        settings = policy.settings
-        weighs = any(lane.weights.prefix for lane in settings.lanes)
+        views: Mapping[str, Sequence[EngineView]],
+    ) -> _Pending:
         prefix = NOTHING
-        if weighs and not multipart and self.prefixes is not None:
+        if not multipart and policy.weighs_prefix and self.prefixes is not None:
             prefix = self.prefixes.look(request.prompt)
-        asked = header(scope, settings.classes.header.encode())
-        return Seen(
-            tokens=0,  # the count is taken at the end (finished): the exact one, if it came
-            longest=0,
-            exact=False,
-            model=request.model,
-            max_tokens=request.max_tokens,
-            multipart=multipart,
-            healthy=dict(healthy),
-            views={c: tuple(self.pool.views(c)) for c in policy.clusters},
-            key_digest=bearer_digest(header(scope, b"authorization")),
-            class_header=asked.decode("latin-1") if asked is not None else None,
-            prefix=prefix,
+        if policy.classes_as_active:
+            digest = asked = None
+        else:
+            auth = header(scope, b"authorization")
+            digest = bearer_digest(auth) if auth is not None else None
+            given = header(scope, policy.settings.classes.header.encode())
+            asked = given.decode("latin-1") if given is not None else None
+        return _Pending(
+            request.max_tokens,
+            multipart,
+            # The pipeline's own map, made for this request and never changed after.
+            healthy,
+            views,
+            digest,
+            asked,
+            prefix,
+            routed.priority if policy.classes_as_active else None,
         )
 
     def finished(self, record: Record) -> None:
-        if not self._seen:
+        if not self._kept:
             return
-        found = self._seen.pop(id(record), None)
+        found = self._kept.pop(id(record), None)
         if found is None:
             return
-        policy, seen, arrival = found
-        if policy is not self.policy or record.routed is None:
+        if found[0] is not self.policy or record.routed is None:
             return
         try:
-            self._decide(record, policy, seen, arrival)
+            self._count(record, *found)
         except Exception as exc:  # noqa: BLE001 - the shadow never fails a live request
             swallowed(
                 self.log,
@@ -144,54 +200,39 @@ class ShadowLive:
                 request_id=record.request_id,
             )
 
-    def _decide(self, record: Record, policy: ShadowPolicy, seen: Seen, arrival: float) -> None:
+    def _count(
+        self,
+        record: Record,
+        policy: ShadowPolicy,
+        decision: ShadowDecision | None,
+        kept: _Pending | None,
+    ) -> None:
         routed = record.routed
         assert routed is not None
         count = routed.count
-        # The model by its policy name (the request may have named an alias).
-        model = policy.settings.model(routed.model)
         exact = record.prompt_tokens
         tokens = exact if exact is not None else count.tokens
-        longest = tokens if count.largest is None else count.largest
-        seen = Seen(
-            tokens=tokens,
-            longest=longest,
-            exact=exact is not None or routed.count.method == "none",
-            model=model.name if model is not None else routed.model,
-            max_tokens=seen.max_tokens,
-            multipart=seen.multipart,
-            healthy=seen.healthy,
-            views=seen.views,
-            key_digest=seen.key_digest,
-            class_header=seen.class_header,
-            prefix=seen.prefix,
-        )
-        decision = decide(policy, seen)
-        output = record.output_tokens
-        if output is None:
-            output = record.output_tokens_estimate
+        known = exact is not None or count.method == "none"
+        if decision is None:
+            assert kept is not None
+            longest = tokens if count.largest is None else count.largest
+            decision = decide(policy, Seen(tokens, longest, known, routed.model, *kept))
         shape = None
         if exact is not None and record.admitted:
-            shape = TraceRecord(
-                t=round(arrival, 3),
-                model=seen.model,
-                prompt_tokens=exact,
-                prompt_bytes=count.prompt_bytes,
-                output_tokens=output or 0,
-                stream=routed.stream,
-                priority=routed.priority,
+            output = record.output_tokens
+            if output is None:
+                output = record.output_tokens_estimate
+            # Arrival in wall seconds (replicas' windows merge by it), when the request came.
+            arrival = time.time() - (time.monotonic() - record.started)
+            shape = (
+                round(arrival, 3),
+                policy.model_names.get(routed.model, routed.model),
+                exact,
+                count.prompt_bytes,
+                output or 0,
+                routed.stream,
+                routed.priority,
             )
-        self.report.add(routed.lane, decision, seen, shape)
-        self.metrics.child(self.metrics.shadow_decisions, routed.lane, decision.lane).inc()
-        self.log.debug(
-            "shadow.decision",
-            request_id=record.request_id,
-            lane=routed.lane,
-            shadow_lane=decision.lane,
-            shadow_reason=decision.reason,
-            shadow_verdict=decision.verdict,
-            shadow_endpoint=decision.endpoint,
-            shadow_lender=decision.lender,
-            shadow_rejected=decision.rejected,
-            prompt_tokens=tokens,
-        )
+        self.report.add(routed.lane, decision, tokens, known, shape)
+        pairs, pair = self.metrics.shadow_decisions, (routed.lane, decision.lane)
+        pairs[pair] = pairs.get(pair, 0) + 1

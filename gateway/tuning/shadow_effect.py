@@ -13,7 +13,8 @@ limit, rejected requests; and the calibration used, stated. Both replays share t
 the costs, so their difference is the policies' (fleet_sim is deterministic).
 
 Pure and CPU-bound (a few hundred milliseconds for thousands of requests): the admin route runs
-it off the event loop. A cluster without ``sim_profile`` cannot be simulated: ``ValueError``.
+it off the event loop. A cluster without ``sim_profile`` takes the other policy's cluster of the
+same name's (the same engines); with neither it cannot be simulated: ``ValueError``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from engine_pool.sim.profile import EngineProfile
 from gateway.observe.trace import TraceRecord
 from gateway.settings import Settings
 from gateway.tuning.fleet_model import LiveCosts
@@ -46,11 +48,31 @@ def _ttft(outcomes: Sequence[SimulatedRequest]) -> dict[str, float | None]:
     }
 
 
+def profiles_of(settings: Settings, like: Settings) -> dict[str, EngineProfile]:
+    """Each cluster's simulated engine: its ``sim_profile``, else that of ``like``'s cluster of
+    the same name (a candidate naming the running clusters without their profiles);
+    ``ValueError`` naming the clusters that have neither."""
+    named = {c.name: c.sim_profile for c in like.clusters if c.sim_profile}
+    filled = settings.model_copy(
+        update={
+            "clusters": tuple(
+                c if c.sim_profile else c.model_copy(update={"sim_profile": named.get(c.name)})
+                for c in settings.clusters
+            )
+        }
+    )
+    return cluster_profiles(filled)
+
+
 def effect_of(
-    settings: Settings, trace: Sequence[TraceRecord], costs: LiveCosts, small_below: int
+    settings: Settings,
+    profiles: dict[str, EngineProfile],
+    trace: Sequence[TraceRecord],
+    costs: LiveCosts,
+    small_below: int,
 ) -> dict[str, Any]:
     """One policy's figures over the trace, in engine seconds."""
-    result = FleetSim(settings, cluster_profiles(settings), "tokens", costs).run(trace)
+    result = FleetSim(settings, profiles, "tokens", costs).run(trace)
     summary = summarize("policy", settings, result, "tokens", small_below).summary
     small = [o for o in result.outcomes if o.prompt_tokens < small_below]
     monsters = [o for o in result.outcomes if o.prompt_tokens >= small_below]
@@ -98,7 +120,7 @@ def predict_effect(
         "requests": len(trace),
         "span_s": round(trace[-1].t - trace[0].t, 3) if trace else 0.0,
         "small_below": small_below,
-        "active": effect_of(active, trace, costs, small_below),
-        "shadow": effect_of(shadow, trace, costs, small_below),
+        "active": effect_of(active, profiles_of(active, shadow), trace, costs, small_below),
+        "shadow": effect_of(shadow, profiles_of(shadow, active), trace, costs, small_below),
         "calibration": calibration(costs),
     }

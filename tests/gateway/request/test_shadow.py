@@ -80,6 +80,7 @@ def test_what_the_shadow_would_reject_and_why() -> None:
     small_engines = seen(50_000, views=views(context=32_768))
     assert decide(shadow, small_engines).rejected == "context_too_small"
     assert decide(shadow, seen(10, class_header="nope")).rejected == "unknown_class"
+    assert decide(shadow, seen(10, model="other")).rejected == "unknown_model"
     full = {u: 32 for u in FAST}
     rejecting = policy(threshold=8192, lane0={"on_full": "reject"})
     assert decide(rejecting, seen(10, views=views(full))).rejected == "overloaded"
@@ -106,7 +107,7 @@ def test_the_report_counts_agreement_by_lane_and_disagreements_with_their_token_
     shadow = policy(threshold=8192)
     report = ShadowReport()
     for tokens, active in ((100, "fast"), (9000, "fast"), (30000, "fast"), (50000, "heavy")):
-        report.add(active, decide(shadow, seen(tokens)), seen(tokens), None)
+        report.add(active, decide(shadow, seen(tokens)), tokens, True, None)
     out = report.as_json()
     assert out["compared"] == 4
     assert out["agreed_by_lane"] == {"fast": 1, "heavy": 1}
@@ -119,22 +120,18 @@ def test_the_report_counts_agreement_by_lane_and_disagreements_with_their_token_
             "max_tokens": 30000,
         }
     ]
-    report.add("fast", decide(shadow, seen(2_000_000)), seen(2_000_000), None)
+    report.add("fast", decide(shadow, seen(2_000_000)), 2_000_000, True, None)
     assert report.as_json()["would_reject"] == {"prompt_too_long": 1}
 
 
 def test_reports_of_several_workers_merge_into_one() -> None:
     shadow = policy(threshold=8192)
     one, two = ShadowReport(), ShadowReport()
-    first = TraceRecord(
-        t=100.0, model="qwen3.6", prompt_tokens=9000, prompt_bytes=1, output_tokens=3
-    )
-    second = TraceRecord(
-        t=99.5, model="qwen3.6", prompt_tokens=20000, prompt_bytes=1, output_tokens=3
-    )
-    one.add("fast", decide(shadow, seen(9000)), seen(9000), first)
-    two.add("fast", decide(shadow, seen(20000)), seen(20000), second)
-    two.add("fast", decide(shadow, seen(10)), seen(10), None)
+    first = (100.0, "qwen3.6", 9000, 1, 3, True, None)
+    second = (99.5, "qwen3.6", 20000, 1, 3, True, None)
+    one.add("fast", decide(shadow, seen(9000)), 9000, True, first)
+    two.add("fast", decide(shadow, seen(20000)), 20000, True, second)
+    two.add("fast", decide(shadow, seen(10)), 10, True, None)
     merged = merge_reports([one.as_json(), two.as_json()])
     assert merged["compared"] == 3
     assert merged["agreed_by_lane"] == {"fast": 1}
