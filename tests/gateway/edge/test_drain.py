@@ -107,7 +107,7 @@ async def test_a_rolling_restart_of_every_engine_of_a_lane_fails_no_client(
                     assert r.status_code == 200 and r.json()["endpoints"][0]["state"] == "draining"
 
                     async def idle(engine: str = sim.url) -> bool:
-                        return (await endpoint_of(client, url, engine))["in_flight"] == 0
+                        return bool((await endpoint_of(client, url, engine))["in_flight"] == 0)
 
                     await wait_until(idle, DRAIN_S + 5, f"{sim.url} never drained")
                     sim.kill()
@@ -118,7 +118,7 @@ async def test_a_rolling_restart_of_every_engine_of_a_lane_fails_no_client(
                     assert r.status_code == 200
 
                     async def up(engine: str = sim.url) -> bool:
-                        return (await endpoint_of(client, url, engine))["state"] == "up"
+                        return bool((await endpoint_of(client, url, engine))["state"] == "up")
 
                     await wait_until(up, 10, f"{sim.url} never came back")
                     await asyncio.sleep(0.5)  # load on the restarted engine before the next
