@@ -56,7 +56,7 @@ DONE = b"[DONE]"
 ERROR_HEAD = b'data: {"error"'
 # Relayed events are kept as bytes and folded into text past this size: the parse is paid once
 # per event, and only by streams that keep going; memory stays bounded.
-KEEP_MAX = 65536
+KEEP_MAX = 16384
 # vLLM's CompletionRequest.max_tokens default.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 STRUCTURED = (

@@ -9,7 +9,8 @@ for the policy's clusters, and the gateway starts in front. Run it serially, alo
     export REAL_VLLM_PYTHON=$(scripts/real-engine | tail -n 1)
     pytest -q -n 0 -p no:randomly tests/real
 
-The test that kills an engine (test_engine_killed.py) runs last, whatever the order asked.
+The tests that kill an engine run last, whatever the order asked: test_migrated_stream.py
+(which starts it again), then test_engine_killed.py.
 """
 
 from __future__ import annotations
@@ -41,13 +42,15 @@ ATTACH_ENV = "REAL_TIER_ATTACH"
 # The lanes' first-byte deadline: the non-streamed answer that outlasts it (test_deadlines.py)
 # is sized from it.
 FIRST_BYTE_S = 10.0
-# Tests that break the stack for everyone after them.
-LAST = ("test_engine_killed.py",)
+# Tests that break the stack for everyone after them, in this order (test_migrated_stream.py
+# kills the fast server and starts it again; test_engine_killed.py leaves it dead).
+LAST = ("test_migrated_stream.py", "test_engine_killed.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Move the tier's destructive tests to the end (this hook sees the whole session)."""
     ours = [i for i in items if i.path.parent == HERE and i.path.name in LAST]
+    ours.sort(key=lambda i: LAST.index(i.path.name))
     if ours:
         kept = [i for i in items if i not in ours]
         items[:] = [*kept, *ours]

@@ -12,6 +12,7 @@ engine_pool/sim/text.py).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,11 +20,12 @@ from typing import Any
 import httpx
 import orjson
 
+from engine_pool.sim.wire import output_text
 from gateway.count.tokens import TokenCounter
 from gateway.edge.app import create_app
 from gateway.settings import parse_settings
 from tests.conftest import JSON, MODEL, lanes_config
-from tests.reliability.reliability_support import held, settled, timed_logs
+from tests.reliability.reliability_support import held, settled, timed_logs, words
 from tests.support.servers import serve_asgi
 from tests.support.sim_process import sim_processes
 
@@ -167,3 +169,81 @@ async def test_kill_9_mid_stream_migrates_every_stream_it_carried() -> None:
         assert event["from"] == victim.url and event["to"] == survivor.url
         assert event["tokens_sent"] >= KILL_AFTER_CHUNKS - 2, event
         assert event["reason"] == "connection_lost", event
+
+
+MONSTER_WORDS = 57_000  # about 112k tokens of Qwen3.6
+MONSTER_OUTPUT = 300
+
+
+async def test_a_migrated_monster_stalls_for_the_new_engines_prefill_and_no_more() -> None:
+    """A 112k-token stream migrated after 40 chunks: the client waits once, for the new engine's
+    prefill of the whole prompt plus the text (the sim caches no prefix across engines), about
+    the stream's own time to first token; the rest of the stream keeps its pace."""
+    with sim_processes(2, profile="h100-heavy", time_scale=0.1) as sims:
+        config = lanes_config(["http://127.0.0.1:9"], [s.url for s in sims])
+        config["lanes"][1]["timeouts"] = {
+            "connect_s": 2,
+            "first_byte_s": 30,
+            "idle_s": 30,
+            "total_s": 120,
+        }
+        settings = parse_settings(config, environ={})
+        body = {
+            "model": "qwen3.6",
+            "messages": [{"role": "user", "content": words(MONSTER_WORDS, "monster")}],
+            "max_tokens": MONSTER_OUTPUT,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        arrivals: list[tuple[float, bytes]] = []
+        with timed_logs() as logs:
+            async with (
+                serve_asgi(create_app(settings, TokenCounter.from_settings(settings))) as url,
+                httpx.AsyncClient(timeout=120) as client,
+            ):
+
+                async def read() -> None:
+                    headers = {"x-request-id": "monster", **JSON}
+                    async with client.stream(
+                        "POST",
+                        url + "/v1/chat/completions",
+                        content=orjson.dumps(body),
+                        headers=headers,
+                    ) as r:
+                        assert r.status_code == 200
+                        async for piece in r.aiter_raw():
+                            arrivals.append((time.monotonic(), piece))
+
+                sent = time.monotonic()
+                task = asyncio.create_task(read())
+                while sum(p.count(b"data: ") for _, p in arrivals) < 40:
+                    assert not task.done(), arrivals
+                    await asyncio.sleep(0.005)
+                on = [await carried(client, s.url, {"monster"}) for s in sims]
+                victim = sims[0] if on[0] else sims[1]
+                victim.kill()
+                await task
+    raw = b"".join(p for _, p in arrivals)
+    events = parse(raw)
+    stream = Stream(events, raw)
+    assert events[-1] == "[DONE]" and not [
+        e for e in events if isinstance(e, dict) and "error" in e
+    ]
+    assert stream.text() == output_text(0, MONSTER_OUTPUT)
+    usage = stream.usage()
+    assert usage is not None and usage["completion_tokens"] == MONSTER_OUTPUT
+    ttft = arrivals[0][0] - sent
+    # The stall: the longest silence of the stream (the migration's); the pace: the median gap.
+    gaps = sorted(b - a for (a, _), (b, _) in itertools.pairwise(arrivals))
+    stall, itl = gaps[-1], gaps[len(gaps) // 2]
+    migrated = [e for e in logs if e["event"] == "route.migrated"]
+    print(
+        f"\nmonster of {usage['prompt_tokens']} prompt tokens migrated after "
+        f"{migrated[0]['tokens_sent']} tokens: time to first token {ttft:.2f} s, the "
+        f"stream's longest silence (the migration) {stall:.2f} s ({stall / ttft:.2f}x the "
+        f"TTFT), median gap between chunks {itl * 1000:.1f} ms (sim engines at time scale 0.1)"
+    )
+    assert usage["prompt_tokens"] > 100_000
+    assert len(migrated) == 1 and migrated[0]["reason"] == "connection_lost"
+    # The stall is the new engine's prefill of the whole prompt, which is what the TTFT was.
+    assert 0.5 * ttft < stall < 1.5 * ttft + 1.0

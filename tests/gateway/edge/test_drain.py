@@ -12,11 +12,13 @@ from typing import Any
 
 import httpx
 import orjson
+import pytest
 from structlog.testing import capture_logs
 
 from engine_pool.sim.server import run_sim
 from engine_pool.sim.wire import output_text
 from gateway.count.tokens import TokenCounter
+from gateway.settings import ConfigError, parse_settings
 from gateway.tools.sim_support import RegistryCounter
 from tests.conftest import JSON, GatewayFactory, lanes_config
 from tests.reliability.reliability_support import admin_state, held, settled
@@ -107,7 +109,7 @@ async def test_a_rolling_restart_of_every_engine_of_a_lane_fails_no_client(
                     assert r.status_code == 200 and r.json()["endpoints"][0]["state"] == "draining"
 
                     async def idle(engine: str = sim.url) -> bool:
-                        return (await endpoint_of(client, url, engine))["in_flight"] == 0
+                        return bool((await endpoint_of(client, url, engine))["in_flight"] == 0)
 
                     await wait_until(idle, DRAIN_S + 5, f"{sim.url} never drained")
                     sim.kill()
@@ -118,7 +120,7 @@ async def test_a_rolling_restart_of_every_engine_of_a_lane_fails_no_client(
                     assert r.status_code == 200
 
                     async def up(engine: str = sim.url) -> bool:
-                        return (await endpoint_of(client, url, engine))["state"] == "up"
+                        return bool((await endpoint_of(client, url, engine))["state"] == "up")
 
                     await wait_until(up, 10, f"{sim.url} never came back")
                     await asyncio.sleep(0.5)  # load on the restarted engine before the next
@@ -194,3 +196,14 @@ async def test_the_policy_and_a_reload_drain_endpoints_and_the_state_shows_it(
 
 async def _arrived(b: Any, a: Any, rid: str) -> bool:
     return bool(a.requests(rid) or b.requests(rid))
+
+
+def test_a_policy_cannot_drain_an_endpoint_its_cluster_does_not_have() -> None:
+    config = lanes_config(["http://a:1"], ["http://b:1"])
+    config["clusters"][0]["draining"] = ["http://c:1"]
+    with pytest.raises(ConfigError, match="draining"):
+        parse_settings(config, environ={})
+    config["clusters"][0]["draining"] = ["http://a:1"]
+    config["clusters"][0]["drain_s"] = -1
+    with pytest.raises(ConfigError, match="drain_s"):
+        parse_settings(config, environ={})

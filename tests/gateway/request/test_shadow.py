@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 from engine_pool.cluster import EngineState, EngineView
-from gateway.observe.trace import TraceRecord
 from gateway.request.shadow import (
     Seen,
     ShadowPolicy,
