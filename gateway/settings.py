@@ -337,7 +337,7 @@ class PrefixIndexSettings(_Frozen):
 
     block_tokens: int = Field(128, ge=1, le=4096)
     bytes_per_token: int = Field(4, ge=1, le=16)
-    max_blocks: int = Field(1_000_000, ge=1, le=100_000_000)
+    max_blocks: int = Field(250_000, ge=1, le=100_000_000)
     ttl_s: float = Field(600.0, gt=0)
 
 

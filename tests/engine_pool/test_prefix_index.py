@@ -58,6 +58,29 @@ def test_the_size_bound_evicts_the_least_recent_and_cuts_prefixes_from_their_end
     assert index.match(first) == {"a": 6}  # its last two blocks went first
 
 
+def test_match_agrees_with_a_brute_force_reading_of_what_was_sent() -> None:
+    """Any clock (a simulation's starts at 0), shared and unique blocks, the TTL in play."""
+    clock = Clock()
+    index = PrefixIndex(1_000_000, 5.0, clock)
+    sent: dict[str, dict[int, float]] = {}
+    rng = random.Random(2)
+    prefixes = [[rng.getrandbits(60) for _ in range(rng.randint(1, 50))] for _ in range(30)]
+    for _ in range(5000):
+        clock.now += rng.random() * 0.05
+        hashes = rng.choice(prefixes) + [rng.getrandbits(60) for _ in range(rng.randint(0, 20))]
+        expected = {}
+        for url, blocks in sent.items():
+            n = 0
+            while n < len(hashes) and blocks.get(hashes[n], -1e9) >= clock.now - 5.0:
+                n += 1
+            if n:
+                expected[url] = n
+        assert index.match(hashes) == expected
+        url = f"u{rng.randrange(4)}"
+        index.record(hashes, url)
+        sent.setdefault(url, {}).update(dict.fromkeys(hashes, clock.now))
+
+
 def test_unique_prefixes_never_grow_it_past_its_bound() -> None:
     index = PrefixIndex(5000, 600)
     rng = random.Random(1)
