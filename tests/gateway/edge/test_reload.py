@@ -282,3 +282,16 @@ async def test_a_reload_turns_tracing_on_and_off_for_new_requests(counter: Token
             await reload_and_send({"enabled": False, "endpoint": endpoint}, "off")
             assert app.gateway.recorder.tracing is None and tracing.in_use.retired
             assert "traceparent" not in engine.seen["off"].headers
+
+
+def test_the_prefix_index_settings_need_a_restart_and_lane_weights_do_not() -> None:
+    from gateway.edge.reload import _restart_only
+
+    old = parse_settings(lanes_config(["http://a"], ["http://b"]), environ={})
+    config = lanes_config(["http://a"], ["http://b"])
+    config["prefix_index"] = {"max_blocks": 10}
+    config["lanes"][0]["weights"] = {"prefix": 1.0}
+    diff = diff_settings(old, parse_settings(config, environ={}))
+    assert set(diff) == {"prefix_index.max_blocks", "lanes[fast].weights.prefix"}
+    assert _restart_only("prefix_index.max_blocks")
+    assert not _restart_only("lanes[fast].weights.prefix")
