@@ -41,7 +41,7 @@ from gateway.lifetime import in_thread
 from gateway.observe.log import swallowed
 from gateway.observe.tracing import Tracing
 from gateway.request.auth import ClientAuth
-from gateway.request.pipeline import Policy
+from gateway.request.policy import Policy
 from gateway.settings import ConfigError, Settings, with_discovered
 from gateway.upstream.engines import slow_start
 

@@ -34,7 +34,8 @@ from gateway.request.admission import Admission
 from gateway.request.auth import ClientAuth
 from gateway.request.failover import Failover
 from gateway.request.lanes import endpoint_limit
-from gateway.request.pipeline import Pipeline, Policy
+from gateway.request.pipeline import Pipeline
+from gateway.request.policy import Policy
 from gateway.request.response_affinity import build_affinity
 from gateway.settings import ConfigError, Settings
 from gateway.slots.host import HostSlotStore, WorkerGroup

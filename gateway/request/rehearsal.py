@@ -39,7 +39,7 @@ from gateway.observe.log import Logger, swallowed
 from gateway.observe.metrics import Metrics
 from gateway.protocols.openai import ChatPrompt
 from gateway.protocols.routes import ENGINE_ROUTES
-from gateway.request.pipeline import Policy
+from gateway.request.policy import Policy
 from gateway.settings import Settings
 
 # More concurrent prompts than this add boot time, not coverage: the counting thread and the
