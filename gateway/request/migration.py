@@ -46,10 +46,10 @@ from typing import Any
 
 import orjson
 
-from engine_pool.engine_api import Endpoint
+from engine_pool.engine_api import RouteKind
 from gateway.errors import GatewayError
 
-MIGRATES: frozenset[Endpoint] = frozenset({"chat", "completions"})
+MIGRATES: frozenset[RouteKind] = frozenset({"chat", "completions"})
 EVENT_END = b"\n\n"
 DATA = b"data: "
 DONE = b"[DONE]"
@@ -89,7 +89,7 @@ class SoFar:
     other: str | None  # "tool_call" or "reasoning" when the answer carried one
 
 
-def _request_refusal(endpoint: Endpoint, data: dict[str, Any]) -> str | None:
+def _request_refusal(endpoint: RouteKind, data: dict[str, Any]) -> str | None:
     n = data.get("n")
     if isinstance(n, int) and n > 1:
         return "n"
@@ -113,7 +113,9 @@ def _request_refusal(endpoint: Endpoint, data: dict[str, Any]) -> str | None:
     return None
 
 
-def cannot_migrate(endpoint: Endpoint, stream: bool, data: Any, so_far: SoFar | None) -> str | None:
+def cannot_migrate(
+    endpoint: RouteKind, stream: bool, data: Any, so_far: SoFar | None
+) -> str | None:
     """Why this request cannot migrate (a name for the log and the metric), or None."""
     if endpoint not in MIGRATES:
         return "endpoint"
@@ -137,7 +139,7 @@ def _shrunk(value: Any, by: int, floor: int) -> Any:
     )
 
 
-def continuation(endpoint: Endpoint, data: dict[str, Any], so_far: SoFar) -> bytes:
+def continuation(endpoint: RouteKind, data: dict[str, Any], so_far: SoFar) -> bytes:
     """The request that continues the answer from ``so_far`` (``cannot_migrate`` found nothing)."""
     body = dict(data)
     sent = so_far.tokens
@@ -195,7 +197,7 @@ class Relay:
         "usage_tokens",
     )
 
-    def __init__(self, endpoint: Endpoint) -> None:
+    def __init__(self, endpoint: RouteKind) -> None:
         self._chat = endpoint == "chat"
         self._pending = b""
         self._kept: list[bytes] = []

@@ -33,17 +33,9 @@ from engine_pool.capability import holding, holds, refusal, too_long_message
 from engine_pool.cluster import EngineView
 from engine_pool.picker import order_endpoints
 from engine_pool.registry import EnginePool
-from gateway.count.tokens import TokenCount, TokenCounter
-from gateway.count.usage import (
-    TAIL_MAX,
-    EngineUsage,
-    ExactCount,
-    engine_usage,
-    sse_events,
-    trim_tail,
-)
-from gateway.edge.auth import ClientAuth
-from gateway.edge.exchange import (
+from gateway.core.count import TokenCount
+from gateway.core.decision import Decision, Grant
+from gateway.core.exchange import (
     ClientGone,
     Outbound,
     Receive,
@@ -53,6 +45,16 @@ from gateway.edge.exchange import (
     read_body,
     require_media_type,
     watch_disconnect,
+)
+from gateway.core.watchdog import DeadlineHit, Watch, deadlines_for
+from gateway.count.tokens import TokenCounter
+from gateway.count.usage import (
+    TAIL_MAX,
+    EngineUsage,
+    ExactCount,
+    engine_usage,
+    sse_events,
+    trim_tail,
 )
 from gateway.errors import (
     BadRequest,
@@ -68,11 +70,15 @@ from gateway.lifetime import InUse
 from gateway.observe.log import Logger, swallowed
 from gateway.observe.metrics import Metrics
 from gateway.observe.record import Record, Recorder, Routed
-from gateway.request.admission import Admission, Grant, Held, Want
+from gateway.protocols.multipart import parse_multipart
+from gateway.protocols.openai import RoutedRequest, prefix_key
+from gateway.protocols.routes import EngineRoute
+from gateway.request.admission import Admission, Held, Want
+from gateway.request.auth import ClientAuth
 from gateway.request.borrowing import Loan, loans_for
 from gateway.request.classes import UnknownClass, bearer_digest, class_of
+from gateway.request.failover import Attempts, Failover
 from gateway.request.lanes import (
-    Decision,
     choose_lane,
     choose_named_lane,
     endpoint_limit,
@@ -88,11 +94,7 @@ from gateway.request.migration import (
     cannot_migrate,
     continuation,
 )
-from gateway.request.protocol import RoutedRequest, prefix_key
-from gateway.request.protocols.multipart import parse_multipart
 from gateway.request.response_affinity import MemoryAffinity, ResponseAffinity, response_id_of
-from gateway.request.routes import EngineRoute
-from gateway.request.watchdog import DeadlineHit, Watch, deadlines_for
 from gateway.settings import (
     ClusterSettings,
     LaneSettings,
@@ -100,7 +102,6 @@ from gateway.settings import (
     Settings,
     served_models,
 )
-from gateway.upstream.failover import Attempts, Failover
 from gateway.upstream.proxy import (
     Upstream,
     UpstreamResponse,
@@ -160,7 +161,7 @@ def read_request(
     """Parse the body as its route reads it and find the model it names (the policy's, by name
     or alias); BadRequest (or ModelNotFound) in the route's error shape otherwise."""
     if route.parse is None:
-        request = parse_multipart(route.endpoint, header(scope, b"content-type"), body)
+        request = parse_multipart(route.kind, header(scope, b"content-type"), body)
     else:
         request = route.parse(body)
     model = settings.model(request.model)
@@ -185,7 +186,7 @@ def _untracked(request: RoutedRequest, lane: LaneSettings) -> str | None:
     or None: it is."""
     if not lane.migrate.enabled:
         return "disabled"
-    if request.endpoint not in MIGRATES:
+    if request.route not in MIGRATES:
         return "endpoint"
     if not request.stream:
         return "not_streamed"
@@ -302,7 +303,7 @@ class Pipeline:
 
     async def handle(self, route: EngineRoute, scope: Scope, receive: Receive, send: Send) -> None:
         policy = self.policy
-        record = Record(request_id=request_id_from(scope), endpoint=route.endpoint)
+        record = Record(request_id=request_id_from(scope), route=route.kind)
         out = Outbound(send, route.errors)
         ids = [(b"x-request-id", record.request_id.encode())]
         self.recorder.received(record, scope)
@@ -398,7 +399,7 @@ class Pipeline:
         attempts = Attempts(
             lane, views_of, lambda c: policy.serves(c, model.name), limit_of, watch.left_s
         )
-        relay = Relay(request.endpoint) if _untracked(request, lane) is None else None
+        relay = Relay(request.route) if _untracked(request, lane) is None else None
         sent = body  # the original body, then a continuation after a migration
         # The slot token is ours, never the client's request id: two requests sharing an id
         # must not share (and free) one slot.
@@ -422,7 +423,7 @@ class Pipeline:
                         await self._attempt(request, scope, sent, target, out, record)
                         break
                     except EngineUnreachable as exc:
-                        # Nothing reached the client: fail over (gateway/upstream/failover.py) or
+                        # Nothing reached the client: fail over (gateway/request/failover.py) or
                         # give up.
                         if not await self.failover.next_attempt(
                             record.request_id, held, exc, attempts, target.cluster
@@ -504,7 +505,7 @@ class Pipeline:
         assert relay is not None, "only a relayed stream is interrupted"
         lane, so_far = attempts.lane, relay.so_far()
         data = orjson.loads(body)  # parsed before: it is valid JSON
-        why = cannot_migrate(request.endpoint, request.stream, data, so_far)
+        why = cannot_migrate(request.route, request.stream, data, so_far)
         if why is None and relay.migrations >= lane.migrate.max_migrations:
             why = "max_migrations"
         if why is not None:
@@ -516,7 +517,7 @@ class Pipeline:
         if not moved:
             return None
         relay.spliced(await target.count.tokens(HEADER_COUNT_WAIT_S))
-        return continuation(request.endpoint, data, so_far)
+        return continuation(request.route, data, so_far)
 
     def _refused_migration(
         self, record: Record, lane: LaneSettings, why: str, exc: GatewayError, tokens_sent: int
@@ -649,7 +650,7 @@ class Pipeline:
 
     async def _learn(self, request: RoutedRequest, grant: Grant, payload: bytes) -> None:
         """Remember which endpoint produced a Responses answer (its id is in the first bytes)."""
-        if request.endpoint == "responses":
+        if request.route == "responses":
             response_id = response_id_of(payload)
             if response_id is not None:
                 await self.affinity.remember(response_id, grant.cluster, grant.url)
@@ -726,7 +727,7 @@ class Pipeline:
         whole events through its ``Relay`` (``Interrupted`` when its engine fails mid-answer)."""
         grant, relay = target.grant, target.relay
         tail, events, head = b"", 0, b""
-        learning = request.endpoint == "responses"
+        learning = request.route == "responses"
         try:
             async for received in response.chunks(target.watch):
                 self.recorder.chunk(record, time.monotonic())
@@ -762,9 +763,9 @@ class Pipeline:
         record.outcome = "ok"
         usage = engine_usage(tail)
         events += sse_events(tail)
-        if usage.completion_tokens is None and request.endpoint in ("chat", "completions"):
+        if usage.completion_tokens is None and request.route in ("chat", "completions"):
             # No usage chunk: one token per content event (chat opens with a role event).
-            record.output_tokens_estimate = max(0, events - (request.endpoint == "chat"))
+            record.output_tokens_estimate = max(0, events - (request.route == "chat"))
             if relay is not None and relay.migrations:  # every engine's share
                 record.output_tokens_estimate = relay.so_far().tokens
         return usage
