@@ -2,9 +2,9 @@
 elsewhere, spliced into the same client stream. The decisions and the stream bookkeeping, pure
 (no I/O; the pipeline relays, gateway/request/failover.py moves the slot).
 
-    cannot_migrate(endpoint, stream, data, so_far) why this request cannot migrate, or None
-    continuation(endpoint, data, so_far) -> bytes  the body that continues the answer
-    Relay(endpoint)                                one client stream across every engine
+    cannot_migrate(kind, stream, data, so_far)     why this request cannot migrate, or None
+    continuation(kind, data, so_far) -> bytes      the body that continues the answer
+    Relay(kind)                                    one client stream across every engine
       relay.feed(chunk) -> bytes                   whole SSE events to pass on now
       relay.failure                                an engine error event seen (held back)
       relay.so_far()                               the answer relayed so far (SoFar)
@@ -36,7 +36,7 @@ structured output (``structured_output``: the grammar state is not in the text),
 that forces a call (``tool_choice``), a tool call or reasoning in progress in the stream
 (``tool_call``, ``reasoning``), ``echo``, a completions batch or token-id prompt
 (``prompt_not_text``), non-streamed answers (``not_streamed``), Responses and Messages
-(``endpoint``), and an answer that already finished (``finished``).
+(``route``), and an answer that already finished (``finished``).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class SoFar:
     other: str | None  # "tool_call" or "reasoning" when the answer carried one
 
 
-def _request_refusal(endpoint: RouteKind, data: dict[str, Any]) -> str | None:
+def _request_refusal(kind: RouteKind, data: dict[str, Any]) -> str | None:
     n = data.get("n")
     if isinstance(n, int) and n > 1:
         return "n"
@@ -106,24 +106,22 @@ def _request_refusal(endpoint: RouteKind, data: dict[str, Any]) -> str | None:
         return "tool_choice"
     if data.get("echo"):
         return "echo"
-    if endpoint == "completions" and not isinstance(data.get("prompt"), str):
+    if kind == "completions" and not isinstance(data.get("prompt"), str):
         return "prompt_not_text"
-    if endpoint == "chat" and not isinstance(data.get("messages"), list):
+    if kind == "chat" and not isinstance(data.get("messages"), list):
         return "prompt_not_text"
     return None
 
 
-def cannot_migrate(
-    endpoint: RouteKind, stream: bool, data: Any, so_far: SoFar | None
-) -> str | None:
+def cannot_migrate(kind: RouteKind, stream: bool, data: Any, so_far: SoFar | None) -> str | None:
     """Why this request cannot migrate (a name for the log and the metric), or None."""
-    if endpoint not in MIGRATES:
-        return "endpoint"
+    if kind not in MIGRATES:
+        return "route"
     if not stream or so_far is None:
         return "not_streamed"
     if not isinstance(data, dict):
         return "prompt_not_text"
-    found = _request_refusal(endpoint, data)
+    found = _request_refusal(kind, data)
     if found is not None:
         return found
     if so_far.other is not None:
@@ -139,11 +137,11 @@ def _shrunk(value: Any, by: int, floor: int) -> Any:
     )
 
 
-def continuation(endpoint: RouteKind, data: dict[str, Any], so_far: SoFar) -> bytes:
+def continuation(kind: RouteKind, data: dict[str, Any], so_far: SoFar) -> bytes:
     """The request that continues the answer from ``so_far`` (``cannot_migrate`` found nothing)."""
     body = dict(data)
     sent = so_far.tokens
-    if endpoint == "completions":
+    if kind == "completions":
         body["prompt"] = data["prompt"] + so_far.text
         body["max_tokens"] = max(
             1, (data.get("max_tokens") or COMPLETIONS_DEFAULT_MAX_TOKENS) - sent
@@ -159,7 +157,7 @@ def continuation(endpoint: RouteKind, data: dict[str, Any], so_far: SoFar) -> by
         body["messages"] = messages
         body["continue_final_message"] = True
         body["add_generation_prompt"] = False
-    if endpoint == "chat":
+    if kind == "chat":
         for name in ("max_tokens", "max_completion_tokens"):
             if name in body:
                 body[name] = _shrunk(body[name], sent, 1)
@@ -197,8 +195,8 @@ class Relay:
         "usage_tokens",
     )
 
-    def __init__(self, endpoint: RouteKind) -> None:
-        self._chat = endpoint == "chat"
+    def __init__(self, kind: RouteKind) -> None:
+        self._chat = kind == "chat"
         self._pending = b""
         self._kept: list[bytes] = []
         self._kept_bytes = 0

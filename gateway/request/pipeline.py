@@ -154,7 +154,7 @@ def _untracked(request: RoutedRequest, lane: LaneSettings) -> str | None:
     if not lane.migrate.enabled:
         return "disabled"
     if request.route not in MIGRATES:
-        return "endpoint"
+        return "route"
     if not request.stream:
         return "not_streamed"
     return None

@@ -35,7 +35,7 @@ def chunk(text: str, *, id_: str = "chatcmpl-a", role: bool = False, **extra: An
 
 
 @pytest.mark.parametrize(
-    ("endpoint", "stream", "data", "reason"),
+    ("kind", "stream", "data", "reason"),
     [
         ("chat", True, {"messages": [], "n": 2}, "n"),
         ("chat", True, {"messages": [], "logprobs": True}, "logprobs"),
@@ -52,16 +52,16 @@ def chunk(text: str, *, id_: str = "chatcmpl-a", role: bool = False, **extra: An
         ("completions", True, {"prompt": ["a", "b"]}, "prompt_not_text"),
         ("completions", True, {"prompt": [1, 2]}, "prompt_not_text"),
         ("chat", False, {"messages": []}, "not_streamed"),
-        ("responses", True, {"input": "x"}, "endpoint"),
-        ("messages", True, {"messages": []}, "endpoint"),
+        ("responses", True, {"input": "x"}, "route"),
+        ("messages", True, {"messages": []}, "route"),
         ("chat", True, {"messages": [], "tools": [{}], "tool_choice": "auto"}, None),
         ("completions", True, {"prompt": "x"}, None),
     ],
 )
 def test_what_cannot_migrate_is_named(
-    endpoint: Any, stream: bool, data: dict[str, Any], reason: str | None
+    kind: Any, stream: bool, data: dict[str, Any], reason: str | None
 ) -> None:
-    assert cannot_migrate(endpoint, stream, data, SO_FAR) == reason
+    assert cannot_migrate(kind, stream, data, SO_FAR) == reason
 
 
 def test_an_answer_with_a_tool_call_or_finished_is_not_migrated() -> None:
@@ -232,7 +232,7 @@ async def test_max_migrations_bounds_how_often_a_stream_moves(
     [
         ("/v1/chat/completions", {"n": 2}, "n"),
         ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
-        ("/v1/responses", {}, "endpoint"),
+        ("/v1/responses", {}, "route"),
     ],
 )
 async def test_a_stream_that_cannot_migrate_ends_as_before_with_its_reason_logged(
