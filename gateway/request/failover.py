@@ -1,6 +1,6 @@
 """Failing over before the response began, and what real requests tell about engines.
 
-    failover_candidates(lane, views, tried, serves) -> list[EngineView]      pure
+    failover_candidates(lane, views, tried, serves, order) -> list[EngineView]   pure
     Failover(pool, admission, metrics, log, on_change)                       the edge
     await failover.next_attempt(request_id, held, exc, attempts, cluster) -> bool
     await failover.migrate(request_id, held, attempts, reason, tokens_sent) -> bool
@@ -12,9 +12,11 @@ client and the engine did not answer:
 1. A kept-alive connection found closed (``stale``) is tried once more on a fresh connection
    to the same engine: the engine may only have closed an idle connection.
 2. Otherwise the request moves, slot and all (``Admission.move``), to the next routable
-   endpoint of its lane it has not tried: the lane's clusters first, then, only when none of
-   those has one left, its emergency clusters; at most ``lanes[].retry.max_retries`` times,
-   within the request's deadlines (one ``Watch`` spans every attempt).
+   endpoint of its lane it has not tried, in the request's own chain order (``Attempts.order``:
+   the lane's weights, so a stream migrates where most of its prompt is believed cached): the
+   lane's clusters first, then, only when none of those has one left, its emergency clusters;
+   at most ``lanes[].retry.max_retries`` times, within the request's deadlines (one ``Watch``
+   spans every attempt).
 
 A stream whose engine failed after the answer began moves the same way (``migrate``; what it
 sends there is gateway/request/migration.py's continuation): one ``route.migrated`` event
@@ -48,14 +50,16 @@ def failover_candidates(
     views: Mapping[str, Sequence[EngineView]],
     tried: set[tuple[str, str]],
     serves: Callable[[str], bool],
+    order: Callable[[Sequence[EngineView]], Sequence[EngineView]] = order_endpoints,
 ) -> list[EngineView]:
-    """Routable endpoints not yet tried: the lane's clusters' first, else its emergency ones'."""
+    """Routable endpoints not yet tried, each cluster's in ``order`` (least loaded unless the
+    request's chain says otherwise): the lane's clusters' first, else its emergency ones'."""
     for group in (lane.clusters, lane.emergency_clusters):
         found = [
             view
             for cluster in group
             if serves(cluster)
-            for view in order_endpoints(views.get(cluster, ()))
+            for view in order(views.get(cluster, ()))
             if (view.cluster, view.url) not in tried
         ]
         if found:
@@ -76,11 +80,13 @@ class Attempts:
     left_s: Callable[[], float]
     tried: set[tuple[str, str]] = field(default_factory=set)
     fresh: bool = False
+    # A cluster's endpoints in the request's preference order (its endpoint chain).
+    order: Callable[[Sequence[EngineView]], Sequence[EngineView]] = order_endpoints
 
     def candidates(self) -> list[EngineView]:
         lane = self.lane
         views = {c: self.views(c) for c in (*lane.clusters, *lane.emergency_clusters)}
-        return failover_candidates(lane, views, self.tried, self.serves)
+        return failover_candidates(lane, views, self.tried, self.serves, self.order)
 
 
 class Failover:

@@ -260,7 +260,7 @@ class Pipeline:
         serving = tuple(c for c in ctx.decision.clusters if policy.serves(c, model.name))
         views_of = await self._holding(ctx, serving)
         limit_of = policy.limit_of(lane)
-        seen, candidates, chosen = self._chain(ctx, serving, views_of, limit_of)  # 6: the order
+        seen, order, candidates, chosen = self._chain(ctx, serving, views_of, limit_of)  # 6
 
         if pinned is not None and not any(v.state.routable for v in candidates()):
             raise NoHealthyCluster(
@@ -273,7 +273,12 @@ class Pipeline:
         # shorter than the exact count's.
         ctx.watch = Watch(deadlines_for(lane.timeouts, ctx.exact.decided_by))
         attempts = Attempts(
-            lane, views_of, lambda c: policy.serves(c, model.name), limit_of, ctx.watch.left_s
+            lane,
+            views_of,
+            lambda c: policy.serves(c, model.name),
+            limit_of,
+            ctx.watch.left_s,
+            order=order,
         )
         ctx.relay = Relay(request.route) if _untracked(request, lane) is None else None
         ctx.sent = ctx.body  # the original body, then a continuation after a migration
@@ -407,8 +412,14 @@ class Pipeline:
         serving: Sequence[str],
         views_of: Callable[[str], list[EngineView]],
         limit_of: Callable[[EngineView], int],
-    ) -> tuple[Seen, Callable[[], Sequence[EngineView]], dict[str, Ranked]]:
-        """The prompt's prefix as the index knows it (none for multipart: no text) and the
+    ) -> tuple[
+        Seen,
+        Callable[[Sequence[EngineView]], list[EngineView]],
+        Callable[[], Sequence[EngineView]],
+        dict[str, Ranked],
+    ]:
+        """The prompt's prefix as the index knows it (none for multipart: no text), the order
+        of one cluster's endpoints for this request (failover and migration take it too), and the
         admission's candidates, asked on every try: the endpoint chain (engine_pool/chain.py)
         over each serving cluster in turn, by the lane's weights (load, and the share of the
         prompt each endpoint is believed to hold). The dict holds each candidate's place of the
@@ -419,6 +430,9 @@ class Pipeline:
         ask = Ask(tokens=seen.tokens, cached=seen.cached, held=seen.held, limit_of=limit_of)
         chosen: dict[str, Ranked] = {}
 
+        def order(views: Sequence[EngineView]) -> list[EngineView]:
+            return [r.view for r in rank(views, ask, weights)]
+
         def candidates() -> Sequence[EngineView]:
             ranked = [r for c in serving for r in rank(views_of(c), ask, weights)]
             if pinned is not None:
@@ -427,7 +441,7 @@ class Pipeline:
             chosen.update((r.view.url, r) for r in ranked)
             return [r.view for r in ranked]
 
-        return seen, candidates, chosen
+        return seen, order, candidates, chosen
 
     async def _holding(
         self, ctx: RequestContext, clusters: Sequence[str]

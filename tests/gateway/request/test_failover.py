@@ -5,7 +5,7 @@ and close, and the choice of the next endpoint as a pure function."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -13,6 +13,7 @@ import httpx
 import pytest
 from structlog.testing import capture_logs
 
+from engine_pool.chain import Ask, rank
 from engine_pool.cluster import EngineState, EngineView
 from gateway.request.failover import failover_candidates
 from gateway.settings import ConfigError, LaneSettings, parse_settings
@@ -63,6 +64,26 @@ def test_emergency_clusters_come_only_after_every_primary_endpoint_failed() -> N
     assert [v.url for v in failover_candidates(lane(), views, tried, lambda _: True)] == ["x"]
     tried.add(("e", "x"))
     assert failover_candidates(lane(), views, tried, lambda _: True) == []
+
+
+def test_the_next_endpoint_follows_the_requests_chain_where_its_prefix_is_cached() -> None:
+    """Failover and migration take the request's own chain order (pipeline ``_chain``): with
+    prefix overlap weighed, the endpoint believed to hold most of the prompt comes first, where
+    plain least-loaded order would pick the other one."""
+    busy, idle = EngineView("a", "http://a1", EngineState.UP, 3), view("a", "http://a2")
+    views = {"a": [busy, idle, view("a", "http://a3")]}
+    ask = Ask(tokens=1000, cached={"http://a1": 900}, limit_of=lambda v: 8)
+
+    def order(found: Sequence[EngineView]) -> list[EngineView]:
+        return [r.view for r in rank(found, ask, {"load": 1.0, "prefix": 1.0})]
+
+    tried = {("a", "http://a3")}
+    assert [v.url for v in failover_candidates(lane(), views, tried, lambda _: True)] == [
+        "http://a2",
+        "http://a1",
+    ]
+    got = failover_candidates(lane(), views, tried, lambda _: True, order)
+    assert [v.url for v in got] == ["http://a1", "http://a2"]
 
 
 def test_next_endpoint_honours_the_clusters_that_serve_the_model() -> None:
