@@ -24,7 +24,7 @@ import orjson
 
 from engine_pool.prefix_index import Digest, PrefixIndex, chained_hashes, token_bytes
 from gateway.observe.metrics import Metrics
-from gateway.request.protocol import ChatPrompt, Prompt
+from gateway.protocols.openai import ChatPrompt, Prompt
 from gateway.settings import LaneSettings, PrefixIndexSettings
 
 

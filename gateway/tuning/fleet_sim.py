@@ -23,10 +23,10 @@ scraped. ``LiveCosts.none()`` is the engine alone.
 
 Borrowing and priority classes are the live gateway's own pure rules (gateway/request/borrowing.py,
 gateway/request/classes.py): a short request may take a lending lane's idle endpoint
-(``Outcome.lender`` names it); a lender's own request waits for borrowers to drain, reserving the
-endpoint; each lane's queue goes by class then arrival with the starvation bound. A trace has no
-``max_tokens``: a request's real output length stands in for it (the budget it declared is at least
-that).
+(``SimulatedRequest.lender`` names it); a lender's own request waits for borrowers to drain,
+reserving the endpoint; each lane's queue goes by class then arrival with the starvation bound.
+A trace has no ``max_tokens``: a request's real output length stands in for it (the budget it
+declared is at least that).
 
 Prefix caching (``FleetSim(..., prefix=PrefixSim(router))``): each engine holds a prefix cache, a
 block LRU of its profile's KV size (``engine_pool/sim/prefix_cache.py``); a trace record naming
@@ -67,6 +67,7 @@ from engine_pool.prefix_index import PrefixIndex
 from engine_pool.sim.prefix_cache import BlockCache
 from engine_pool.sim.profile import EngineProfile
 from engine_pool.sim.scheduler import Scheduler, StepResult
+from gateway.observe.trace import TraceRecord
 from gateway.request.borrowing import (
     EndpointUse,
     Loan,
@@ -79,7 +80,6 @@ from gateway.request.classes import class_lane_limit, next_waiter, rank
 from gateway.request.lanes import choose_lane
 from gateway.settings import LaneSettings, Settings
 from gateway.tuning.fleet_model import LiveCosts
-from gateway.tuning.trace import TraceRecord
 
 CountBy = Literal["tokens", "chars4"]
 Router = Literal["least-loaded", "affinity", "chain", "cache-aware", "oracle"]
@@ -102,7 +102,7 @@ class PrefixSim:
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome:
+class SimulatedRequest:
     key: str
     prompt_tokens: int
     output_tokens: int
@@ -120,7 +120,7 @@ class Outcome:
     cached_tokens: int = 0
 
     @classmethod
-    def of(cls, key: str, record: TraceRecord, lane: str, **rest: Any) -> Outcome:
+    def of(cls, key: str, record: TraceRecord, lane: str, **rest: Any) -> SimulatedRequest:
         """The outcome of trace ``record`` in ``lane``: its shape and arrival, then ``rest``."""
         return cls(key, record.prompt_tokens, record.output_tokens, lane, record.t, **rest)
 
@@ -139,7 +139,7 @@ class Outcome:
 
 @dataclass(frozen=True, slots=True)
 class FleetResult:
-    outcomes: tuple[Outcome, ...]
+    outcomes: tuple[SimulatedRequest, ...]
     # (time, lane, slots in use) at every change.
     occupancy: tuple[tuple[float, str, int], ...]
     limits: dict[str, int]
@@ -210,7 +210,7 @@ class FleetSim:
         self._events: list[tuple[float, int, str, object]] = []
         self._seq = itertools.count()
         self._open: dict[str, _Admitted] = {}
-        self._done: list[Outcome] = []
+        self._done: list[SimulatedRequest] = []
         self._occupancy: list[tuple[float, str, int]] = []
         self._tickets: dict[str, tuple[_Ticket, _Engine]] = {}
         # cluster -> the lane owning it, for clusters of lanes that lend.
@@ -343,7 +343,7 @@ class FleetSim:
 
     def _reject(self, key: str, record: TraceRecord, lane: str, now: float, why: str) -> None:
         self._done.append(
-            Outcome.of(key, record, lane, rejected=why, priority=self._priority(record))
+            SimulatedRequest.of(key, record, lane, rejected=why, priority=self._priority(record))
         )
 
     def _use(self, engine: _Engine) -> EndpointUse:
@@ -510,7 +510,7 @@ class FleetSim:
         info = self._open.pop(key)
         record = ticket.record
         self._done.append(
-            Outcome.of(
+            SimulatedRequest.of(
                 key,
                 record,
                 lane,

@@ -1,7 +1,7 @@
 """``shapegate bench prefix``: prefix-cache-aware routing against least-loaded, the previous
 affinity and SGLang Model Gateway's ``cache_aware``, on simulated engines with a prefix cache.
 
-Each seed's ``shared-prefix`` trace (``gateway.tuning.trace.synthesize``: 160 agents with their
+Each seed's ``shared-prefix`` trace (``gateway.observe.trace.synthesize``: 160 agents with their
 own 8k-20k-token system prompts at unequal rates, ten 150k-300k-token documents asked six
 questions each in bursts of two) is played by ``gateway.tuning.fleet_sim`` over configs/demo.yaml
 widened to 4 fast engines (h100-fast) and 2 heavy ones (h100-heavy-lending, the lending rule
@@ -107,7 +107,7 @@ def lookup_ms(tokens: int = 200_000) -> dict[str, float]:
 
 
 def measure(*, seeds: int, smoke: bool) -> tuple[dict[str, Any], list[SimReport]]:
-    from gateway.tuning.trace import synthesize
+    from gateway.observe.trace import synthesize
 
     info = machine()
     settings = policy()

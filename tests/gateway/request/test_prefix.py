@@ -12,8 +12,8 @@ import httpx
 from structlog.testing import capture_logs
 
 from gateway.observe.metrics import Metrics
+from gateway.protocols.openai import ChatPrompt, CompletionPrompt
 from gateway.request.prefix import Prefixes, prompt_data
-from gateway.request.protocol import ChatPrompt, CompletionPrompt
 from gateway.settings import PrefixIndexSettings
 from tests.conftest import lanes_config
 from tests.support.fake_engine import FakeEngine

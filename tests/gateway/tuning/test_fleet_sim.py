@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from gateway.observe.trace import TraceRecord, synthesize
 from gateway.tools.bench.prefix import policy
 from gateway.tuning.fleet_sim import FleetSim, PrefixSim, Router
 from gateway.tuning.replay import cluster_profiles
-from gateway.tuning.trace import TraceRecord, synthesize
 
 ROUTERS_COMPARED: tuple[Router, ...] = ("least-loaded", "chain", "oracle")
 
