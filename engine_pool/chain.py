@@ -11,9 +11,13 @@
    ``prefix`` (``scorers/prefix.py``: the share of the prompt the endpoint is believed to hold
    cached, from ``engine_pool/prefix_index.py``).
 3. An endpoint's score is the weighted sum, the weights being the lane's (``lanes[].weights``).
-   Ties go to the fewest in flight, then the fewest blocks held in the prefix index (a new
-   prefix's home goes where least is cached), then the fewest waiting in the engine's own
-   queue, then the URL, so with no prefix in play the order is plain least-loaded.
+   Ties go to the fewest in flight, then the fewest blocks held in the prefix index, then the
+   fewest waiting in the engine's own queue, then the URL, so with no prefix in play the order
+   is plain least-loaded.
+4. A prompt no endpoint holds any of, with the prefix weighed, makes a new home: the endpoint
+   holding the fewest blocks in the index among those within ``NEW_HOME_SLACK`` (0.5) of the
+   least used share of slots goes first (homes spread by what they hold, as SGLang Model
+   Gateway's cache_aware places a new prefix on its smallest tree, but never on a busy one).
 
 The slot store takes the first endpoint of this order with room and never re-sorts it
 (gateway/request/admission.py). How overlap and load are weighed: with both weights 1, a
@@ -37,6 +41,8 @@ Scorer = Callable[[Sequence[EngineView], Ask], list[float]]
 FILTERS: tuple[Filter, ...] = (routable.keep, fits_context.keep)
 SCORERS: dict[str, Scorer] = {"load": load.score, "prefix": prefix.score}
 LEAST_LOADED: dict[str, float] = {"load": 1.0}
+# A new prefix's home: among endpoints at most this much busier (share of slots) than the least.
+NEW_HOME_SLACK = 0.5
 
 __all__ = ["Ask", "Ranked", "rank"]
 
@@ -70,4 +76,20 @@ def rank(
             r.view.url,
         )
     )
+    if weights.get("prefix") and held and not any(r.cached_tokens for r in ranked):
+        return _new_home(ranked, ask)
     return ranked
+
+
+def _new_home(ranked: list[Ranked], ask: Ask) -> list[Ranked]:
+    """A prefix held nowhere makes a new home: the endpoint holding the fewest blocks among
+    those within ``NEW_HOME_SLACK`` of the least used share of slots goes first, so homes
+    spread by what they hold (the work their prefixes bring) without one going to a busy
+    endpoint; the rest keep the chain's order."""
+    free = load.score([r.view for r in ranked], ask)
+    best = max(free, default=0.0)
+    eligible = [r for r, f in zip(ranked, free, strict=True) if f >= best - NEW_HOME_SLACK]
+    if not eligible:
+        return ranked
+    home = min(eligible, key=lambda r: ask.held.get(r.view.url, 0))
+    return [home, *(r for r in ranked if r is not home)]

@@ -66,29 +66,6 @@ class RoutedRequest:
     previous_response_id: str | None = None
 
 
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return ""
-
-
-def prefix_key(prompt: Prompt, max_bytes: int) -> bytes | None:
-    """What requests sharing a cached prefix have in common: the system prompt if there is one,
-    else the start of the first message or prompt. None when there is nothing to share."""
-    if isinstance(prompt, ChatPrompt):
-        first = prompt.messages[0]
-        head = _text(first.get("content")).encode()
-        if first.get("role") in ("system", "developer"):
-            return head or None
-    elif prompt.texts:
-        head = prompt.texts[0].encode()
-    else:
-        head = b",".join(str(t).encode() for t in prompt.token_ids[0][: max_bytes // 4])
-    return head[:max_bytes] or None
-
-
 def _loads(body: bytes) -> Any:
     try:
         return orjson.loads(body)

@@ -19,9 +19,11 @@ Contract:
 - Release is shielded from cancellation and bounded by ``release_timeout_s``; a release that
   fails is logged and counted, and the store's lease TTL is the backstop.
 - ``candidates()`` is called on every try, so an endpoint that went down while we waited is not
-  picked. ``limit_of(view)`` is the endpoint's slot limit for this lane (its engine's share,
-  gateway/request/lanes.py ``endpoint_limit``); by default the lane's ``per_endpoint``. Either way
-  it is
+  picked. Its order is the endpoint chain's (engine_pool/chain.py: load and prefix overlap) and
+  the store takes the first with room in that order: never re-sorted here (``merge_loans`` only
+  places lent endpoints among them). ``limit_of(view)`` is the endpoint's slot limit for this
+  lane (its engine's share, gateway/request/lanes.py ``endpoint_limit``); by default the lane's
+  ``per_endpoint``. Either way it is
   scaled down while the endpoint slow-starts (``EngineView.ramp``).
 - Priority classes (gateway/request/classes.py): the waiter that tries the store is the one
   ``next_waiter`` picks (class, then arrival, starvation bound), not always the first in; a

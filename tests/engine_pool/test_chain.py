@@ -48,3 +48,15 @@ def test_the_ranking_carries_each_endpoints_score_and_cached_tokens() -> None:
         ("b", 1.0, 0),
         ("a", 1.0, 500),
     ]  # a tie: fewer in flight first
+
+
+def test_a_prefix_held_nowhere_makes_its_home_where_least_is_held_unless_that_is_busy() -> None:
+    """Within half the slots of the least used endpoint, the one holding fewest blocks goes
+    first; a busier one is passed over; with no prefix weight the held blocks do not matter."""
+    views = [view("a", 0), view("b", 2), view("c", 6)]
+    held = {"a": 900, "b": 10, "c": 0}
+    ask = Ask(tokens=1000, held=held, limit_of=lambda v: 8)
+    assert urls(views, ask)[0] == "b"  # 2 of 8 used: within 0.5 of a's 0; c (6 of 8) is not
+    assert urls(views, ask, {"load": 1.0, "prefix": 0.0})[0] == "a"
+    cached = Ask(tokens=1000, cached={"a": 100}, held=held, limit_of=lambda v: 8)
+    assert urls(views, cached)[0] == "a"  # a prompt held somewhere is not a new home
