@@ -1,5 +1,5 @@
 """The engine's API as both sides of the gateway name it: the routes a vLLM-compatible engine
-serves a request of, and Anthropic's error body. The gateway (``gateway/request/routes.py``
+serves a request of, and Anthropic's error body. The gateway (``gateway/protocols/routes.py``
 maps paths to these names) and the simulator (``engine_pool/sim/app.py``) import them from here,
 so the two cannot drift apart."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 # Every engine route the gateway counts and lanes and the simulator serves, as vLLM does.
-Endpoint = Literal[
+RouteKind = Literal[
     "chat",
     "completions",
     "responses",

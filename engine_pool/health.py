@@ -27,12 +27,12 @@ import httpx
 
 from engine_pool.cluster import EngineState
 
-Outcome = Literal["ok", "timeout", "failed"]
+ProbeStatus = Literal["ok", "timeout", "failed"]
 
 
 @dataclass(frozen=True, slots=True)
 class ProbeResult:
-    outcome: Outcome
+    outcome: ProbeStatus
     detail: str
     seconds: float
 
@@ -53,7 +53,7 @@ class Verdict:
     # An alert-class event to raise (a slow probe), separate from any state change.
     alert: str | None = None
     # What the probe itself answered.
-    probe: Outcome = "ok"
+    probe: ProbeStatus = "ok"
 
 
 @dataclass(frozen=True, slots=True)

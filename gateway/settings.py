@@ -345,7 +345,7 @@ class LaneSettings(_Frozen):
 
 
 class RouteSettings(_Frozen):
-    """The engine API routes beyond chat and completions (gateway/request/routes.py)."""
+    """The engine API routes beyond chat and completions (gateway/protocols/routes.py)."""
 
     # The lane for multipart routes (/v1/audio/*), which carry no text to count; default: the
     # lane that starts at 0 tokens.

@@ -30,7 +30,7 @@ MODEL = {
 # The Content-Type every JSON route requires (a missing or other one is answered 415).
 JSON = {"content-type": "application/json"}
 # What a state-changing admin request carries without a bearer token
-# (gateway/observe/dashboard/guard.py).
+# (gateway/edge/admin/guard.py).
 ADMIN = {"content-type": "application/yaml", "x-shapegate-admin": "1"}
 # scripts/mutate wants "killed or not", not the smallest failing example: no shrinking there.
 hypothesis.settings.register_profile(

@@ -23,8 +23,36 @@ EMPTY_PACKAGES = {
         f"gateway.{p}"
         for p in ("edge", "request", "count", "slots", "upstream", "observe", "tuning", "tools")
     ),
-    "gateway.observe.dashboard",
-    "gateway.request.protocols",
+    "gateway.edge.admin",
+    "gateway.protocols",
+    "gateway.core",
+}
+FOLDERS = (
+    "core",
+    "protocols",
+    "observe",
+    "count",
+    "slots",
+    "upstream",
+    "request",
+    "edge",
+    "tuning",
+)
+FOLDERS = (*FOLDERS, "tools")
+# The imports that never happen (issue 28): importer -> what it never imports, at any depth.
+NEVER: dict[str, tuple[str, ...]] = {
+    "gateway.request": ("gateway.edge", "gateway.tools", "gateway.tuning"),
+    **{
+        f"gateway.{source}": ("gateway.request", "gateway.edge", "gateway.tools", "gateway.tuning")
+        for source in ("count", "slots", "observe", "upstream")
+    },
+    **{
+        f"gateway.{leaf}": tuple(f"gateway.{folder}" for folder in FOLDERS)
+        for leaf in ("settings", "errors", "lifetime", "shipped")
+    },
+    "gateway.tuning": ("gateway.tools", "gateway.edge"),
+    "gateway.edge": ("gateway.tools",),
+    "engine_pool": ("gateway",),
 }
 
 
@@ -110,3 +138,43 @@ def test_the_readme_architecture_matches_the_folders() -> None:
             if module.name not in siblings:
                 unlisted.append(str(module.relative_to(ROOT)))
     assert not unlisted, f"add these modules to the README's Architecture block: {unlisted}"
+
+
+def forbidden_pairs() -> set[tuple[str, str]]:
+    pairs = set()
+    for contract in contracts():
+        if contract["type"] == "forbidden":
+            for source in contract["source_modules"]:
+                pairs.update((source, target) for target in contract["forbidden_modules"])
+    return pairs
+
+
+def test_the_forbidden_imports_are_contracts_and_never_happen(graph: Any) -> None:
+    """Each pair of NEVER is a forbidden contract lint-imports enforces, and grimp finds no chain
+    of imports (type-only and in-function ones included) from the one to the other."""
+    declared = forbidden_pairs()
+    wanted = {(source, target) for source, targets in NEVER.items() for target in targets}
+    assert wanted <= declared, f"add forbidden contracts for {sorted(wanted - declared)}"
+    happening = [
+        (source, target)
+        for source, target in sorted(wanted)
+        if graph.chain_exists(importer=source, imported=target, as_packages=True)
+    ]
+    assert not happening, f"forbidden imports happen: {happening}"
+
+
+def test_every_folder_is_one_layer() -> None:
+    """The gateway's layers contract is written by folder: each folder (and each top-level
+    module) appears in exactly one layer, whole."""
+    gateway_layers = next(
+        c["layers"] for c in contracts() if c["type"] == "layers" and "gateway.tools" in c["layers"]
+    )
+    names = [name.strip() for layer in gateway_layers for name in layer.split("|")]
+    assert len(names) == len(set(names))
+    assert all(name.count(".") <= 1 for name in names), names
+    on_disk = {
+        f"gateway.{p.stem if p.suffix else p.name}"
+        for p in (ROOT / "gateway").iterdir()
+        if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()
+    }
+    assert on_disk == set(names) - {"engine_pool"}

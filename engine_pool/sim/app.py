@@ -39,7 +39,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine_pool.engine_api import Endpoint
+from engine_pool.engine_api import RouteKind
 from engine_pool.sim import vllm_rules, wire, wire_apis
 from engine_pool.sim.counting import RequestRejected
 from engine_pool.sim.engine import RequestStream
@@ -55,8 +55,8 @@ SIM_VERSION = "0.33.0+sim"
 AUDIO_PROMPT_TOKENS = 1500
 AUDIO_OUTPUT_TOKENS = 16
 # The sim's own routes beyond the generating ones, as vLLM serves them (the gateway's table,
-# gateway/request/routes.py, forwards each of these paths unchanged).
-POOLING_PATHS: dict[str, Endpoint] = {
+# gateway/protocols/routes.py, forwards each of these paths unchanged).
+POOLING_PATHS: dict[str, RouteKind] = {
     "/v1/embeddings": "embeddings",
     "/pooling": "pooling",
     "/v1/score": "score",
@@ -65,7 +65,7 @@ POOLING_PATHS: dict[str, Endpoint] = {
     "/rerank": "rerank",
     "/v2/rerank": "rerank",
 }
-AUDIO_PATHS: dict[str, Endpoint] = {
+AUDIO_PATHS: dict[str, RouteKind] = {
     "/v1/audio/transcriptions": "transcriptions",
     "/v1/audio/translations": "translations",
 }
@@ -195,18 +195,18 @@ def create_app(parts: SimParts, apply_faults: ApplyFaults) -> FastAPI:
     return app
 
 
-def _pool_handler(parts: SimParts, endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
+def _pool_handler(parts: SimParts, kind: RouteKind) -> Callable[[Request], Awaitable[Response]]:
     async def handle(request: Request) -> Response:
-        return await _pool(parts, request, endpoint)
+        return await _pool(parts, request, kind)
 
     return handle
 
 
-async def _pool(parts: SimParts, request: Request, endpoint: Endpoint) -> Response:
+async def _pool(parts: SimParts, request: Request, kind: RouteKind) -> Response:
     """Embeddings, pooling, score, rerank: a prefill of the largest sequence (one engine step
     of one output token stands for it), then vectors or scores derived from the texts."""
     body = await request.body()
-    routed = await _validate(parts, endpoint, body)
+    routed = await _validate(parts, kind, body)
     if isinstance(routed, Response):
         return routed
     profile, engine = parts.profile, parts.engine
@@ -216,7 +216,7 @@ async def _pool(parts: SimParts, request: Request, endpoint: Endpoint) -> Respon
         return _error(400, message, "BadRequestError", "input_tokens")
     request_id = request.headers.get("x-request-id") or wire.random_id()
     stream = engine.submit(
-        request_id, endpoint=endpoint, prompt_tokens=max(prompt_tokens, 1), output_tokens=1
+        request_id, endpoint=kind, prompt_tokens=max(prompt_tokens, 1), output_tokens=1
     )
     try:
         stayed, _ = await race_disconnect(request.receive, _drain(stream))
@@ -227,14 +227,14 @@ async def _pool(parts: SimParts, request: Request, endpoint: Endpoint) -> Respon
     data = orjson.loads(body)
     texts = await asyncio.to_thread(parts.counter.pooled, routed)
     created, model = int(time.time()), profile.model
-    if endpoint == "embeddings":
+    if kind == "embeddings":
         encoding = str(data.get("encoding_format") or "float")
         payload = wire_apis.embeddings_body(
             f"embd-{request_id}", created, model, texts, prompt_tokens, encoding
         )
-    elif endpoint == "pooling":
+    elif kind == "pooling":
         payload = wire_apis.pooling_body(f"pool-{request_id}", created, model, texts, prompt_tokens)
-    elif endpoint == "score":
+    elif kind == "score":
         payload = wire_apis.score_body(f"score-{request_id}", created, model, texts, prompt_tokens)
     else:
         documents = [
@@ -253,11 +253,11 @@ async def _drain(stream: RequestStream) -> None:
         _, _, last = await stream.next_tokens()
 
 
-def _audio_handler(parts: SimParts, endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
+def _audio_handler(parts: SimParts, kind: RouteKind) -> Callable[[Request], Awaitable[Response]]:
     async def handle(request: Request) -> Response:
         content_type = request.headers.get("content-type", "").encode()
         try:
-            routed = parts.counter.read_form(endpoint, content_type, await request.body())
+            routed = parts.counter.read_form(kind, content_type, await request.body())
         except RequestRejected as exc:
             return _error(400, exc.message, "BadRequestError", exc.param)
         if routed.model not in parts.profile.served_names:
@@ -266,7 +266,7 @@ def _audio_handler(parts: SimParts, endpoint: Endpoint) -> Callable[[Request], A
         request_id = request.headers.get("x-request-id") or wire.random_id()
         stream = parts.engine.submit(
             request_id,
-            endpoint=endpoint,
+            endpoint=kind,
             prompt_tokens=AUDIO_PROMPT_TOKENS,
             output_tokens=AUDIO_OUTPUT_TOKENS,
         )

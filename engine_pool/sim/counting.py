@@ -3,11 +3,11 @@ knows the model's tokenizer.
 
 A stand-in engine must see the prompt tokens a real vLLM would, so it counts with the model's
 real tokenizer and chat template rather than an estimate, and reads requests as the gateway
-does. That code is the gateway's (``gateway/request/protocol.py``, ``gateway/request/protocols/``,
+does. That code is the gateway's (``gateway/protocols/openai.py``, ``gateway/protocols/``,
 ``gateway/count/tokens.py``), and ``engine_pool`` never imports ``gateway``: the sim is handed a
 ``PromptCounter`` instead. The gateway's is ``gateway.tools.sim_support.RegistryCounter``, which
 ``shapegate sim``, the demo, the benchmarks and the tests pass in. The sim keeps its own routes
-(which path is which ``Endpoint``) and its own wire format (``wire.py``, ``wire_apis.py``).
+(which path is which ``RouteKind``) and its own wire format (``wire.py``, ``wire_apis.py``).
 
 Contract of a ``PromptCounter`` (calls are blocking: the app runs ``count``, ``pooled``,
 ``detokenize`` and ``tokenize`` in a worker thread, so a 300k-token prompt does not stall the
@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engine_pool.engine_api import Endpoint
+from engine_pool.engine_api import RouteKind
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,11 +62,9 @@ class RequestRejected(Exception):
 
 
 class PromptCounter(Protocol):
-    def read(self, endpoint: Endpoint, body: bytes) -> SimRequest: ...
+    def read(self, kind: RouteKind, body: bytes) -> SimRequest: ...
 
-    def read_form(
-        self, endpoint: Endpoint, content_type: bytes | None, body: bytes
-    ) -> SimRequest: ...
+    def read_form(self, kind: RouteKind, content_type: bytes | None, body: bytes) -> SimRequest: ...
 
     def count(self, request: SimRequest) -> int: ...
 

@@ -25,7 +25,7 @@ from engine_pool.sim.handling import STORED_RESPONSES, SimParts, error, validate
 from engine_pool.sim.serving import (
     EngineStreamingResponse,
     FinishReason,
-    GenerateEndpoint,
+    GenerateRouteKind,
     Generation,
     full_batch_body,
     full_body,
@@ -40,7 +40,7 @@ ID_PREFIX = {
     "responses": "resp_",
     "messages": "chatcmpl-",
 }
-GENERATE_PATHS: dict[str, GenerateEndpoint] = {
+GENERATE_PATHS: dict[str, GenerateRouteKind] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
     "/v1/responses": "responses",
@@ -49,7 +49,7 @@ GENERATE_PATHS: dict[str, GenerateEndpoint] = {
 
 
 def _output(
-    parts: SimParts, endpoint: GenerateEndpoint, max_tokens: int | None, prompt_tokens: int
+    parts: SimParts, kind: GenerateRouteKind, max_tokens: int | None, prompt_tokens: int
 ) -> tuple[int, FinishReason]:
     """Output tokens and finish reason: max_tokens exactly (ignore_eos-like), else a default.
     vLLM caps the output at the context left (``get_max_tokens``): ``max_tokens`` equal to
@@ -57,7 +57,7 @@ def _output(
     out, context_left = parts.profile.output, parts.profile.max_model_len - prompt_tokens
     if max_tokens is not None:
         return min(max_tokens, context_left), "length"
-    if endpoint == "completions":  # vLLM's CompletionRequest.max_tokens defaults to 16
+    if kind == "completions":  # vLLM's CompletionRequest.max_tokens defaults to 16
         return min(out.completions_default_tokens, context_left), "length"
     return min(out.default_tokens, context_left), "stop"
 
@@ -89,32 +89,32 @@ def _json(body: bytes) -> Any:
 
 
 async def _prepare(
-    parts: SimParts, request: Request, endpoint: GenerateEndpoint
+    parts: SimParts, request: Request, kind: GenerateRouteKind
 ) -> Response | tuple[list[Generation], bool]:
     """Validate as vLLM does (and roll the fault dice): an error response, or what to generate
     (one ``Generation`` a prompt: a completions batch has several)."""
     profile = parts.profile
     body = await request.body()
     data = _json(body)
-    if endpoint == "chat" and (preprocessed := vllm_rules.preprocess_chat(data)) is not None:
+    if kind == "chat" and (preprocessed := vllm_rules.preprocess_chat(data)) is not None:
         data, body = preprocessed, orjson.dumps(preprocessed)
-    routed = await validate(parts, endpoint, body)
+    routed = await validate(parts, kind, body)
     if isinstance(routed, Response):
         return routed
     try:
         # Off the event loop: a 300k-token prompt must not stall every other stream.
         counts = await asyncio.to_thread(parts.counter.counts, routed)
     except RequestRejected as exc:  # the template refused the messages
-        return error(400, exc.message, "BadRequestError", exc.param, endpoint=endpoint)
+        return error(400, exc.message, "BadRequestError", exc.param, kind=kind)
     requested = routed.max_tokens or 0
     for prompt_tokens in counts:
         refused = _context_error(profile.max_model_len, requested, prompt_tokens)
         if refused is not None:
             message, param = refused
-            return error(400, message, "BadRequestError", param, endpoint=endpoint)
+            return error(400, message, "BadRequestError", param, kind=kind)
     rejected = vllm_rules.sampling_error(data)
     if rejected is not None:
-        return error(400, rejected.message, "BadRequestError", rejected.param, endpoint=endpoint)
+        return error(400, rejected.message, "BadRequestError", rejected.param, kind=kind)
     previous = routed.previous_response_id
     if previous is not None and previous not in parts.stored:
         message = f"Response with id '{previous}' not found."
@@ -123,19 +123,19 @@ async def _prepare(
     include_usage, continuous = vllm_rules.usage_flags(
         stream_options, profile.enable_force_include_usage
     )
-    if endpoint not in ("chat", "completions"):
+    if kind not in ("chat", "completions"):
         include_usage, continuous = routed.include_usage, False
     request_id = request.headers.get("x-request-id") or wire.random_id()
     created = int(time.time())
-    echoed = data if endpoint == "responses" and isinstance(data, dict) else {}
+    echoed = data if kind == "responses" and isinstance(data, dict) else {}
     gens = []
     for index, prompt_tokens in enumerate(counts):
-        output_tokens, finish = _output(parts, endpoint, routed.max_tokens, prompt_tokens)
+        output_tokens, finish = _output(parts, kind, routed.max_tokens, prompt_tokens)
         gens.append(
             Generation(
-                endpoint=endpoint,
+                endpoint=kind,
                 request_id=request_id if len(counts) == 1 else f"{request_id}-{index}",
-                response_id=ID_PREFIX[endpoint] + request_id,
+                response_id=ID_PREFIX[kind] + request_id,
                 created=created,
                 model=profile.model,
                 prompt_tokens=prompt_tokens,
@@ -147,15 +147,15 @@ async def _prepare(
                 index=index,
             )
         )
-    if endpoint == "responses" and echoed.get("store", True) is not False:
+    if kind == "responses" and echoed.get("store", True) is not False:
         parts.stored[gens[0].response_id] = None
         while len(parts.stored) > STORED_RESPONSES:
             parts.stored.popitem(last=False)
     return gens, routed.stream
 
 
-async def generate(parts: SimParts, request: Request, endpoint: GenerateEndpoint) -> Response:
-    prepared = await _prepare(parts, request, endpoint)
+async def generate(parts: SimParts, request: Request, kind: GenerateRouteKind) -> Response:
+    prepared = await _prepare(parts, request, kind)
     if isinstance(prepared, Response):
         return prepared
     gens, streaming = prepared
@@ -163,7 +163,7 @@ async def generate(parts: SimParts, request: Request, endpoint: GenerateEndpoint
     streams = [
         engine.submit(
             gen.request_id,
-            endpoint=endpoint,
+            endpoint=kind,
             prompt_tokens=gen.prompt_tokens,
             output_tokens=gen.output_tokens,
         )
@@ -194,7 +194,7 @@ async def generate(parts: SimParts, request: Request, endpoint: GenerateEndpoint
         try:
             stayed, answer = await race_disconnect(request.receive, whole)
         except EngineCrashed:  # the engine died under it: vLLM answers 500
-            return error(500, wire.ENGINE_DEAD_MESSAGE, "InternalServerError", endpoint=endpoint)
+            return error(500, wire.ENGINE_DEAD_MESSAGE, "InternalServerError", kind=kind)
         # vLLM sends nothing, headers included, before the whole answer is ready.
         return JSONResponse(answer) if stayed else Response(status_code=499)
     finally:
@@ -203,9 +203,9 @@ async def generate(parts: SimParts, request: Request, endpoint: GenerateEndpoint
 
 
 def generate_handler(
-    parts: SimParts, endpoint: GenerateEndpoint
+    parts: SimParts, kind: GenerateRouteKind
 ) -> Callable[[Request], Awaitable[Response]]:
     async def handle(request: Request) -> Response:
-        return await generate(parts, request, endpoint)
+        return await generate(parts, request, kind)
 
     return handle

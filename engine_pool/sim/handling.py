@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from fastapi.responses import JSONResponse, Response
 
-from engine_pool.engine_api import Endpoint
+from engine_pool.engine_api import RouteKind
 from engine_pool.sim import wire, wire_apis
 from engine_pool.sim.counting import PromptCounter, RequestRejected, SimRequest
 from engine_pool.sim.engine import SimEngine
@@ -43,26 +43,26 @@ def error(
     param: str | None = None,
     headers: dict[str, str] | None = None,
     *,
-    endpoint: Endpoint | None = None,
+    kind: RouteKind | None = None,
 ) -> JSONResponse:
-    if endpoint == "messages":  # vLLM's Anthropic server answers in Anthropic's error shape
+    if kind == "messages":  # vLLM's Anthropic server answers in Anthropic's error shape
         body = wire_apis.anthropic_error_body(message, status)
         return JSONResponse(body, status, headers=headers)
     return JSONResponse(wire.error_body(message, type_, status, param), status, headers=headers)
 
 
-async def validate(parts: SimParts, endpoint: Endpoint, body: bytes) -> Response | SimRequest:
+async def validate(parts: SimParts, kind: RouteKind, body: bytes) -> Response | SimRequest:
     """Parse as vLLM does and roll the fault dice: an error response, or the request."""
     profile, faults = parts.profile, parts.faults
     try:
-        routed = parts.counter.read(endpoint, body)
+        routed = parts.counter.read(kind, body)
     except RequestRejected as exc:
-        return error(400, exc.message, "BadRequestError", exc.param, endpoint=endpoint)
+        return error(400, exc.message, "BadRequestError", exc.param, kind=kind)
     if routed.model not in profile.served_names:
         message = f"The model `{routed.model}` does not exist."
-        return error(404, message, "NotFoundError", "model", endpoint=endpoint)
+        return error(404, message, "NotFoundError", "model", kind=kind)
     if faults.spec.dead or parts.engine.failed:
-        return error(500, wire.ENGINE_DEAD_MESSAGE, "InternalServerError", endpoint=endpoint)
+        return error(500, wire.ENGINE_DEAD_MESSAGE, "InternalServerError", kind=kind)
     injected = faults.draw_error()
     if injected == 500:
         return error(500, "injected fault: internal server error", "InternalServerError")

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-Outcome = Literal["running", "finished", "aborted"]
+RecordState = Literal["running", "finished", "aborted"]
 
 
 @dataclass(slots=True)
@@ -37,7 +37,7 @@ class RequestRecord:
     tokens_generated: int = 0
 
     @property
-    def outcome(self) -> Outcome:
+    def outcome(self) -> RecordState:
         if self.finished_s is not None:
             return "finished"
         if self.aborted_s is not None:

@@ -40,7 +40,7 @@ from engine_pool.sim.faults import FaultState
 
 T = TypeVar("T")
 FinishReason = Literal["length", "stop"]
-GenerateEndpoint = Literal["chat", "completions", "responses", "messages"]
+GenerateRouteKind = Literal["chat", "completions", "responses", "messages"]
 
 
 class DroppedConnection(ConnectionResetError):
@@ -49,7 +49,7 @@ class DroppedConnection(ConnectionResetError):
 
 @dataclass(frozen=True, slots=True)
 class Generation:
-    endpoint: GenerateEndpoint
+    endpoint: GenerateRouteKind
     request_id: str
     response_id: str
     created: int

@@ -28,11 +28,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from engine_pool.engine_api import Endpoint
+from engine_pool.engine_api import RouteKind
 from engine_pool.sim.counting import RequestRejected
 from engine_pool.sim.profile import Task
 
-TASK_OF: dict[Endpoint, Task] = {
+TASK_OF: dict[RouteKind, Task] = {
     "chat": "generate",
     "completions": "generate",
     "responses": "generate",

@@ -2,20 +2,20 @@
 
 Contract:
 - ``TokenCounter.from_settings(settings)`` loads and warms every model's tokenizer at start-up
-  (never from the network) and logs ``tokenizer.loaded`` once a model, with the backend in use
-  and any fallback; a file that fails to load is a ``ConfigError`` naming the model and the file.
-  The warm-up rehearses arrivals (``tokenizers/warmup.py``): each tokenizer counts a text as
-  large as the lanes admit through the path requests take (``warm_up``, logged as
+  (never from the network; ``models.py``) and logs ``tokenizer.loaded`` once a model, with the
+  backend in use and any fallback; a file that fails to load is a ``ConfigError`` naming the
+  model and the file. The warm-up rehearses arrivals (``tokenizers/warmup.py``): each tokenizer
+  counts a text as large as the lanes admit through the path requests take (logged as
   ``tokenizer.warmed`` with its time), and its child process encodes one as large.
 - ``count(model, prompt, exact_above=N)`` answers in one of three ways (``TokenCount.method``):
   1. ``bound``: UTF-8 bytes of everything the template renders (of its NFC form where the
-     tokenizer normalises). A byte-level BPE never emits more tokens than bytes, and each special
-     token is one token for many bytes, so this is an upper bound (property-tested). Below
-     ``exact_above`` it decides the route and no tokenizer runs on the request's path; it is
-     never a token figure (``TokenCount.exact`` is None). ``exact(count)`` (or ``exact_now``,
-     inline when it can) finishes it later from the plan the count kept: the pipeline runs it
-     while the engine works, as ``start_exact`` (inline, or the cache looked up and the
-     missing pieces left) then ``finish`` (those pieces in the worker).
+     tokenizer normalises; ``plan.py``). A byte-level BPE never emits more tokens than bytes, and
+     each special token is one token for many bytes, so this is an upper bound (property-tested).
+     Below ``exact_above`` it decides the route and no tokenizer runs on the request's path; it
+     is never a token figure (``TokenCount.exact`` is None). ``start_exact(count)`` finishes it
+     later from the plan the count kept (``plan.py``): inline when it can, else the cache looked
+     up and the missing pieces left, which ``finish`` encodes in the worker; the pipeline runs
+     it while the engine works.
   2. ``cache``: every piece of the prompt was counted before. A rendered prompt is cut before each
      ``<|im_start|>`` (one piece a ChatML message); special tokens are split out before any BPE
      runs, so piece counts add up exactly to the whole (tested against the full render). The LRU
@@ -51,33 +51,24 @@ from __future__ import annotations
 
 import asyncio
 import time
-import unicodedata
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
-from jinja2 import TemplateError
-
+from gateway.core.count import Method, TokenCount
+from gateway.count.models import load_models
+from gateway.count.plan import Model, Plan, chat_pieces, plan_prompt
 from gateway.count.tokenizers import cache, warmup
+from gateway.count.tokenizers.child import warm_text
 from gateway.count.tokenizers.encoders import GIL_FREE_ABOVE_CHARS
-from gateway.count.tokenizers.templates import (
-    ChatTemplate,
-    TemplateRejected,
-    chatml_pieces,
-    plain_text,
-    split_before,
-)
-from gateway.count.tokenizers.vocab import EncoderLimits, Vocabulary, load_vocabulary
-from gateway.count.tokenizers.worker import warm_text
 from gateway.errors import BadRequest, ModelNotFound
 from gateway.observe.log import Logger, get_logger, swallowed
 from gateway.observe.metrics import Metrics
-from gateway.request.protocol import ChatPrompt, CompletionPrompt, Prompt
-from gateway.settings import ConfigError, CountingSettings, Settings, parse_settings
+from gateway.protocols.openai import ChatPrompt, CompletionPrompt, Prompt
+from gateway.settings import CountingSettings, Settings, parse_settings
 
 # "none": nothing to count (a multipart audio request); its lane is named by the policy.
-Method = Literal["bound", "cache", "exact", "none"]
 # Misses up to this many characters are counted on the event loop (under ~2 ms with the GIL
 # held either way); longer ones go to the worker thread, where gigatoken releases the GIL.
 INLINE_MAX_CHARS = GIL_FREE_ABOVE_CHARS
@@ -88,32 +79,11 @@ DIRECT_MAX_BYTES = 8192
 
 
 @dataclass(frozen=True, slots=True)
-class TokenCount:
-    tokens: int
-    method: Method
-    tokenizer: str
-    prompt_bytes: int
-    seconds: float
-    # What ``TokenCounter.exact`` needs to finish a bound without planning the prompt again.
-    plan: _Plan | None = field(default=None, repr=False, compare=False)
-    # The largest single sequence of a batch (None: one sequence, ``tokens`` itself).
-    largest: int | None = None
+class Unfinished:
+    """A count under way, what ``TokenCounter.start_exact`` hands to ``finish``: the pieces no
+    cache held (``texts``, at ``misses`` in the plan)."""
 
-    @property
-    def exact(self) -> int | None:
-        return None if self.method == "bound" else self.tokens
-
-    @property
-    def longest(self) -> int:
-        """The largest single sequence: what must fit a context (``tokens`` but for batches)."""
-        return self.tokens if self.largest is None else self.largest
-
-
-@dataclass(frozen=True, slots=True)
-class _Misses:
-    """A count under way: the pieces no cache held (``texts``, at ``misses`` in the plan)."""
-
-    plan: _Plan
+    plan: Plan
     counts: list[int | None]
     misses: list[int]
     keys: list[bytes]
@@ -121,49 +91,10 @@ class _Misses:
     started: float
 
 
-# A count that needs the worker: what ``TokenCounter.start_exact`` hands to ``finish``.
-Unfinished = _Misses
-
-
-@dataclass(frozen=True, slots=True)
-class _Model:
-    vocab: Vocabulary
-    chat_template: Literal["chatml", "hf", "none"]
-    template: ChatTemplate | None
-
-
-@dataclass(frozen=True, slots=True)
-class _Plan:
-    """A prompt cut into pieces: ``sequences`` are [start, end) ranges of ``pieces``."""
-
-    vocab: Vocabulary
-    pieces: tuple[str, ...]
-    encoded: tuple[bytes | None, ...]  # UTF-8 of the non-ASCII pieces, kept for the cache key
-    sequences: tuple[tuple[int, int], ...]
-    extra: int
-    bound: int  # the sum of the sequences' bounds
-    largest_bound: int
-    prompt_bytes: int
-
-
-def _utf8(text: str) -> bytes:
-    try:
-        return text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise BadRequest("prompt text holds a lone surrogate: not valid Unicode") from exc
-
-
-def _nfc_len(text: str, raw: int) -> int:
-    """UTF-8 bytes of the NFC form: what an NFC-normalising tokenizer actually encodes."""
-    if text.isascii() or unicodedata.is_normalized("NFC", text):
-        return raw
-    return len(unicodedata.normalize("NFC", text).encode("utf-8"))
-
-
 class TokenCounter:
     def __init__(
         self,
-        models: Mapping[str, _Model],
+        models: Mapping[str, Model],
         counting: CountingSettings,
         metrics: Metrics | None = None,
     ) -> None:
@@ -178,78 +109,18 @@ class TokenCounter:
 
     @classmethod
     def from_settings(cls, settings: Settings, metrics: Metrics | None = None) -> TokenCounter:
-        log = get_logger("tokens")
-        loaded: dict[str, Vocabulary] = {}
-        models: dict[str, _Model] = {}
-        warm: dict[str, int] = {}  # first model of each vocabulary -> warm-up tokens
-        for index, model in enumerate(settings.models):
-            spec = model.tokenizer
-            key = ("models", index, "tokenizer")
-            started = time.perf_counter()
-            # Models sharing a vocabulary share one loaded tokenizer (~120 MB for Qwen's).
-            shared = spec.model_dump_json(exclude={"chat_template"})
-            vocab = loaded.get(shared)
-            if vocab is None:
-                try:
-                    tokens = warmup.warm_tokens(settings, model.max_model_len)
-                    vocab = load_vocabulary(
-                        spec,
-                        _fallback_logger(log, metrics, model.name),
-                        EncoderLimits(
-                            settings.counting.max_encoder_rss_mb,
-                            metrics,
-                            warm_chars=int(tokens * warmup.CHARS_PER_TOKEN),
-                        ),
-                    )
-                except ConfigError as exc:
-                    raise ConfigError(f"model {model.name!r}: {exc}", key) from exc
-                loaded[shared] = vocab
-                warm[model.name] = tokens
-            template = None
-            mode = spec.chat_template
-            if mode == "auto":
-                mode = "chatml" if vocab.chat_template is None else "hf"
-            if mode == "hf":
-                if vocab.chat_template is None:
-                    raise ConfigError(
-                        f"model {model.name!r}: chat_template hf, but no chat template "
-                        f"(chat_template.jinja, or chat_template in tokenizer_config.json) "
-                        f"ships beside {vocab.origin}",
-                        (*key, "chat_template"),
-                    )
-                try:
-                    template = ChatTemplate(vocab.chat_template, vocab.template_vars)
-                except TemplateError as exc:
-                    raise ConfigError(
-                        f"model {model.name!r}: the chat template beside "
-                        f"{vocab.origin} does not compile: {exc}",
-                        (*key, "chat_template"),
-                    ) from exc
-            entry = _Model(vocab, mode, template)
-            for name in (model.name, *model.aliases):
-                models[name] = entry
-            log.info(
-                "tokenizer.loaded",
-                model=model.name,
-                tokenizer=vocab.id,
-                backend=vocab.encoder.backend,
-                fallback=vocab.fallback,
-                origin=vocab.origin,
-                chat_template=mode,
-                bound="sound" if vocab.bound_sound else "disabled",
-                piece_cache=vocab.split_token is not None,
-                load_ms=round((time.perf_counter() - started) * 1000, 1),
-            )
+        models, warm = load_models(settings, metrics)
         counter = cls(models, settings.counting, metrics)
+        log = get_logger("tokens")
         for name, tokens in warm.items():
             if tokens > 0:
                 try:
-                    counter.warm_up(name, tokens, log)
+                    counter._warm_up(name, tokens, log)
                 except BadRequest as exc:  # a template that refuses a lone user message
                     swallowed(log, metrics, "tokenizer.warm_up", exc, "served_without_warm_up")
         return counter
 
-    def warm_up(self, model: str, tokens: int, log: Logger) -> TokenCount:
+    def _warm_up(self, model: str, tokens: int, log: Logger) -> TokenCount:
         """The boot probe of counting: a chat prompt of about ``tokens`` tokens counted as a
         request's is (planned, cached by piece, encoded by the worker thread and the child
         process), so its first-time costs are paid before any request. Logs
@@ -301,45 +172,30 @@ class TokenCounter:
     async def count(self, model: str, prompt: Prompt, *, exact_above: int) -> TokenCount:
         """Tokens the engine will see; large exact counts run off the event loop."""
         step = self._begin(model, prompt, exact_above)
-        return step if isinstance(step, TokenCount) else await self._finish(step)
-
-    async def exact(self, count: TokenCount) -> TokenCount:
-        """The exact count of a prompt whose ``count`` settled for its bound (``count`` itself
-        when it is exact already), from the plan it kept: a cached piece costs one hash, a
-        missing one is encoded as ``count`` would (inline when small, else in the worker)."""
-        step = self._looked_up(count)
-        return step if isinstance(step, TokenCount) else await self._finish(step)
-
-    def exact_now(self, count: TokenCount) -> TokenCount | None:
-        """``exact(count)`` when it can be had inline (the missing pieces small and the encoder
-        free), else None: then ``exact`` finishes it in the worker."""
-        step = self.start_exact(count)
-        return step if isinstance(step, TokenCount) else None
+        return step if isinstance(step, TokenCount) else await self.finish(step)
 
     def start_exact(self, count: TokenCount) -> TokenCount | Unfinished:
-        """``exact(count)`` when it can be had inline, else what is left once the cache was
-        looked up: ``finish`` encodes only those pieces (no second lookup, no second plan)."""
+        """The exact count of ``count`` when it can be had inline, else what is left once the
+        cache was looked up (from the plan the bound kept: a cached piece costs one hash):
+        ``finish`` encodes only those pieces (no second lookup, no second plan)."""
         step = self._looked_up(count)
         if isinstance(step, TokenCount):
             return step
         found = self._inline(step.plan, step.texts)
         return step if found is None else self._end(step, found)
 
-    def _looked_up(self, count: TokenCount) -> TokenCount | _Misses:
+    def _looked_up(self, count: TokenCount) -> TokenCount | Unfinished:
         """``count`` once exact already, else counted whole when small, else its pieces looked
         up in the cache: the exact count, or the pieces that still need encoding."""
-        if count.method != "bound" or count.plan is None:
+        plan = count.plan
+        if count.method != "bound" or not isinstance(plan, Plan):
             return count
-        direct = self._direct(count.plan)
+        direct = self._direct(plan)
         if direct is not None:
             return direct
-        return self._resume(count.plan, time.perf_counter())
+        return self._resume(plan, time.perf_counter())
 
-    async def finish(self, step: Unfinished) -> TokenCount:
-        """The count ``start_exact`` left unfinished: its missing pieces encoded in the worker."""
-        return await self._finish(step)
-
-    def _direct(self, plan: _Plan) -> TokenCount | None:
+    def _direct(self, plan: Plan) -> TokenCount | None:
         """A small prompt counted whole, past the cache (None when large or the encoder busy).
         Piece counts add up to the whole (special tokens split before any BPE), so it is the
         same count the cache would assemble."""
@@ -357,7 +213,8 @@ class TokenCounter:
             int(sum(sizes)), "exact", plan.vocab.id, plan.prompt_bytes, 0.0, largest=_many(sizes)
         )
 
-    async def _finish(self, step: _Misses) -> TokenCount:
+    async def finish(self, step: Unfinished) -> TokenCount:
+        """The count ``start_exact`` left unfinished: its missing pieces encoded in the worker."""
         found = self._inline(step.plan, step.texts)
         if found is None:
             loop = asyncio.get_running_loop()
@@ -365,7 +222,7 @@ class TokenCounter:
             found = await loop.run_in_executor(self._executor, encoder.count_many, step.texts)
         return self._end(step, found)
 
-    def _inline(self, plan: _Plan, texts: list[str]) -> list[int] | None:
+    def _inline(self, plan: Plan, texts: list[str]) -> list[int] | None:
         """Counts of ``texts``, encoded on this thread when that is allowed and cheap."""
         encoder = plan.vocab.encoder
         if self._executor is None:
@@ -393,7 +250,7 @@ class TokenCounter:
 
     def render_chat(self, model: str, prompt: ChatPrompt) -> str:
         """The prompt text the engine sees (template applied, generation prompt added)."""
-        return "".join(self._chat_pieces(self._model(model), prompt))
+        return "".join(chat_pieces(self._model(model), prompt))
 
     def tokenizer_id(self, model: str) -> str:
         return self._model(model).vocab.id
@@ -428,78 +285,13 @@ class TokenCounter:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _model(self, name: str) -> _Model:
+    def _model(self, name: str) -> Model:
         entry = self._models.get(name)
         if entry is None:
             raise ModelNotFound(f"The model `{name}` does not exist.", param="model")
         return entry
 
-    def _chat_pieces(self, entry: _Model, prompt: ChatPrompt) -> list[str]:
-        if entry.template is not None:
-            try:
-                return [entry.template.render(prompt)]
-            except TemplateRejected as exc:
-                raise BadRequest(str(exc), param="messages") from exc
-        if entry.chat_template == "none":
-            return [plain_text(prompt)]
-        return chatml_pieces(prompt)
-
-    def _plan(self, model: str, prompt: Prompt, exact_above: int) -> _Plan | None:
-        """The prompt as pieces to count, with its free bound; None for token-id prompts.
-
-        ``bound`` is sound whenever it is below ``exact_above`` (the only case it is used): the
-        NFC check, a full scan of the text, runs only then, on a text that is small by then.
-        """
-        entry = self._model(model)
-        vocab = entry.vocab
-        texts: Sequence[str]
-        if isinstance(prompt, CompletionPrompt):
-            if not prompt.texts:
-                return None
-            texts, extra = prompt.texts, vocab.completion_extra
-        else:
-            texts, extra = [], 0
-        pieces: list[str] = []
-        sequences: list[tuple[int, int]] = []
-        if isinstance(prompt, ChatPrompt):
-            chat = self._chat_pieces(entry, prompt)
-            if len(chat) == 1 or vocab.split_token is None:
-                # A rendered template or plain text is cut here; ChatML comes cut by message.
-                chat = split_before("".join(chat), vocab.split_token)
-            pieces.extend(chat)
-            sequences.append((0, len(pieces)))
-        for text in texts:
-            start = len(pieces)
-            pieces.extend(split_before(text, vocab.split_token))
-            sequences.append((start, len(pieces)))
-        # ASCII (the common case) needs no encoding to know its size: isascii() is O(1).
-        encoded = [None if piece.isascii() else _utf8(piece) for piece in pieces]
-        raw = [
-            len(piece) if data is None else len(data)
-            for piece, data in zip(pieces, encoded, strict=True)
-        ]
-
-        def bounds_of(sizes: list[int]) -> list[int]:
-            return [sum(sizes[a:b]) + extra for a, b in sequences] or [0]
-
-        bounds = bounds_of(raw)
-        if not vocab.bound_sound:
-            bounds = [2**62]  # no provable bound: every count is exact
-        elif vocab.nfc and sum(bounds) < exact_above and any(d is not None for d in encoded):
-            # (ASCII is its own NFC form: an all-ASCII prompt's bound needs no second pass.)
-            bounds = bounds_of([_nfc_len(piece, n) for piece, n in zip(pieces, raw, strict=True)])
-        return _Plan(
-            vocab,
-            tuple(pieces),
-            tuple(encoded),
-            tuple(sequences),
-            extra,
-            sum(bounds),
-            max(bounds),
-            sum(raw),
-        )
-
-    def _answer(self, plan: _Plan | None, prompt: Prompt, started: float) -> TokenCount:
+    def _answer(self, plan: Plan | None, prompt: Prompt, started: float) -> TokenCount:
         """The count that needs no tokenizer: the bound, or the length of token-id prompts."""
         if plan is not None:
             largest = plan.largest_bound if len(plan.sequences) > 1 else None
@@ -510,28 +302,28 @@ class TokenCounter:
         sizes = [len(ids) for ids in prompt.token_ids]
         return self._done(sum(sizes), "exact", "token_ids", 0, started, largest=_many(sizes))
 
-    def _begin(self, model: str, prompt: Prompt, exact_above: int) -> TokenCount | _Misses:
+    def _begin(self, model: str, prompt: Prompt, exact_above: int) -> TokenCount | Unfinished:
         """The answer when no piece needs encoding (bound, token ids, all cached), else what to
         encode; ``count`` and ``count_sync`` differ only in where the encoding runs."""
         started = time.perf_counter()
-        plan = self._plan(model, prompt, exact_above)
+        plan = plan_prompt(self._model(model), prompt, exact_above)
         if plan is None or plan.bound < exact_above:
             return self._answer(plan, prompt, started)
         return self._resume(plan, started)
 
-    def _resume(self, plan: _Plan, started: float) -> TokenCount | _Misses:
+    def _resume(self, plan: Plan, started: float) -> TokenCount | Unfinished:
         """A plan's answer from the cache, else what is left to encode."""
         counts, misses, keys = self._lookup(plan)
         if not misses:
             return self._total(plan, counts, "cache", started)
         texts = [plan.pieces[i] for i in misses]
-        return _Misses(plan, counts, misses, keys, texts, started)
+        return Unfinished(plan, counts, misses, keys, texts, started)
 
-    def _end(self, step: _Misses, found: list[int]) -> TokenCount:
+    def _end(self, step: Unfinished, found: list[int]) -> TokenCount:
         self._store(step.counts, step.misses, step.keys, found)
         return self._total(step.plan, step.counts, "exact", step.started)
 
-    def _lookup(self, plan: _Plan) -> tuple[list[int | None], list[int], list[bytes]]:
+    def _lookup(self, plan: Plan) -> tuple[list[int | None], list[int], list[bytes]]:
         """Cached counts by piece (None where missing), the missing indexes, the cache keys."""
         keys = [
             cache.key(plan.vocab.id, piece.encode("utf-8") if data is None else data)
@@ -548,7 +340,7 @@ class TokenCounter:
             self._cache.put(keys[i], n)
 
     def _total(
-        self, plan: _Plan, counts: list[int | None], method: Method, started: float
+        self, plan: Plan, counts: list[int | None], method: Method, started: float
     ) -> TokenCount:
         sizes = [sum(counts[i] or 0 for i in range(a, b)) + plan.extra for a, b in plan.sequences]
         return self._done(
@@ -562,7 +354,7 @@ class TokenCounter:
         tokenizer: str,
         prompt_bytes: int,
         started: float,
-        plan: _Plan | None = None,
+        plan: Plan | None = None,
         largest: int | None = None,
     ) -> TokenCount:
         seconds = time.perf_counter() - started
@@ -574,14 +366,3 @@ class TokenCounter:
 def _many(sizes: list[int]) -> int | None:
     """A batch's largest sequence; None for a single one (its count is its size)."""
     return int(max(sizes)) if len(sizes) > 1 else None
-
-
-def _fallback_logger(
-    log: Logger,
-    metrics: Metrics | None,
-    model: str,
-) -> Callable[[str, BaseException, str], None]:
-    def record(backend: str, exc: BaseException, decision: str) -> None:
-        swallowed(log, metrics, "tokenizer.load", exc, decision, model=model, backend=backend)
-
-    return record

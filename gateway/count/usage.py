@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import orjson
 
-from gateway.count.tokens import TokenCount, TokenCounter
+from gateway.core.count import TokenCount
+from gateway.count.tokens import TokenCounter
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,5 +201,7 @@ class ExactCount:
                 self._pending = None
                 pending.cancel()
         elif self._count.exact is None:
-            self._count = self._counter.exact_now(self._count) or self._count
+            step = self._counter.start_exact(self._count)
+            if isinstance(step, TokenCount):  # else it needs the worker: abandoned, as above
+                self._count = step
         return self._count.exact

@@ -1,8 +1,8 @@
-"""Thin routes. The engine routes (gateway/request/routes.py) are raw ASGI endpoints handing the
+"""Thin routes. The engine routes (gateway/protocols/routes.py) are raw ASGI endpoints handing the
 exchange to the pipeline; the rest answer from config or from snapshots of the gateway's state.
 
     POST /v1/chat/completions, /v1/responses,    -> Pipeline.handle (every path in
-         /v1/messages, /v1/embeddings, ...          gateway/request/routes.py ENGINE_ROUTES)
+         /v1/messages, /v1/embeddings, ...          gateway/protocols/routes.py ENGINE_ROUTES)
     GET  /v1/models                              the configured models (names and aliases)
     GET  /v1/models/{id}                         one of them, or an OpenAI-shaped 404
     GET  /version                                the gateway's version
@@ -18,10 +18,10 @@ exchange to the pipeline; the rest answer from config or from snapshots of the g
                                                  beside the active one (edge/shadow_routes.py)
     GET  /metrics                                Prometheus
     GET  /dashboard, /admin/dashboard.json       the ops page and its state
-    (gateway/observe/dashboard)
+    (gateway/edge/admin)
 
 With ``serve --workers N`` the admin state, ``/metrics``, the dashboard's state and a reload
-cover every worker (gateway/edge/peers.py asks the others, gateway/observe/merge.py merges).
+cover every worker (gateway/edge/peers.py asks the others, gateway/edge/admin/merge.py merges).
 
 Any other path answers an OpenAI-shaped 404 and a wrong method an OpenAI-shaped 405
 (Anthropic-shaped on /v1/messages), never FastAPI's ``{"detail": ...}``.
@@ -40,18 +40,18 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Route
 
 from gateway.config_check import parse_policy
-from gateway.edge.exchange import Receive, Scope, Send, header, read_body, require_media_type
+from gateway.core.exchange import Receive, Scope, Send, header, read_body, require_media_type
+from gateway.core.slots import endpoint_key, lane_key
+from gateway.edge.admin.merge import merge_admin_state, merge_metrics
+from gateway.edge.admin.routes import add_dashboard_routes
 from gateway.edge.peers import worker_only
 from gateway.edge.reload import reload_policy
 from gateway.edge.services import Gateway
 from gateway.edge.shadow_routes import add_shadow_routes
 from gateway.errors import GatewayError, Unauthorized, anthropic_error_body, error_body
-from gateway.observe.dashboard.routes import add_dashboard_routes
-from gateway.observe.merge import merge_admin_state, merge_metrics
+from gateway.protocols.routes import ENGINE_ROUTES, EngineRoute
 from gateway.request.admission import borrowing_state
-from gateway.request.routes import ENGINE_ROUTES, EngineRoute
 from gateway.settings import ConfigError
-from gateway.slots.store import endpoint_key, lane_key
 from gateway.upstream.readiness import endpoint_health, lane_states
 
 # A policy file is a few kB; anything near this cap is not one.

@@ -17,14 +17,14 @@ from pathlib import Path
 import anyio
 from fastapi import FastAPI
 
+from gateway.core.exchange import Receive, Scope, Send
 from gateway.count.tokens import TokenCounter
 from gateway.edge.api import add_routes
 from gateway.edge.discovery import run_discovery
-from gateway.edge.exchange import Receive, Scope, Send
 from gateway.edge.reload import reload_on_signal, watch_config
 from gateway.edge.services import Gateway
+from gateway.protocols.routes import ENGINE_ROUTES
 from gateway.request.rehearsal import rehearse
-from gateway.request.routes import ENGINE_ROUTES
 from gateway.settings import Settings
 from gateway.slots.host import WorkerGroup
 from gateway.upstream.engines import watch_latency
@@ -75,7 +75,7 @@ def create_app(
 
 
 class ShapegateApp:
-    """The ASGI app: the engine routes (gateway/request/routes.py) go straight to the pipeline,
+    """The ASGI app: the engine routes (gateway/protocols/routes.py) go straight to the pipeline,
     everything else (and the lifespan) to FastAPI. The hot path skips the middleware stack,
     which the overhead benchmark's profile showed at 6-8% of a request's CPU; the routes stay
     registered in FastAPI too, so nothing depends on this shortcut for correctness."""

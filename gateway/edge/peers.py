@@ -4,7 +4,7 @@
 A request to ``/metrics``, ``/admin/state``, ``/admin/dashboard.json`` or ``POST /admin/reload``
 lands on one worker; that worker answers for the whole gateway by asking every peer the same
 request with ``x-shapegate-scope: worker`` (answer for yourself only) and merging the answers
-(gateway/observe/merge.py), or, for a reload, passing the same policy on.
+(gateway/edge/admin/merge.py), or, for a reload, passing the same policy on.
 
 Contract of ``Peers.ask(method, path, ...)``: one ``Answer`` per peer, in worker order, with the
 response or None when that worker could not answer within ``timeout_s`` (it may be restarting:
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import anyio
 import httpx
 
-from gateway.edge.exchange import Scope, header
+from gateway.core.exchange import Scope, header
 from gateway.observe.log import Logger, swallowed
 from gateway.observe.metrics import Metrics
 from gateway.slots.host import WorkerGroup

@@ -35,14 +35,14 @@ import anyio
 
 from gateway.config_check import CheckedPolicy, load_policy
 from gateway.count.tokens import TokenCounter
-from gateway.edge.auth import ClientAuth
 from gateway.edge.services import Gateway, clusters_of
+from gateway.extras import MissingExtra
 from gateway.lifetime import in_thread
 from gateway.observe.log import swallowed
 from gateway.observe.tracing import Tracing
+from gateway.request.auth import ClientAuth
 from gateway.request.pipeline import Policy
 from gateway.settings import ConfigError, Settings, with_discovered
-from gateway.tools.extras import MissingExtra
 from gateway.upstream.engines import slow_start
 
 RESTART_ONLY = (

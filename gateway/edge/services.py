@@ -25,13 +25,14 @@ from engine_pool.cluster import Cluster
 from engine_pool.monitor import EngineMonitor
 from engine_pool.registry import EnginePool
 from gateway.count.tokens import TokenCounter
-from gateway.edge.auth import ClientAuth
 from gateway.edge.peers import Peers
 from gateway.observe.log import Logger, get_logger
 from gateway.observe.metrics import Metrics
 from gateway.observe.record import Recorder
 from gateway.observe.tracing import Tracing
 from gateway.request.admission import Admission
+from gateway.request.auth import ClientAuth
+from gateway.request.failover import Failover
 from gateway.request.lanes import endpoint_limit
 from gateway.request.pipeline import Pipeline, Policy
 from gateway.request.response_affinity import build_affinity
@@ -39,7 +40,6 @@ from gateway.settings import ConfigError, Settings
 from gateway.slots.host import HostSlotStore, WorkerGroup
 from gateway.slots.store import MemorySlotStore, SlotStore
 from gateway.upstream.engines import EngineEvents, probe_plans
-from gateway.upstream.failover import Failover
 from gateway.upstream.proxy import Upstream
 from gateway.upstream.readiness import BootProbe
 

@@ -15,7 +15,7 @@
                                    policy it replaced becomes the shadow, so a rollback is one call
 
 Contract:
-- Behind the admin guard like every ``/admin`` path (``observe/dashboard/guard.py``): a state
+- Behind the admin guard like every ``/admin`` path (``edge/admin/guard.py``): a state
   change needs the bearer token or ``X-Shapegate-Admin``.
 - The shadow decides from the count the active policy's tokenizers make, so each of its
   ``models`` must be an active one with the same ``tokenizer`` (a 400 says which is not);
@@ -35,7 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from gateway.config_check import CheckedPolicy, Marks, parse_policy
-from gateway.edge.exchange import header, read_body, require_media_type
+from gateway.core.exchange import header, read_body, require_media_type
 from gateway.edge.peers import worker_only
 from gateway.edge.reload import diff_settings, effective_settings, reload_policy
 from gateway.errors import GatewayError, error_body

@@ -9,8 +9,8 @@ The supervisor handles no HTTP. It
   connections all went to one worker in one of three test runs. The price of SO_REUSEPORT:
   connections still waiting in a dying worker's queue are reset.);
 - makes a private runtime directory (mode 0700) for its unix sockets: the slot server's
-  (``slots.sock``, gateway/slots/host.py, when ``state.backend`` is ``memory``: the slots of all
-  workers are then kept here, exact, and a dead worker's come back at once) and each worker's
+  (``slots.sock``, gateway/slots/host_server.py, when ``state.backend`` is ``memory``: the slots
+  of all workers are then kept here, exact, and a dead worker's come back at once) and each worker's
   own (``worker-<i>.sock``, which the other workers query for the gateway-wide metrics, admin
   state and dashboard and to pass on a reload: gateway/edge/peers.py);
 - starts each worker as ``python -m gateway.tools.cli serve ... --worker-index i`` (a fresh
@@ -44,7 +44,7 @@ from pathlib import Path
 
 from gateway.observe.log import Logger, configure_logging, get_logger
 from gateway.settings import Settings
-from gateway.slots.host import SlotServer
+from gateway.slots.host_server import SlotServer
 
 KILL_GRACE_S = 10.0
 CONFIG_ERROR = 2  # a worker's exit code for a policy it cannot serve (gateway/tools/cli.py)

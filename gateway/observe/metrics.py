@@ -23,7 +23,7 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from prometheus_client import Metric
 
-from gateway.observe.dashboard.events import EventRing
+from gateway.observe.events import EventRing
 
 # 1 ms .. 30 min: fast-lane TTFT lives at the bottom, heavy-lane prefill at the top.
 LATENCY_BUCKETS = (
@@ -288,7 +288,7 @@ class Metrics:
         self.state_degraded = Gauge(
             "shapegate_state_degraded", "1 while the shared slot store is unreachable.", registry=r
         )
-        # Failover (gateway/upstream/failover.py): retries before the response began, passive
+        # Failover (gateway/request/failover.py): retries before the response began, passive
         # ejections.
         self.retries = Counter(
             "shapegate_retries",

@@ -35,27 +35,21 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from engine_pool.engine_api import Endpoint
+from engine_pool.engine_api import RouteKind
 from engine_pool.latency import LatencyBook
-from gateway.count.drift import DriftWatch
-from gateway.count.tokens import TokenCount
+from gateway.core.count import TokenCount
+from gateway.core.decision import Decision, Grant, Outcome, Reason
+from gateway.core.watchdog import DeadlineHit, Phase
 from gateway.errors import GatewayError
-from gateway.observe.dashboard.stats import RollingWindow
+from gateway.observe.drift import DriftWatch
 from gateway.observe.log import Logger
 from gateway.observe.metrics import Metrics, status_class
+from gateway.observe.stats import RollingWindow
+from gateway.observe.trace import TraceWriter
 from gateway.observe.tracing import RequestSpan, Tracing
-from gateway.request.admission import Grant
-from gateway.request.lanes import Decision, Reason
-from gateway.request.protocol import RoutedRequest
-from gateway.request.watchdog import DeadlineHit, Phase
-from gateway.tuning.trace import TraceWriter
-
-# How a request ended (gateway/request/pipeline.py's docstring says what each means).
-Outcome = Literal[
-    "ok", "upstream_error", "timeout", "client_disconnect", "rejected", "error", "cancelled"
-]
+from gateway.protocols.openai import RoutedRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +64,7 @@ class Routed:
     lane: str  # "none" when no lane takes the prompt
     reason: Reason
     cluster_health: dict[str, bool]
-    route: Endpoint  # the engine route (gateway/request/routes.py) the request came by
+    route: RouteKind  # the engine route (gateway/protocols/routes.py) the request came by
     priority: str | None = None  # its class inside the lane (gateway/request/classes.py)
     lender: str | None = None  # the lane whose engine it borrowed (reason ``borrowed``)
 
@@ -90,7 +84,7 @@ class Routed:
             lane=decision.lane_name,
             reason=decision.reason,
             cluster_health={c: healthy.get(c, True) for c in candidates},
-            route=request.endpoint,
+            route=request.route,
         )
 
     # The names log_fields() gives, for a record refused before its lane was decided.
@@ -144,7 +138,7 @@ class Record:
     """One request, from arrival to its last report."""
 
     request_id: str
-    endpoint: Endpoint
+    route: RouteKind
     started: float = field(default_factory=time.monotonic)
     routed: Routed | None = None
     grant: Grant | None = None
@@ -163,7 +157,7 @@ class Record:
     output_tokens_estimate: int | None = None
     chunks: int = 0
     last_chunk_at: float = 0.0
-    # How often it failed over before the engine answered (gateway/upstream/failover.py).
+    # How often it failed over before the engine answered (gateway/request/failover.py).
     retries: int = 0
     # Why it ended, when not as planned: the error the client was told, the deadline hit.
     error: str | None = None
@@ -195,7 +189,7 @@ class Record:
         count = routed.count if routed is not None else None
         return {
             "shapegate.request_id": self.request_id,
-            "shapegate.route": self.endpoint,
+            "shapegate.route": self.route,
             "shapegate.model": routed.model if routed else None,
             "shapegate.stream": routed.stream if routed else None,
             "shapegate.lane": self.lane,
@@ -226,7 +220,7 @@ class Record:
         grant = self.grant
         return {
             "request_id": self.request_id,
-            "endpoint_kind": self.endpoint,
+            "endpoint_kind": self.route,
             "outcome": self.outcome if self.finished else "in_flight",
             "status": self.status or None,
             **routed,
@@ -313,7 +307,7 @@ class Recorder:
 
     def moved(self, record: Record, grant: Grant, reason: str = "unreachable") -> None:
         """The request failed over before any answer byte: its slot is now ``grant``'s (the
-        ``route.retry`` event itself is gateway/upstream/failover.py's)."""
+        ``route.retry`` event itself is gateway/request/failover.py's)."""
         record.grant = grant
         record.retries += 1
         if record.span is not None:
@@ -326,7 +320,7 @@ class Recorder:
         assert record.routed is not None, "answered before the lane was decided"
         record.count_drift = self.drift.observe(
             model=model,
-            route=record.endpoint,
+            route=record.route,
             ours=record.prompt_tokens,
             theirs=record.engine_prompt_tokens,
             tokenizer=record.routed.count.tokenizer,

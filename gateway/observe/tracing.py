@@ -35,11 +35,11 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from gateway.extras import optional
 from gateway.lifetime import InUse
 from gateway.observe.log import Logger, swallowed
 from gateway.observe.metrics import Metrics
 from gateway.settings import TracingSettings
-from gateway.tools.extras import optional
 
 EXTRA = "otel"
 # A failing collector is logged at most this often (every failure is counted).

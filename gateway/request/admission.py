@@ -54,28 +54,18 @@ import anyio
 
 from engine_pool.cluster import EngineView
 from engine_pool.outlier import ramped_limit
+from gateway.core.decision import Grant
+from gateway.core.slots import Limit, borrow_key, endpoint_key, lane_key, reserve_key
 from gateway.errors import Overloaded, QueueTimeout
 from gateway.observe.log import Logger, swallowed
 from gateway.observe.metrics import Metrics
 from gateway.request.borrowing import EndpointUse, Loan, borrow_room, owner_may_enter, to_reserve
 from gateway.request.classes import DrainMeter, class_lane_limit, next_waiter, retry_after_s
 from gateway.settings import ClassSettings, LaneSettings
-from gateway.slots.store import Limit, SlotStore, borrow_key, endpoint_key, lane_key, reserve_key
+from gateway.slots.store import SlotStore
 
 # Without a shared store, local releases wake waiters; this only bounds a missed health change.
 LOCAL_POLL_S = 0.25
-
-
-@dataclass(frozen=True, slots=True)
-class Grant:
-    token: str
-    lane: str
-    cluster: str
-    url: str
-    keys: tuple[str, ...]
-    queued_s: float
-    # The lane whose idle engine this request borrowed (decision reason ``borrowed``).
-    lender: str | None = None
 
 
 LimitOf = Callable[[EngineView], int]

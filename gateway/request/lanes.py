@@ -31,32 +31,9 @@ the lane: a bound under the first lane's ceiling proves the prompt belongs to th
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Literal
 
+from gateway.core.decision import Decision
 from gateway.settings import LaneSettings
-
-Reason = Literal[
-    "in_range",
-    "primary_unhealthy",
-    "no_lane",
-    "no_healthy_cluster",
-    "response_affinity",
-    # Granted on another lane's idle engine (gateway/request/borrowing.py); set at admission.
-    "borrowed",
-]
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    lane: LaneSettings | None
-    # Clusters to use, in preference order: the primaries that are healthy, or the emergencies.
-    clusters: tuple[str, ...]
-    reason: Reason
-
-    @property
-    def lane_name(self) -> str:
-        return self.lane.name if self.lane is not None else "none"
 
 
 def lane_tokens(total: int, largest: int, lanes: Sequence[LaneSettings]) -> int:

@@ -32,10 +32,9 @@ from engine_pool.capability import holding, holds, refusal, too_long_message
 from engine_pool.cluster import EngineView
 from engine_pool.picker import order_endpoints
 from engine_pool.registry import EnginePool
-from gateway.count.tokens import TokenCount, TokenCounter
-from gateway.count.usage import TAIL_MAX, ExactCount, engine_usage, sse_events, trim_tail
-from gateway.edge.auth import ClientAuth
-from gateway.edge.exchange import (
+from gateway.core.count import TokenCount
+from gateway.core.decision import Decision, Grant
+from gateway.core.exchange import (
     ClientGone,
     Outbound,
     Receive,
@@ -46,6 +45,9 @@ from gateway.edge.exchange import (
     require_media_type,
     watch_disconnect,
 )
+from gateway.core.watchdog import Watch, deadlines_for
+from gateway.count.tokens import TokenCounter
+from gateway.count.usage import TAIL_MAX, ExactCount, engine_usage, sse_events, trim_tail
 from gateway.errors import (
     BadRequest,
     EngineUnreachable,
@@ -60,11 +62,15 @@ from gateway.lifetime import InUse
 from gateway.observe.log import Logger, swallowed
 from gateway.observe.metrics import Metrics
 from gateway.observe.record import Record, Recorder, Routed
-from gateway.request.admission import Admission, Grant, Want
+from gateway.protocols.multipart import parse_multipart
+from gateway.protocols.openai import RoutedRequest, prefix_key
+from gateway.protocols.routes import EngineRoute
+from gateway.request.admission import Admission, Want
+from gateway.request.auth import ClientAuth
 from gateway.request.borrowing import Loan, loans_for
 from gateway.request.classes import UnknownClass, bearer_digest, class_of
+from gateway.request.failover import Attempts, Failover
 from gateway.request.lanes import (
-    Decision,
     choose_lane,
     choose_named_lane,
     endpoint_limit,
@@ -73,12 +79,8 @@ from gateway.request.lanes import (
     no_lane_message,
     pin_to_cluster,
 )
-from gateway.request.protocol import RoutedRequest, prefix_key
-from gateway.request.protocols.multipart import parse_multipart
 from gateway.request.response_affinity import MemoryAffinity, ResponseAffinity, response_id_of
-from gateway.request.routes import EngineRoute
 from gateway.request.shadow_live import ShadowLive
-from gateway.request.watchdog import Watch, deadlines_for
 from gateway.settings import (
     ClusterSettings,
     LaneSettings,
@@ -86,7 +88,6 @@ from gateway.settings import (
     Settings,
     served_models,
 )
-from gateway.upstream.failover import Attempts, Failover
 from gateway.upstream.proxy import Upstream, response_headers, upstream_headers
 
 # How long the response headers may wait for the exact prompt count (finished while the engine
@@ -141,7 +142,7 @@ def read_request(
     """Parse the body as its route reads it and find the model it names (the policy's, by name
     or alias); BadRequest (or ModelNotFound) in the route's error shape otherwise."""
     if route.parse is None:
-        request = parse_multipart(route.endpoint, header(scope, b"content-type"), body)
+        request = parse_multipart(route.kind, header(scope, b"content-type"), body)
     else:
         request = route.parse(body)
     model = settings.model(request.model)
@@ -264,7 +265,7 @@ class Pipeline:
 
     async def handle(self, route: EngineRoute, scope: Scope, receive: Receive, send: Send) -> None:
         policy = self.policy
-        record = Record(request_id=request_id_from(scope), endpoint=route.endpoint)
+        record = Record(request_id=request_id_from(scope), route=route.kind)
         out = Outbound(send, route.errors)
         ids = [(b"x-request-id", record.request_id.encode())]
         self.recorder.received(record, scope)
@@ -418,7 +419,7 @@ class Pipeline:
                             )
                         break
                     except EngineUnreachable as exc:
-                        # Nothing reached the client: fail over (gateway/upstream/failover.py) or
+                        # Nothing reached the client: fail over (gateway/request/failover.py) or
                         # give up.
                         if not await self.failover.next_attempt(
                             record.request_id, held, exc, attempts, target.cluster
@@ -537,7 +538,7 @@ class Pipeline:
 
     async def _learn(self, request: RoutedRequest, grant: Grant, payload: bytes) -> None:
         """Remember which endpoint produced a Responses answer (its id is in the first bytes)."""
-        if request.endpoint == "responses":
+        if request.route == "responses":
             response_id = response_id_of(payload)
             if response_id is not None:
                 await self.affinity.remember(response_id, grant.cluster, grant.url)
@@ -592,7 +593,7 @@ class Pipeline:
                 record.outcome = "upstream_error" if record.status >= 500 else "ok"
             else:
                 tail, events, head = b"", 0, b""
-                learning = request.endpoint == "responses"
+                learning = request.route == "responses"
                 async for chunk in response.chunks(watch):
                     self.recorder.chunk(record, time.monotonic())
                     if not out.started:
@@ -615,8 +616,8 @@ class Pipeline:
                 record.outcome = "ok"
                 usage = engine_usage(tail)
                 events += sse_events(tail)
-                if usage.completion_tokens is None and request.endpoint in ("chat", "completions"):
+                if usage.completion_tokens is None and request.route in ("chat", "completions"):
                     # No usage chunk: one token per content event (chat opens with a role event).
-                    record.output_tokens_estimate = max(0, events - (request.endpoint == "chat"))
+                    record.output_tokens_estimate = max(0, events - (request.route == "chat"))
             record.output_tokens = usage.completion_tokens
             record.engine_prompt_tokens = usage.prompt_tokens

@@ -31,15 +31,15 @@ import time
 
 import orjson
 
+from gateway.core.exchange import Message, read_body
 from gateway.count.tokenizers import warmup
 from gateway.count.tokenizers.worker import rehearsal_text
-from gateway.edge.exchange import Message, read_body
 from gateway.errors import BadRequest
 from gateway.observe.log import Logger, swallowed
 from gateway.observe.metrics import Metrics
+from gateway.protocols.openai import ChatPrompt
+from gateway.protocols.routes import ENGINE_ROUTES
 from gateway.request.pipeline import Policy
-from gateway.request.protocol import ChatPrompt
-from gateway.request.routes import ENGINE_ROUTES
 from gateway.settings import Settings
 
 # More concurrent prompts than this add boot time, not coverage: the counting thread and the

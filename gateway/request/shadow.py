@@ -28,7 +28,7 @@ Contract:
 - ``ShadowReport`` counts what the two policies did: requests compared, agreement by lane,
   disagreements by (active lane, shadow lane) with the range of prompt tokens, what the shadow
   would reject (by reason) and borrow (by lender), the endpoints it would pick, and the live
-  window's trace (shapes only, ``tuning/trace.py`` ``TraceRecord``; arrival in wall seconds, at
+  window's trace (shapes only, ``observe/trace.py`` ``TraceRecord``; arrival in wall seconds, at
   most ``window`` requests) that ``tuning/shadow_effect.py`` replays under both policies.
 - ``merge_reports`` adds the counts, widens the ranges and joins the windows in time order; it
   is how ``GET /admin/shadow`` answers for several workers (``edge/peers.py``) or replicas.
@@ -47,10 +47,11 @@ from engine_pool.capability import holding, refusal
 from engine_pool.cluster import EngineView
 from engine_pool.outlier import ramped_limit
 from engine_pool.picker import order_endpoints
+from gateway.core.decision import Reason
+from gateway.observe.trace import TraceRecord
 from gateway.request.borrowing import EndpointUse, borrow_room, loans_for
 from gateway.request.classes import UnknownClass, class_of
 from gateway.request.lanes import (
-    Reason,
     choose_lane,
     choose_named_lane,
     endpoint_limit,
@@ -58,7 +59,6 @@ from gateway.request.lanes import (
     lane_tokens,
 )
 from gateway.settings import LaneSettings, Settings, served_models
-from gateway.tuning.trace import TraceRecord
 
 _NO_PREFIXES: Mapping[int, bytes] = MappingProxyType({})
 WINDOW = 10_000  # requests of the live window kept for the predicted effect
@@ -136,7 +136,7 @@ class Seen(NamedTuple):
     views: Mapping[str, Sequence[EngineView]]  # cluster -> its endpoints, at decision time
     key_digest: str | None = None
     class_header: str | None = None
-    # affinity_prefix_bytes -> the prompt's prefix key (gateway/request/protocol.py prefix_key).
+    # affinity_prefix_bytes -> the prompt's prefix key (gateway/protocols/openai.py prefix_key).
     prefixes: Mapping[int, bytes] = _NO_PREFIXES
     # The class ``class_of`` gave the active decision, when the shadow's classes are the active
     # ones (the same function of the same inputs: taken, not computed again).

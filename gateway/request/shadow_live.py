@@ -36,12 +36,12 @@ from typing import Any, NamedTuple
 
 from engine_pool.cluster import EngineView
 from engine_pool.registry import EnginePool
-from gateway.edge.exchange import Scope, header
+from gateway.core.exchange import Scope, header
 from gateway.observe.log import Logger, swallowed
 from gateway.observe.metrics import Metrics
 from gateway.observe.record import Record, Routed
+from gateway.protocols.openai import RoutedRequest, prefix_key
 from gateway.request.classes import bearer_digest
-from gateway.request.protocol import RoutedRequest, prefix_key
 from gateway.request.shadow import Seen, ShadowDecision, ShadowPolicy, ShadowReport, decide
 from gateway.settings import Settings
 

@@ -44,13 +44,14 @@ from typing import Any
 import anyio
 from redis.asyncio import Redis
 
+from gateway.core.slots import Limit
 from gateway.errors import StateUnavailable
 from gateway.observe.log import Logger, get_logger, swallowed
 from gateway.observe.metrics import Metrics
 from gateway.settings import StateSettings
 from gateway.slots import lua as slots_lua
 from gateway.slots.connect import redis_client
-from gateway.slots.store import Limit, MemorySlotStore
+from gateway.slots.store import MemorySlotStore
 
 RETRY_AFTER_S = 2.0
 __all__ = ["RedisSlotStore", "redis_client"]

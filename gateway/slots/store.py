@@ -33,35 +33,9 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass
 from typing import Protocol
 
-
-@dataclass(frozen=True, slots=True)
-class Limit:
-    key: str
-    limit: int
-    # Keys that must hold no other token's slot for this one to be taken (checked in the same
-    # atomic step): a lender's own requests and its borrowers exclude each other this way.
-    guards: tuple[str, ...] = ()
-
-
-def lane_key(lane: str) -> str:
-    return f"lane:{lane}"
-
-
-def endpoint_key(cluster: str, url: str) -> str:
-    return f"ep:{cluster}:{url}"
-
-
-def borrow_key(cluster: str, url: str) -> str:
-    """Another lane's requests borrowing the endpoint (gateway/request/borrowing.py)."""
-    return f"borrow:{cluster}:{url}"
-
-
-def reserve_key(cluster: str, url: str) -> str:
-    """The lender's waiter that reserved the endpoint for its borrowers to drain."""
-    return f"reserve:{cluster}:{url}"
+from gateway.core.slots import Limit
 
 
 class SlotStore(Protocol):

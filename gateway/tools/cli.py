@@ -17,10 +17,10 @@ from typing import Any
 
 from engine_pool.launch import policy_warnings
 from gateway.config_check import load_policy
+from gateway.extras import MissingExtra
 from gateway.request import borrowing, classes
 from gateway.settings import ConfigError, Settings
 from gateway.shipped import policy_names, resolve_policy
-from gateway.tools.extras import MissingExtra
 
 MAX_WORKERS = 64  # server.workers' bound (gateway/settings.py)
 REGISTRARS: tuple[str, ...] = (

@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import yaml
 
-from gateway.observe.dashboard.guard import reload_command
+from gateway.edge.admin.guard import reload_command
 from gateway.shipped import configs_dir
 
 

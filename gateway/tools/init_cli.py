@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 
 from gateway.config_check import parse_policy
-from gateway.count.tokenizers.vocab import BUILTIN_NAMES, builtin_path
-from gateway.observe.dashboard.guard import reload_command
+from gateway.count.tokenizers.sources import BUILTIN_NAMES, builtin_path
+from gateway.edge.admin.guard import reload_command
 from gateway.settings import ConfigError
 
 

@@ -4,7 +4,7 @@
 prompt tokens exactly as the gateway and a real vLLM do (the model's own tokenizer and chat
 template). So the simulator declares what it needs (``engine_pool/sim/counting.py``,
 ``PromptCounter``) and this module implements it over the gateway's per-route parsers
-(``gateway/request/routes.py``, ``gateway/request/protocols/``) and ``gateway/count/tokens.py``.
+(``gateway/protocols/routes.py``, ``gateway/protocols/``) and ``gateway/count/tokens.py``.
 
 - ``RegistryCounter(counter, model)`` counts with an already loaded ``TokenCounter`` (tests and
   benchmarks share one between many simulated engines); ``RegistryCounter.for_profile(profile)``
@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from engine_pool.engine_api import Endpoint
+from engine_pool.engine_api import RouteKind
 from engine_pool.sim.counting import RequestRejected, SimRequest
 from gateway.errors import BadRequest
-from gateway.request.protocol import ChatPrompt, CompletionPrompt, Prompt, RoutedRequest
-from gateway.request.protocols.multipart import parse_multipart
-from gateway.request.routes import ENGINE_ROUTES
+from gateway.protocols.multipart import parse_multipart
+from gateway.protocols.openai import ChatPrompt, CompletionPrompt, Prompt, RoutedRequest
+from gateway.protocols.routes import ENGINE_ROUTES
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -34,8 +34,8 @@ if TYPE_CHECKING:
     from gateway.count.tokens import TokenCounter
 
 # Each JSON route's parser, by endpoint (the routes sharing an endpoint share its parser).
-_PARSERS: dict[Endpoint, Callable[[bytes], RoutedRequest]] = {
-    route.endpoint: route.parse for route in ENGINE_ROUTES.values() if route.parse is not None
+_PARSERS: dict[RouteKind, Callable[[bytes], RoutedRequest]] = {
+    route.kind: route.parse for route in ENGINE_ROUTES.values() if route.parse is not None
 }
 
 
@@ -81,15 +81,15 @@ class RegistryCounter:
         }
         return cls(TokenCounter.for_models([model]), profile.model)
 
-    def read(self, endpoint: Endpoint, body: bytes) -> SimRequest:
+    def read(self, kind: RouteKind, body: bytes) -> SimRequest:
         try:
-            return _sim_request(_PARSERS[endpoint](body))
+            return _sim_request(_PARSERS[kind](body))
         except BadRequest as exc:
             raise RequestRejected(exc.message, exc.param) from exc
 
-    def read_form(self, endpoint: Endpoint, content_type: bytes | None, body: bytes) -> SimRequest:
+    def read_form(self, kind: RouteKind, content_type: bytes | None, body: bytes) -> SimRequest:
         try:
-            return _sim_request(parse_multipart(endpoint, content_type, body))
+            return _sim_request(parse_multipart(kind, content_type, body))
         except BadRequest as exc:
             raise RequestRejected(exc.message, exc.param) from exc
 

@@ -23,10 +23,10 @@ scraped. ``LiveCosts.none()`` is the engine alone.
 
 Borrowing and priority classes are the live gateway's own pure rules (gateway/request/borrowing.py,
 gateway/request/classes.py): a short request may take a lending lane's idle endpoint
-(``Outcome.lender`` names it); a lender's own request waits for borrowers to drain, reserving the
-endpoint; each lane's queue goes by class then arrival with the starvation bound. A trace has no
-``max_tokens``: a request's real output length stands in for it (the budget it declared is at least
-that).
+(``SimulatedRequest.lender`` names it); a lender's own request waits for borrowers to drain,
+reserving the endpoint; each lane's queue goes by class then arrival with the starvation bound.
+A trace has no ``max_tokens``: a request's real output length stands in for it (the budget it
+declared is at least that).
 
 What it leaves out, on purpose: health changes and faults (a replay is about policy under load,
 not failure).
@@ -45,6 +45,7 @@ from engine_pool.cluster import EngineState, EngineView
 from engine_pool.picker import order_endpoints
 from engine_pool.sim.profile import EngineProfile
 from engine_pool.sim.scheduler import Scheduler, StepResult
+from gateway.observe.trace import TraceRecord
 from gateway.request.borrowing import (
     EndpointUse,
     Loan,
@@ -57,13 +58,12 @@ from gateway.request.classes import class_lane_limit, next_waiter, rank
 from gateway.request.lanes import choose_lane
 from gateway.settings import LaneSettings, Settings
 from gateway.tuning.fleet_model import LiveCosts
-from gateway.tuning.trace import TraceRecord
 
 CountBy = Literal["tokens", "chars4"]
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome:
+class SimulatedRequest:
     key: str
     prompt_tokens: int
     output_tokens: int
@@ -79,7 +79,7 @@ class Outcome:
     priority: str = "standard"
 
     @classmethod
-    def of(cls, key: str, record: TraceRecord, lane: str, **rest: Any) -> Outcome:
+    def of(cls, key: str, record: TraceRecord, lane: str, **rest: Any) -> SimulatedRequest:
         """The outcome of trace ``record`` in ``lane``: its shape and arrival, then ``rest``."""
         return cls(key, record.prompt_tokens, record.output_tokens, lane, record.t, **rest)
 
@@ -98,7 +98,7 @@ class Outcome:
 
 @dataclass(frozen=True, slots=True)
 class FleetResult:
-    outcomes: tuple[Outcome, ...]
+    outcomes: tuple[SimulatedRequest, ...]
     # (time, lane, slots in use) at every change.
     occupancy: tuple[tuple[float, str, int], ...]
     limits: dict[str, int]
@@ -163,7 +163,7 @@ class FleetSim:
         self._events: list[tuple[float, int, str, object]] = []
         self._seq = itertools.count()
         self._open: dict[str, _Admitted] = {}
-        self._done: list[Outcome] = []
+        self._done: list[SimulatedRequest] = []
         self._occupancy: list[tuple[float, str, int]] = []
         self._tickets: dict[str, tuple[_Ticket, _Engine]] = {}
         # cluster -> the lane owning it, for clusters of lanes that lend.
@@ -269,7 +269,7 @@ class FleetSim:
 
     def _reject(self, key: str, record: TraceRecord, lane: str, now: float, why: str) -> None:
         self._done.append(
-            Outcome.of(key, record, lane, rejected=why, priority=self._priority(record))
+            SimulatedRequest.of(key, record, lane, rejected=why, priority=self._priority(record))
         )
 
     def _use(self, engine: _Engine) -> EndpointUse:
@@ -395,7 +395,7 @@ class FleetSim:
         info = self._open.pop(key)
         record = ticket.record
         self._done.append(
-            Outcome.of(
+            SimulatedRequest.of(
                 key,
                 record,
                 lane,

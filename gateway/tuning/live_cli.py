@@ -27,12 +27,12 @@ import httpx
 import orjson
 
 from gateway.count.tokens import TokenCounter
+from gateway.observe.trace import TraceRecord
 from gateway.settings import ConfigError, Settings
 from gateway.tuning import live_measure, live_replay, live_report
 from gateway.tuning.fleet_model import LiveCosts
 from gateway.tuning.fleet_sim import CountBy, FleetSim
 from gateway.tuning.replay import SimReport, cluster_profiles, render, summarize
-from gateway.tuning.trace import TraceRecord
 
 # What live.json keeps of each engine record (to fit the costs again offline).
 ENGINE_FIELDS = ("request_id", "arrived_s", "arrived_wall", "first_token_s", "finished_s")

@@ -34,11 +34,11 @@ import httpx
 import orjson
 
 from gateway.count.tokens import TokenCounter
+from gateway.observe.trace import TraceRecord
+from gateway.protocols.routes import ENGINE_ROUTES
 from gateway.request.lanes import lane_for
-from gateway.request.routes import ENGINE_ROUTES
 from gateway.settings import Settings
-from gateway.tuning.fleet_sim import FleetResult, Outcome
-from gateway.tuning.trace import TraceRecord
+from gateway.tuning.fleet_sim import FleetResult, SimulatedRequest
 
 # Common English words; those the target's tokenizer encodes as one token (with and without a
 # leading space) make the filler.
@@ -293,11 +293,11 @@ def as_result(settings: Settings, plays: Sequence[Play], time_scale: float) -> F
         key = f"r{item.index}"
         if item.status != 200 or item.finished is None or item.sent is None:
             why = item.error or f"http_{item.status}"
-            outcomes.append(Outcome.of(key, record, lane, rejected=why))
+            outcomes.append(SimulatedRequest.of(key, record, lane, rejected=why))
             continue
         first = item.first_token if item.first_token is not None else item.finished
         outcomes.append(
-            Outcome.of(
+            SimulatedRequest.of(
                 key,
                 record,
                 lane,

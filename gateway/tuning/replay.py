@@ -21,11 +21,11 @@ from typing import Any
 
 from engine_pool.sim.costs import isolated_prefill_seconds
 from engine_pool.sim.profile import EngineProfile, load_profile
+from gateway.extras import save, side_by_side
+from gateway.observe.trace import TraceRecord
 from gateway.request.lanes import lane_for
 from gateway.settings import Settings
-from gateway.tools.extras import save, side_by_side
-from gateway.tuning.fleet_sim import CountBy, FleetResult, FleetSim, Outcome
-from gateway.tuning.trace import TraceRecord
+from gateway.tuning.fleet_sim import CountBy, FleetResult, FleetSim, SimulatedRequest
 
 NEAR = 0.10
 DEMAND_NOTE = (
@@ -138,7 +138,7 @@ class SimReport:
     summary: dict[str, Any]
 
 
-def _stats(outcomes: Sequence[Outcome], makespan: float) -> dict[str, Any]:
+def _stats(outcomes: Sequence[SimulatedRequest], makespan: float) -> dict[str, Any]:
     served = [o for o in outcomes if o.rejected is None]
     ttft = [o.ttft for o in served if o.ttft is not None]
     e2e = [o.e2e for o in served if o.e2e is not None]
@@ -216,7 +216,7 @@ def summarize(
     return SimReport(name, result, summary)
 
 
-def _borrowing(outcomes: Sequence[Outcome]) -> dict[str, Any]:
+def _borrowing(outcomes: Sequence[SimulatedRequest]) -> dict[str, Any]:
     """How many served requests ran on another lane's engine, by lender."""
     served = [o for o in outcomes if o.rejected is None]
     lenders: dict[str, int] = {}

@@ -17,9 +17,10 @@ import orjson
 import yaml
 
 from gateway.config_check import load_settings
+from gateway.extras import pyplot
+from gateway.observe.trace import SYNTH_KINDS, TraceRecord, read_trace, synthesize, write_trace
 from gateway.settings import ConfigError
 from gateway.shipped import resolve_policy
-from gateway.tools.extras import pyplot
 from gateway.tuning import live_cli
 from gateway.tuning.replay import (
     SimReport,
@@ -31,7 +32,6 @@ from gateway.tuning.replay import (
     verdict,
 )
 from gateway.tuning.sweep import Sweep, parse_sweep, plot_sweep, render_sweep, run_sweep
-from gateway.tuning.trace import SYNTH_KINDS, TraceRecord, read_trace, synthesize, write_trace
 from gateway.tuning.trace_window import busiest, cut
 
 

@@ -25,11 +25,11 @@ from dataclasses import replace
 from typing import Any
 
 from engine_pool.sim.profile import EngineProfile
+from gateway.observe.trace import TraceRecord
 from gateway.settings import Settings
 from gateway.tuning.fleet_model import LiveCosts
-from gateway.tuning.fleet_sim import FleetSim, Outcome
+from gateway.tuning.fleet_sim import FleetSim, SimulatedRequest
 from gateway.tuning.replay import cluster_profiles, percentile, summarize
-from gateway.tuning.trace import TraceRecord
 
 CALIBRATION = "shapegate bench fidelity: the live path's costs measured on this machine class"
 
@@ -38,7 +38,7 @@ def _round(value: float) -> float | None:
     return None if math.isnan(value) else round(value, 4)
 
 
-def _ttft(outcomes: Sequence[Outcome]) -> dict[str, float | None]:
+def _ttft(outcomes: Sequence[SimulatedRequest]) -> dict[str, float | None]:
     values = [o.ttft for o in outcomes if o.rejected is None and o.ttft is not None]
     return {
         "requests": len(outcomes),

@@ -30,10 +30,10 @@ from typing import Any
 import yaml
 
 from engine_pool.sim.profile import EngineProfile
+from gateway.extras import pyplot, save
+from gateway.observe.trace import TraceRecord
 from gateway.settings import ConfigError, parse_settings
-from gateway.tools.extras import pyplot, save
 from gateway.tuning.replay import SimReport, cluster_profiles, simulate
-from gateway.tuning.trace import TraceRecord
 
 _SUFFIXES = {"k": 1024, "m": 1024 * 1024}
 _NAMED_LISTS = ("lanes", "clusters", "models")

@@ -14,7 +14,7 @@ import bisect
 import dataclasses
 from collections.abc import Sequence
 
-from gateway.tuning.trace import TraceRecord
+from gateway.observe.trace import TraceRecord
 
 # A window opens this many seconds before a monster, so the requests it delays are inside.
 LEAD_S = 5.0

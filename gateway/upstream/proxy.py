@@ -38,8 +38,8 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+from gateway.core.watchdog import DeadlineHit, Phase, Watch
 from gateway.errors import EngineUnreachable, UpstreamError
-from gateway.request.watchdog import DeadlineHit, Phase, Watch
 from gateway.upstream.http1 import (
     Connection,
     ConnectionLost,

@@ -35,10 +35,10 @@ import orjson
 from engine_pool.cluster import EngineState
 from engine_pool.picker import order_endpoints
 from engine_pool.registry import EnginePool
+from gateway.core.watchdog import Watch, deadlines_for
 from gateway.errors import GatewayError
 from gateway.observe.log import Logger
-from gateway.request.routes import path_of
-from gateway.request.watchdog import Watch, deadlines_for
+from gateway.protocols.routes import path_of
 from gateway.settings import LaneSettings, Settings
 from gateway.upstream.proxy import Upstream
 

@@ -23,7 +23,7 @@ import orjson
 import pytest
 
 from gateway.count.tokens import TokenCounter
-from gateway.request.protocol import parse_request
+from gateway.protocols.openai import parse_request
 from tests.support.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

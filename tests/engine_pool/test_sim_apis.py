@@ -15,7 +15,7 @@ import pytest
 
 from engine_pool.sim.server import SimServer, run_sim
 from engine_pool.sim.wire import output_text
-from gateway.request.routes import ENGINE_ROUTES
+from gateway.protocols.routes import ENGINE_ROUTES
 from gateway.tools.sim_support import RegistryCounter
 from tests.support.sim_profiles import every_task
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
+from gateway.core.slots import Limit
 from gateway.observe.metrics import Metrics
 from gateway.settings import StateSettings
 from gateway.slots.redis_store import RedisSlotStore
-from gateway.slots.store import Limit
 
 LANE_FAST, LANE_HEAVY = Limit("lane:fast", 100), Limit("lane:heavy", 4)
 BORROW = Limit("borrow:heavy:h", 4, guards=("ep:heavy:h", "reserve:heavy:h"))

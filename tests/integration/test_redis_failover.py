@@ -6,7 +6,7 @@ from typing import Any
 
 from structlog.testing import capture_logs
 
-from tests.gateway.upstream.test_failover import (
+from tests.gateway.request.test_failover import (
     engine_that_dies,
     events,
     fast_endpoints,

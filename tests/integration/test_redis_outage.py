@@ -11,6 +11,7 @@ import redis
 from structlog.testing import capture_logs
 
 from engine_pool.cluster import EngineState, EngineView
+from gateway.core.slots import Limit
 from gateway.errors import StateUnavailable
 from gateway.observe.log import get_logger
 from gateway.observe.metrics import Metrics
@@ -18,7 +19,6 @@ from gateway.request.admission import Admission
 from gateway.settings import LaneSettings, StateSettings
 from gateway.slots.lua import PROBE_INTERVAL_S
 from gateway.slots.redis_store import RedisSlotStore
-from gateway.slots.store import Limit
 from tests.integration.redis_support import RedisProcess, delay_proxy, live_members, own_redis
 
 LANE = Limit("lane:fast", 4)

@@ -10,10 +10,10 @@ import asyncio
 
 import redis
 
+from gateway.core.slots import Limit
 from gateway.observe.metrics import Metrics
 from gateway.settings import StateSettings
 from gateway.slots.redis_store import RedisSlotStore
-from gateway.slots.store import Limit
 from tests.integration.redis_support import own_redis
 from tests.support.waiting import wait_for
 

@@ -13,13 +13,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from engine_pool.cluster import EngineState, EngineView
+from gateway.core.slots import Limit
 from gateway.errors import StateUnavailable
 from gateway.observe.log import get_logger
 from gateway.observe.metrics import Metrics
 from gateway.request.admission import Admission
 from gateway.settings import LaneSettings, StateSettings
 from gateway.slots.redis_store import RedisSlotStore
-from gateway.slots.store import Limit
 from tests.integration.redis_support import delete_prefix, live_members, new_prefix
 from tests.support.waiting import wait_for
 

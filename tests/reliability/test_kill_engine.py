@@ -2,7 +2,7 @@
 
 Two simulated engines (processes of their own) serve one lane; six clients send requests in
 loops, half of them streamed. One engine is killed with SIGKILL. A request that had not yet
-received a byte from the killed engine fails over to the other one (gateway/upstream/failover.py);
+received a byte from the killed engine fails over to the other one (gateway/request/failover.py);
 one
 whose answer had begun (a stream under way) fails with a clear error. No request started after
 the kill fails: the dead engine always looks the least loaded (nothing stays in flight on it),

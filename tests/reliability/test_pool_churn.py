@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.core.watchdog import Deadlines, Watch
 from gateway.errors import UpstreamError
-from gateway.request.watchdog import Deadlines, Watch
 from gateway.upstream.proxy import Upstream
 from tests.conftest import JSON, lanes_config
 from tests.reliability.reliability_support import (

@@ -18,12 +18,13 @@ from engine_pool.sim.profile import load_profile
 from gateway.count.tokens import TokenCounter
 from gateway.tools.bench import soak
 from gateway.tools.bench.harness import write_json
+from gateway.tools.bench.soak_traffic import SoakOptions
 from gateway.tools.cli import build_parser
 from gateway.tools.sim_support import RegistryCounter
 
 
 async def test_a_short_soak_leaks_nothing(counter: TokenCounter, tmp_path: Path) -> None:
-    options = soak.SoakOptions(seconds=20, rate=30, seed=7)
+    options = SoakOptions(seconds=20, rate=30, seed=7)
     result = await soak.soak(options, counter=RegistryCounter(counter, "qwen3.6"))
     print(soak.table(result))
 

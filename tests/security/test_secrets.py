@@ -9,8 +9,8 @@ import httpx
 import pytest
 from structlog.testing import capture_logs
 
-from gateway.edge.auth import ClientAuth
 from gateway.errors import Unauthorized
+from gateway.request.auth import ClientAuth
 from gateway.settings import AuthSettings
 from tests.conftest import JSON, lanes_config
 from tests.support.fake_engine import FakeEngine

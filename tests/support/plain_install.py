@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.count.tokenizers import vocab
+from gateway.count.tokenizers import backends
 
 
 def hide_gigatoken(patch: pytest.MonkeyPatch) -> None:
-    """Make ``vocab`` find no gigatoken, as ``pip install shapegate`` without the extra has it."""
-    real = vocab.importlib.util.find_spec
+    """Make ``backends`` find no gigatoken, as ``pip install shapegate`` without the extra does."""
+    real = backends.importlib.util.find_spec
     patch.setattr(
-        vocab.importlib.util,
+        backends.importlib.util,
         "find_spec",
         lambda name, *rest: None if name == "gigatoken" else real(name, *rest),
     )

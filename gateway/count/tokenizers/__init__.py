@@ -5,7 +5,12 @@ count cache.
 tests and benchmarks that compare backends.
 
     encoders.py   one ``Encoder`` protocol over gigatoken, tiktoken and Hugging Face tokenizers
-    vocab.py      ``load_vocabulary(TokenizerSettings)``: shipped files, local files, fallbacks
+    sources.py    ``load_vocabulary(TokenizerSettings)``: shipped files, local files, fallbacks
+    vocab.py      ``Vocabulary``: the warmed encoder and what counting knows about it
+    hf_json.py    a tokenizer.json and the chat template beside it
+    tiktoken_files.py  .tiktoken files and tiktoken's named encodings
+    backends.py   which backend serves a vocabulary, in a child process or this one
+    worker.py     ``ChildEncoder``: the tokenizer in a child process (child.py), recycled on RSS
     templates.py  what the engine sees: built-in ChatML pieces, or a model's Jinja chat template
     cache.py      the bounded LRU of per-piece counts
 """

@@ -43,7 +43,7 @@ from typing import Any, Literal
 
 from jinja2 import nodes
 
-from gateway.request.protocol import ChatPrompt
+from gateway.protocols.openai import ChatPrompt
 
 ContentFormat = Literal["string", "openai"]
 

@@ -57,7 +57,7 @@ from gateway.count.tokenizers.conversation import (
     conversation,
     names_developer,
 )
-from gateway.request.protocol import ChatPrompt
+from gateway.protocols.openai import ChatPrompt
 
 __all__ = ["GENERATION_PROMPT", "ChatTemplate", "TemplateRejected", "chatml_pieces"]
 

@@ -11,8 +11,6 @@ cost back).
 - ``warm_tokens(settings, max_model_len)``: ``counting.warmup_tokens`` when set (0: the small
   warm-up only), else the largest prompt any lane admits, capped by the model's
   ``max_model_len`` and by ``MAX_WARM_TOKENS``.
-- ``repeats(unit_tokens, tokens)``: how many copies of the warm-up unit make about that many
-  tokens.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ from gateway.settings import Settings
 
 # A policy that admits 10**9 tokens still warms with a text of about this many.
 MAX_WARM_TOKENS = 1_048_576
-# Characters a token of the warm-up text (worker.warm_text: prose, CJK, emoji, JSON) for Qwen3.6:
+# Characters a token of the warm-up text (child.warm_text: prose, CJK, emoji, JSON) for Qwen3.6:
 # 40,960 characters are 24,868 tokens. Other vocabularies land near it; a warm-up need not be exact.
 CHARS_PER_TOKEN = 1.65
 
@@ -31,7 +29,3 @@ def warm_tokens(settings: Settings, max_model_len: int | None) -> int:
         return settings.counting.warmup_tokens
     admitted = max(lane.max_prompt_tokens for lane in settings.lanes) - 1
     return min(admitted, max_model_len or MAX_WARM_TOKENS, MAX_WARM_TOKENS)
-
-
-def repeats(unit_tokens: int, tokens: int) -> int:
-    return max(1, tokens // max(1, unit_tokens))

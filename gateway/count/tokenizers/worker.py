@@ -6,8 +6,9 @@ cache inside the tokenizer, with no bound and no way to clear it; text made of e
 gateway's own process would hold the GIL for ~1.3 s (the event loop stalls), and the allocator
 keeps part of what the old one freed. A child process gives both back: it loads off the
 gateway's GIL, and its memory returns to the system when it exits. The child is a fresh
-interpreter (``python -m gateway.count.tokenizers.worker READ_FD WRITE_FD``), not a fork or a
-multiprocessing spawn: nothing of the gateway is copied or re-imported into it. tiktoken runs
+interpreter (``python -m gateway.count.tokenizers.child READ_FD WRITE_FD``: child.py), not a
+fork or a multiprocessing spawn: nothing of the gateway is copied or re-imported into it.
+tiktoken runs
 here too when it stands in for gigatoken on a tokenizer.json (``byte_level.py``): building its
 ranks parses the whole vocabulary (0.7 s, ~100 MB), which the gateway's loop never pays.
 
@@ -54,78 +55,20 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from gateway.count.tokenizers.encoders import Backend, Encoder, GigatokenEncoder
-from gateway.lifetime import hold_heap, trim_heap
+from gateway.count.tokenizers.child import warm_text
+from gateway.count.tokenizers.encoders import Backend, Encoder
 from gateway.observe.log import get_logger, swallowed
 
 if TYPE_CHECKING:
     from gateway.observe.metrics import Metrics
 
-# Freed heap a child keeps mapped for the next monster (lifetime.hold_heap); its RSS, which
-# the bound watches, includes it.
-CHILD_KEEP_MB = 32
 # The bound is at least this much above what a freshly loaded child holds.
 READY_HEADROOM = 1.25
 READY_TIMEOUT_S = 120.0
-_WARM_TEXT = 'warm 日本語 🎉 e\u0301 {"k": [1, 2]}\n' * 64
 
 
 class EncoderFailed(RuntimeError):
     """The tokenizer in the child process raised, or no child could be started."""
-
-
-def _rss_mb() -> float:
-    try:
-        with open("/proc/self/statm", "rb") as statm:
-            pages = int(statm.read().split()[1])
-    except OSError:
-        import resource  # not Linux: the peak, which still trips the bound
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return pages * os.sysconf("SC_PAGE_SIZE") / (1024 * 1024)
-
-
-def _answer(encoder: Encoder, op: str, arg: Any) -> Any:
-    if op == "encode":
-        return encoder.encode(arg)
-    if op == "decode":
-        return encoder.decode(arg)
-    return encoder.count_many(arg)
-
-
-def _serve(inbox: Connection, outbox: Connection) -> None:
-    """The child: read its recipe, build the tokenizer, warm it, then answer calls until the
-    gateway closes its end of the pipe (or dies)."""
-    hold_heap(CHILD_KEEP_MB)
-    try:
-        recipe, warm_chars = inbox.recv()
-        encoder: Encoder = recipe()
-        encoder.count_many([_WARM_TEXT, _WARM_TEXT * 64])
-        started = time.perf_counter()
-        if warm_chars > 0:
-            encoder.count_many([warm_text(warm_chars)])
-        warm_ms = (time.perf_counter() - started) * 1000
-        trim_heap()  # what the load and the warm-up freed: the memory bound watches RSS
-    # pyo3's PanicException derives from BaseException; the parent raises what it is told.
-    except BaseException as exc:  # noqa: BLE001 - sent to the parent, which raises it
-        outbox.send(("failed", f"{type(exc).__name__}: {str(exc)[:500]}", _rss_mb()))
-        return
-    outbox.send(("ready", warm_ms, _rss_mb()))
-    while True:
-        try:
-            op, arg = inbox.recv()
-        except (EOFError, OSError):
-            return
-        try:
-            result = _answer(encoder, op, arg)
-        except BaseException as exc:  # noqa: BLE001 - sent to the parent, which raises it
-            if op == "decode" and isinstance(exc, ValueError):
-                # An id outside the vocabulary: the caller's input, raised there as ValueError.
-                outbox.send(("invalid", str(exc)[:500], _rss_mb()))
-            else:
-                outbox.send(("failed", f"{type(exc).__name__}: {str(exc)[:500]}", _rss_mb()))
-            continue
-        outbox.send(("ok", result, _rss_mb()))
 
 
 @dataclass(slots=True)
@@ -137,11 +80,6 @@ class _Child:
     started: float
     calls: int = 0
     ready_rss_mb: float = 0.0
-
-
-def warm_text(chars: int) -> str:
-    """A mixed text (prose, CJK, emoji, JSON) of ``chars`` characters."""
-    return (_WARM_TEXT * (chars // len(_WARM_TEXT) + 1))[:chars]
 
 
 def _start(recipe: Callable[[], Encoder], warm_chars: int = 0) -> _Child:
@@ -156,7 +94,7 @@ def _start(recipe: Callable[[], Encoder], warm_chars: int = 0) -> _Child:
         [
             sys.executable,
             "-m",
-            "gateway.count.tokenizers.worker",
+            "gateway.count.tokenizers.child",
             str(child_reads),
             str(child_writes),
         ],
@@ -396,31 +334,6 @@ class ChildEncoder:
         _stop(old)
 
 
-def gigatoken_from_json(data: bytes) -> GigatokenEncoder:
-    """A recipe: gigatoken from tokenizer.json bytes (gigatoken applies its normaliser)."""
-    import gigatoken as gt
-
-    # .backend drops the wrapper, which would keep the 13 MB JSON text alive for as_hf().
-    return GigatokenEncoder(gt.Tokenizer.from_json(data).backend, nfc=False)
-
-
-def gigatoken_from_tiktoken(
-    path: str, pretokenizer: str, specials: dict[str, int], nfc: bool
-) -> GigatokenEncoder:
-    """A recipe: gigatoken from a .tiktoken file (``nfc``: normalise here, which a .tiktoken
-    file cannot say)."""
-    import gigatoken as gt
-
-    tokenizer = gt.Tokenizer.from_tiktoken(path, pretokenizer=pretokenizer, special_tokens=specials)
-    return GigatokenEncoder(tokenizer.backend, nfc=nfc)
-
-
 def _stop_all(children: list[_Child]) -> None:
     for child in children:
         _stop(child)
-
-
-if __name__ == "__main__":
-    _serve(
-        Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False)
-    )

@@ -1,6 +1,6 @@
 """``shapegate bench borrow``: lanes that lend against lanes that don't and one shared pool.
 
-Each seed's trace of two shapes (``gateway.tuning.trace.synthesize``: ``production-burst``, 658
+Each seed's trace of two shapes (``gateway.observe.trace.synthesize``: ``production-burst``, 658
 requests over three hours with nine monsters opening bursts; ``agent-storm``, eight storms of
 80-165 agent calls within three seconds, monsters just before them, interactive chat turns all
 along) is played by ``gateway.tuning.replay.simulate`` (the discrete-event ``fleet_sim``, which
@@ -28,11 +28,11 @@ from typing import Any
 
 import yaml
 
+from gateway.observe.trace import synthesize
 from gateway.settings import Settings, parse_settings
 from gateway.shipped import resolve_policy
 from gateway.tools.bench.harness import machine, machine_line, publish, with_targets
 from gateway.tuning.replay import SimReport, cluster_profiles, plot, simulate
-from gateway.tuning.trace import synthesize
 
 TRACES = ("production-burst", "agent-storm")
 POLICIES = ("shared", "lanes", "borrow")

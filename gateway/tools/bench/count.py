@@ -43,19 +43,25 @@ from typing import Any
 import orjson
 
 from gateway.config_check import load_settings
-from gateway.count.tokenizers.vocab import Vocabulary
 from gateway.count.tokens import TokenCounter
-from gateway.request.protocol import ChatPrompt, parse_request
-from gateway.settings import ConfigError, ModelSettings, Settings, TokenizerSettings
+from gateway.protocols.openai import ChatPrompt, parse_request
+from gateway.settings import ModelSettings, Settings
 from gateway.shipped import resolve_policy
-from gateway.tools.bench.corpus import KINDS, Corpus
-from gateway.tools.bench.harness import machine_line, package_version, tree_rss_mb, with_targets
+from gateway.tools.bench.corpus import Corpus
+from gateway.tools.bench.count_baselines import (
+    against_hf,
+    backend_of,
+    calibration,
+    plain_install,
+    stats,
+)
+from gateway.tools.bench.count_report import table, targets
+from gateway.tools.bench.harness import package_version, tree_rss_mb
 
 SIZES = (("3k", 3_000, 300), ("32k", 32_000, 40), ("300k", 300_000, 15))
 # Requests decided before the timed ones: a running gateway's tokenizer is warm (gigatoken keeps
 # a cache of pre-tokens; the first large encodes of a process are up to 2x slower).
 WARM = 3
-HF_RUNS = {"3k": 20, "32k": 5, "300k": 2}
 SYSTEM = "You are a careful assistant. Answer from the documents the user gives you."
 
 
@@ -80,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "count.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
-    print(_table(result))
+    print(table(result))
     print(f"\nwritten: {out / 'count.json'}")
     return 0
 
@@ -117,15 +123,6 @@ def _settings(path: str | None) -> Settings:
 
 def _rss_mb() -> float:
     return tree_rss_mb()  # this process and the tokenizer child
-
-
-def _stats(samples: list[float]) -> dict[str, float]:
-    ms = sorted(s * 1000 for s in samples)
-    return {
-        "p50_ms": round(statistics.median(ms), 4),
-        "p99_ms": round(ms[min(len(ms) - 1, int(len(ms) * 0.99))], 4),
-        "n": len(ms),
-    }
 
 
 def _body(model: str, text: str) -> bytes:
@@ -181,7 +178,7 @@ def _measure(settings: Settings, *, smoke: bool, all_cpus: set[int] | None) -> d
         if templated is not None:  # the same decision through the model's own Jinja template
             bodies = [_body(model, corpus.mixed(chars, next(seed))) for _ in range(runs + WARM)]
             times, decisions = _decide(counter, templated, bodies, exact_above, lane_for)
-            requests[-1]["decide_own_template"] = _stats(times)
+            requests[-1]["decide_own_template"] = stats(times)
             requests[-1]["decide_own_template_methods"] = sorted({c.method for c, _ in decisions})
     stall_chars = int(300_000 * scale * chars_per_token)
     runs = 1 if smoke else 3
@@ -207,14 +204,14 @@ def _measure(settings: Settings, *, smoke: bool, all_cpus: set[int] | None) -> d
     )
     rss_counted = _rss_mb() - bench_texts / 2**20
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    plain = _plain_install(
+    plain = plain_install(
         settings,
         requests,
         counter.tokenizer_id(model),
         lambda other: _loop_stall(other, model, corpus, stall_chars, runs, seed),
     )
-    _against_hf(counter, model, settings.models[0].tokenizer, requests, smoke=smoke)
-    calibration = _calibration(counter, model, corpus, chars=20_000 if smoke else 200_000)
+    against_hf(counter, model, settings.models[0].tokenizer, requests, smoke=smoke)
+    calibrated = calibration(counter, model, corpus, chars=20_000 if smoke else 200_000)
     counter.close()
     result: dict[str, Any] = {
         "suite": "count",
@@ -222,7 +219,7 @@ def _measure(settings: Settings, *, smoke: bool, all_cpus: set[int] | None) -> d
         "scale": scale,
         "model": model,
         "tokenizer": counter.tokenizer_id(model),
-        "exact_backend": _backend(counter.tokenizer_id(model)),
+        "exact_backend": backend_of(counter.tokenizer_id(model)),
         "exact_above": exact_above,
         "versions": {
             name: package_version(name) for name in ("gigatoken", "tokenizers", "tiktoken")
@@ -238,81 +235,10 @@ def _measure(settings: Settings, *, smoke: bool, all_cpus: set[int] | None) -> d
         "requests": [{k: v for k, v in r.items() if not k.startswith("_")} for r in requests],
         "loop_stall": stall,
         "plain_install": plain,
-        "calibration": calibration,
+        "calibration": calibrated,
     }
-    result["targets"] = _targets(result)
+    result["targets"] = targets(result)
     return result
-
-
-def _backend(tokenizer_id: str) -> str:
-    """The backend in a tokenizer id: ``Vocabulary.id`` is ``{name}/{encoder.backend}``."""
-    return tokenizer_id.rsplit("/", 1)[-1]
-
-
-def _plain_install(
-    settings: Settings,
-    requests: list[dict[str, Any]],
-    ours: str,
-    loop_stall: Callable[[TokenCounter], dict[str, Any]],
-) -> dict[str, Any]:
-    """The plain install's exact path: the policy's first model with ``backend: tiktoken``.
-
-    Loaded as the gateway loads it (``TokenCounter.from_settings``, warm-up included), in a counter
-    of its own so its cache is empty; each request's fresh prompts counted once with
-    ``count_sync`` (``request["tiktoken"]``). Counts that differ from ours fail the run. A
-    vocabulary tiktoken cannot count exactly is reported absent, with the reason.
-    """
-    first = settings.models[0]
-    forced = first.model_copy(
-        update={"tokenizer": first.tokenizer.model_copy(update={"backend": "tiktoken"})}
-    )
-    rss_before = _rss_mb()
-    started = time.perf_counter()
-    try:
-        counter = TokenCounter.from_settings(settings.model_copy(update={"models": (forced,)}))
-    except ConfigError as exc:
-        return {"backend": None, "absent": str(exc)}
-    load_s = time.perf_counter() - started
-    rss_added = _rss_mb() - rss_before
-    try:
-        for request in requests:
-            times, counts = [], []
-            for prompt in request["_prompts"]:
-                started = time.perf_counter()
-                counts.append(counter.count_sync(first.name, prompt).tokens)
-                times.append(time.perf_counter() - started)
-            if counts != request["_counts"]:
-                raise RuntimeError(
-                    f"{request['size']}: tiktoken counts {counts}, {ours} {request['_counts']}"
-                )
-            request["tiktoken"] = _stats(times)
-            request["_tiktoken_counts"] = counts
-        stall = {"1_core": loop_stall(counter)}
-        tokenizer = counter.tokenizer_id(first.name)
-    finally:
-        counter.close()
-    return {
-        "backend": _backend(tokenizer),
-        "tokenizer": tokenizer,
-        "load_s": round(load_s, 3),
-        "rss_mb_added": round(rss_added, 1),
-        "loop_stall": stall,
-    }
-
-
-def _by_backend(request: dict[str, Any], exact_backend: str) -> dict[str, Any]:
-    """Exact-count p50 and p99 by backend, with the HF baseline's p50 over it; None: absent.
-
-    ``tiktoken`` is the plain install's counter (even when ``auto`` also loaded tiktoken)."""
-    figures: dict[str, dict[str, Any] | None] = {"gigatoken": None, "tiktoken": None}
-    if exact_backend in figures:
-        figures[exact_backend] = request["exact"]
-    figures["tiktoken"] = request.get("tiktoken", figures["tiktoken"])
-    hf_p50 = request["hf"]["p50_ms"]
-    return {
-        backend: None if stats is None else {**stats, "x_hf": round(hf_p50 / stats["p50_ms"], 1)}
-        for backend, stats in figures.items()
-    }
 
 
 def _chars_per_token(counter: TokenCounter, model: str, corpus: Corpus) -> float:
@@ -372,12 +298,12 @@ def _measure_size(
         "tokens": exact[0].tokens,
         "body_bytes": len(fresh[0]),
         "prompt_bytes": exact[0].prompt_bytes,
-        "decide": _stats(decide),
+        "decide": stats(decide),
         "decide_methods": sorted({c.method for c, _ in decisions}),
         "decide_lanes": sorted({lane for _, lane in decisions}),
-        "exact": _stats(exact_times),
+        "exact": stats(exact_times),
         "exact_methods": sorted({c.method for c in exact}),
-        "cache": _stats(cache_times),
+        "cache": stats(cache_times),
         "cache_methods": sorted({c.method for c in cached}),
         "_prompts": prompts,
         "_counts": [c.tokens for c in exact],
@@ -425,208 +351,3 @@ def _loop_stall(
         return out
 
     return asyncio.run(all_runs())
-
-
-def _against_hf(
-    counter: TokenCounter,
-    model: str,
-    spec: TokenizerSettings,
-    requests: list[dict[str, Any]],
-    *,
-    smoke: bool,
-) -> None:
-    """Time HF tokenizers on the very prompts counted exactly; every backend's counts must agree."""
-    import tokenizers
-
-    from gateway.count.tokenizers.vocab import builtin_path, read_tokenizer_json
-
-    if spec.source == "builtin":
-        with builtin_path(spec.name or "") as path:
-            data, _ = read_tokenizer_json(path)
-    elif spec.source == "hf_json":
-        data, _ = read_tokenizer_json(Path(spec.path or ""))
-    else:
-        raise RuntimeError("the HF baseline needs a tokenizer.json model (builtin or hf_json)")
-    hf = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
-    hf.encode("warm up", add_special_tokens=False)
-    for request in requests:
-        runs = 1 if smoke else HF_RUNS[request["size"]]
-        times = []
-        plain = request.get("_tiktoken_counts", request["_counts"])
-        for prompt, ours, tiktoken_count in list(
-            zip(request["_prompts"], request["_counts"], plain, strict=True)
-        )[:runs]:
-            text = counter.render_chat(model, prompt)
-            started = time.perf_counter()
-            theirs = len(hf.encode(text, add_special_tokens=False).ids)
-            times.append(time.perf_counter() - started)
-            if not theirs == ours == tiktoken_count:
-                raise RuntimeError(
-                    f"{request['size']}: HF counts {theirs}, shapegate {ours} "
-                    f"(plain install's tiktoken {tiktoken_count})"
-                )
-        request["hf"] = _stats(times)
-        request["hf_agrees"] = True
-        request["tiktoken_agrees"] = "_tiktoken_counts" in request
-        request["exact_by_backend"] = _by_backend(request, _backend(counter.tokenizer_id(model)))
-        request["speedup_exact_vs_hf"] = round(
-            request["hf"]["p50_ms"] / request["exact"]["p50_ms"], 1
-        )
-        request["speedup_decide_vs_hf"] = round(
-            request["hf"]["p50_ms"] / request["decide"]["p50_ms"], 1
-        )
-
-
-def _calibration(
-    counter: TokenCounter, model: str, corpus: Corpus, chars: int
-) -> list[dict[str, Any]]:
-    """Characters and bytes per token by kind of text, on every shipped vocabulary."""
-    from gateway.count.tokenizers.vocab import BUILTIN_VOCABULARIES, load_vocabulary
-
-    rows = []
-    encoders: list[tuple[str, Callable[[str], int]]] = [
-        (counter.tokenizer_id(model), lambda text: len(counter.encode(model, text)))
-    ]
-    for name in BUILTIN_VOCABULARIES:
-        if counter.tokenizer_id(model).startswith(name + "/"):
-            continue
-        vocab = load_vocabulary(TokenizerSettings(source="builtin", name=name))
-        encoders.append((vocab.id, _counter_of(vocab)))
-    for vocab_id, count in encoders:
-        for kind in KINDS:
-            text = corpus.take(kind, chars, seed=7)
-            tokens = count(text)
-            n_bytes = len(text.encode("utf-8"))
-            rows.append(
-                {
-                    "vocabulary": vocab_id,
-                    "kind": kind,
-                    "chars": len(text),
-                    "tokens": tokens,
-                    "chars_per_token": round(len(text) / tokens, 2),
-                    "bytes_per_token": round(n_bytes / tokens, 2),
-                    # what a chars/4 estimate says, as a share of the real count
-                    "chars_over_4_vs_real": round(len(text) / 4 / tokens, 2),
-                }
-            )
-    return rows
-
-
-def _counter_of(vocab: Vocabulary) -> Callable[[str], int]:
-    return lambda text: vocab.encoder.count_many([text])[0]
-
-
-def _targets(result: dict[str, Any]) -> list[dict[str, Any]]:
-    by = {r["size"]: r for r in result["requests"]}
-    rss = result["rss_mb"]
-    rows = [
-        (
-            "3k decided by the bound (no tokenizer), p50 ms",
-            by["3k"]["decide"]["p50_ms"],
-            0.2,
-            by["3k"]["decide_methods"] == ["bound"],
-        ),
-        ("32k decided exactly, p50 ms", by["32k"]["decide"]["p50_ms"], 3.0, True),
-        ("300k decided exactly, p50 ms", by["300k"]["decide"]["p50_ms"], 15.0, True),
-        (
-            "RSS with the demo tokenizers loaded, MB",
-            rss["after_load"],
-            300.0,
-            True,
-        ),
-    ]
-    out = [
-        {"target": name, "value": value, "limit": limit, "met": bool(ok and value < limit)}
-        for name, value, limit, ok in rows
-    ]
-    speedup = by["32k"].get("speedup_decide_vs_hf", 0.0)
-    out.append(
-        {
-            "target": "32k: times faster than HF tokenizers (decide vs HF encode)",
-            "value": speedup,
-            "limit": 30.0,
-            "met": speedup >= 30.0,
-        }
-    )
-    return out
-
-
-def _table(result: dict[str, Any]) -> str:
-    lines = [
-        f"shapegate bench count: {result['tokenizer']} on cpus {result['cpu_affinity']}"
-        f"{' (SMOKE: sizes x0.1, figures not meaningful)' if result['smoke'] else ''}",
-        machine_line(result["machine"]),
-        f"exact_above={result['exact_above']}  load={result['load_s']}s  "
-        f"rss after load={result['rss_mb']['after_load']} MB, after counting "
-        f"{result['rss_mb']['after_counting_less_bench_texts']} MB"
-        + (
-            " (gigatoken's pre-token cache grows with every new word it sees, in a child "
-            "replaced past its bound)"
-            if result["exact_backend"] == "gigatoken"
-            else ""
-        ),
-        "",
-        f"{'size':>5} {'tokens':>8} {'decide p50':>11} {'how':>6} {'exact p50':>10} "
-        f"{'cache p50':>10} {'HF p50':>9} {'x HF':>7} {'jinja decide':>12}",
-    ]
-    for r in result["requests"]:
-        lines.append(
-            f"{r['size']:>5} {r['tokens']:>8} {r['decide']['p50_ms']:>9.3f}ms "
-            f"{','.join(r['decide_methods']):>6} {r['exact']['p50_ms']:>8.3f}ms "
-            f"{r['cache']['p50_ms']:>8.3f}ms {r.get('hf', {}).get('p50_ms', float('nan')):>7.1f}ms "
-            f"{r.get('speedup_decide_vs_hf', float('nan')):>7.1f} "
-            f"{r.get('decide_own_template', {}).get('p50_ms', float('nan')):>10.3f}ms"
-        )
-    lines.append("")
-    lines += _by_backend_lines(result)
-    lines.append("")
-    plain = result["plain_install"]
-    stalls = [(result["exact_backend"], c, s) for c, s in result["loop_stall"].items()]
-    stalls += [(plain["backend"], c, s) for c, s in plain.get("loop_stall", {}).items()]
-    for backend, cores, stall in stalls:
-        lines.append(
-            f"event loop, {backend}, {cores}, {stall['prompt_chars']}-char count: via count() "
-            f"{stall['worker_thread']['count_ms']} ms, 1 ms ticker late <= "
-            f"{stall['worker_thread']['max_tick_late_ms']} ms; inline "
-            f"{stall['inline']['count_ms']} ms, late <= {stall['inline']['max_tick_late_ms']} ms"
-        )
-    lines += [
-        "",
-        f"{'vocabulary':>22} {'kind':>6} {'chars/tok':>9} {'bytes/tok':>9} {'chars/4 vs real':>15}",
-    ]
-    for c in result["calibration"]:
-        lines.append(
-            f"{c['vocabulary']:>22} {c['kind']:>6} {c['chars_per_token']:>9} "
-            f"{c['bytes_per_token']:>9} {c['chars_over_4_vs_real']:>15}"
-        )
-    return with_targets(lines, result["targets"])
-
-
-def _by_backend_lines(result: dict[str, Any]) -> list[str]:
-    """Exact counts of the same prompts by backend, p50 and its ratio to HF's in this run."""
-    plain = result["plain_install"]
-    lines = [
-        "exact count of the same prompts, p50 (x HF: HF p50 over it, same run); tiktoken is the "
-        "plain install (no [gigatoken] extra)"
-        + (f", absent: {plain['absent']}" if plain["backend"] is None else ""),
-        f"{'size':>5} {'tokens':>8} {'gigatoken':>18} {'tiktoken':>18} {'HF':>10}",
-    ]
-    for r in result["requests"]:
-        cells = []
-        for backend in ("gigatoken", "tiktoken"):
-            figures = r["exact_by_backend"][backend]
-            cells.append(
-                "absent"
-                if figures is None
-                else f"{figures['p50_ms']:.3f}ms x{figures['x_hf']:<5.1f}"
-            )
-        lines.append(
-            f"{r['size']:>5} {r['tokens']:>8} {cells[0]:>18} {cells[1]:>18} "
-            f"{r['hf']['p50_ms']:>8.3f}ms"
-        )
-    if plain["backend"] is not None:
-        lines.append(
-            f"plain install counter ({plain['tokenizer']}): loaded in {plain['load_s']} s, "
-            f"+{plain['rss_mb_added']} MB RSS"
-        )
-    return lines

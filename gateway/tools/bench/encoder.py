@@ -35,9 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from gateway.config_check import load_settings
-from gateway.count.tokenizers.vocab import DEFAULT_MAX_RSS_MB, EncoderLimits, load_vocabulary
+from gateway.count.tokenizers.backends import DEFAULT_MAX_RSS_MB, EncoderLimits
+from gateway.count.tokenizers.sources import load_vocabulary
 from gateway.count.tokens import TokenCounter
-from gateway.request.protocol import ChatPrompt
+from gateway.protocols.openai import ChatPrompt
 from gateway.settings import CountingSettings, Settings, TokenizerSettings
 from gateway.tools.bench.corpus import Corpus
 from gateway.tools.bench.harness import machine, machine_line, target_lines, tree_rss_mb, write_json

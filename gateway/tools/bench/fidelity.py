@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from gateway.config_check import load_settings
+from gateway.extras import pyplot, save
+from gateway.observe.trace import synthesize
 from gateway.shipped import resolve_policy
 from gateway.tools.bench import harness
 from gateway.tools.bench.harness import (
@@ -41,10 +43,8 @@ from gateway.tools.bench.harness import (
     publish,
     with_targets,
 )
-from gateway.tools.extras import pyplot, save
 from gateway.tuning.fleet_model import LiveCosts
 from gateway.tuning.live_cli import Target, build_prompts, default_deadline, play_and_predict
-from gateway.tuning.trace import synthesize
 from gateway.tuning.trace_window import busiest, cut
 
 GOAL = 1.10

@@ -5,7 +5,7 @@
   file; ``cpu_s()`` and ``rss_mb()`` read ``/proc/PID/stat`` and ``/proc/PID/statm`` (the
   whole process, every thread; RSS with its children: the tokenizer child); ``stop()`` sends
   SIGINT, then kills after a grace period.
-- ``start_upstream(folder, cpus, chunks)``: the fixed fast upstream of ``httpload``.
+- ``start_upstream(folder, cpus, chunks)``: the fixed fast upstream (``upstream.py``).
 - ``start_smg(upstream_port, folder, cpus)``: SGLang's Rust model gateway (PyPI ``smg``, the
   bench extra) in front of the same upstream, as ``smg launch --policy round_robin`` with the
   upstream as its one worker; returns once it routes a chat request (it discovers the model from
@@ -162,7 +162,7 @@ class Child:
 
 def start_upstream(folder: Path, cpus: set[int] | None, chunks: int = 100) -> tuple[Child, int]:
     port = free_port()
-    argv = [sys.executable, "-m", "gateway.tools.bench.httpload", "upstream", "--port", str(port)]
+    argv = [sys.executable, "-m", "gateway.tools.bench.upstream", "--port", str(port)]
     argv += ["--chunks", str(chunks)]
     child = Child.start("upstream", argv, folder / "upstream.log", cpus)
     wait_http(f"http://127.0.0.1:{port}/health", child, 20.0)

@@ -1,7 +1,7 @@
 """``shapegate bench lanes``: the production-burst trace on equal capacity, three ways.
 
-Each seed's ``production-burst`` trace (``gateway.tuning.trace.synthesize``: 658 requests over three
-hours, 21 of them above 32,768 tokens) is played by ``gateway.tuning.replay.simulate`` (the
+Each seed's ``production-burst`` trace (``gateway.observe.trace.synthesize``: 658 requests over
+three hours, 21 of them above 32,768 tokens) is played by ``gateway.tuning.replay.simulate`` (the
 discrete-event ``fleet_sim`` over the simulator's scheduler and cost model) against four H100s:
 
 - ``shared``: one pool of 4 x h100-shared, least-loaded routing (configs/shared-pool.yaml),
@@ -26,12 +26,12 @@ import time
 from typing import Any
 
 from gateway.config_check import load_settings
+from gateway.observe.trace import synthesize
 from gateway.settings import Settings
 from gateway.shipped import resolve_policy
 from gateway.tools.bench.harness import machine, machine_line, publish, with_targets
 from gateway.tuning.fleet_sim import CountBy
 from gateway.tuning.replay import SimReport, cluster_profiles, plot, simulate
-from gateway.tuning.trace import synthesize
 
 POLICIES: tuple[tuple[str, str, CountBy], ...] = (
     ("shared", "shared-pool.yaml", "tokens"),

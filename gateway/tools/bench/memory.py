@@ -37,6 +37,7 @@ import orjson
 if TYPE_CHECKING:
     import numpy as np
 
+from gateway.extras import optional, save, side_by_side
 from gateway.tools.bench.harness import (
     Child,
     gateway_rig,
@@ -48,7 +49,6 @@ from gateway.tools.bench.harness import (
 )
 from gateway.tools.bench.httpload import new_event_loop, open_loop
 from gateway.tools.bench.overhead import BODIES, PATH
-from gateway.tools.extras import optional, save, side_by_side
 
 BLOCK = 10_000
 FLAT_MB = 5.0

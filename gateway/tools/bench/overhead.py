@@ -1,6 +1,6 @@
 """``shapegate bench overhead``: what the gateway adds to a request, beside SGLang's Rust gateway.
 
-Set-up (``harness``): the fixed fast upstream of ``httpload`` (one process; JSON, or an SSE
+Set-up (``harness``): the fixed fast upstream (``upstream.py``) (one process; JSON, or an SSE
 stream of ``SSE_CHUNKS`` chunks), a real gateway (``shapegate serve``, uvloop + httptools, JSON
 logs to a file) in front of it, smg (SGLang's model gateway, Rust, PyPI ``smg`` from the bench
 extra: ``smg launch --policy round_robin`` with the upstream as its one worker) beside it, and the
@@ -34,6 +34,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+from gateway.extras import save, side_by_side
 from gateway.tools.bench.harness import (
     Child,
     gateway_rig,
@@ -50,7 +51,6 @@ from gateway.tools.bench.httpload import (
     open_loop,
     percentile,
 )
-from gateway.tools.extras import save, side_by_side
 
 PATH = "/v1/chat/completions"
 BODIES = {

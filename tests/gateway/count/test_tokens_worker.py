@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
+from gateway.count.tokenizers.backends import EncoderLimits
 from gateway.count.tokenizers.encoders import GigatokenEncoder
-from gateway.count.tokenizers.vocab import EncoderLimits, load_vocabulary
+from gateway.count.tokenizers.sources import load_vocabulary
 from gateway.count.tokenizers.worker import ChildEncoder
 from gateway.count.tokens import TokenCounter
 from gateway.settings import TokenizerSettings, parse_settings
@@ -141,7 +142,7 @@ def test_the_setting_chooses_where_gigatoken_runs(bound: float | None) -> None:
 async def test_with_the_child_the_event_loop_never_waits_for_a_count() -> None:
     import threading
 
-    from gateway.request.protocol import ChatPrompt
+    from gateway.protocols.openai import ChatPrompt
 
     config = lanes_config(["http://127.0.0.1:9"], ["http://127.0.0.1:9"])
     counter = TokenCounter.from_settings(parse_settings(config, environ={}))
@@ -170,7 +171,7 @@ async def test_a_bound_finished_in_the_worker_looks_the_cache_up_once() -> None:
     (before: the worker's ``exact`` planned and looked every piece up a second time)."""
     from gateway.count.tokenizers.cache import CountCache
     from gateway.count.usage import ExactCount
-    from gateway.request.protocol import ChatPrompt
+    from gateway.protocols.openai import ChatPrompt
 
     config = lanes_config(["http://127.0.0.1:9"], ["http://127.0.0.1:9"])
     counter = TokenCounter.from_settings(parse_settings(config, environ={}))

@@ -13,7 +13,8 @@ import orjson
 from structlog.testing import capture_logs
 
 from engine_pool.sim.server import run_sim
-from gateway.count.tokens import TokenCount, TokenCounter
+from gateway.core.count import TokenCount
+from gateway.count.tokens import TokenCounter
 from gateway.count.usage import (
     TAIL_MAX,
     EngineUsage,
@@ -22,9 +23,9 @@ from gateway.count.usage import (
     sse_events,
     trim_tail,
 )
-from gateway.request.protocol import parse_request
+from gateway.observe.trace import read_trace
+from gateway.protocols.openai import parse_request
 from gateway.tools.sim_support import RegistryCounter
-from gateway.tuning.trace import read_trace
 from tests.conftest import chat, lanes_config
 from tests.support.prom import parse
 
@@ -223,9 +224,6 @@ class CongestedCounter:
 
     def __init__(self, result: TokenCount, delay_s: float) -> None:
         self.result, self.delay_s = result, delay_s
-
-    def exact_now(self, count: TokenCount) -> TokenCount | None:
-        return None
 
     def start_exact(self, count: TokenCount) -> object:
         return object()  # what is left for the worker

@@ -80,7 +80,7 @@ async def test_each_worker_gets_the_store_its_backend_and_group_call_for(tmp_pat
 
 
 def test_a_worker_asking_a_peer_on_its_unix_socket_counts_as_loopback() -> None:
-    from gateway.observe.dashboard.guard import AdminRequest, admin_access
+    from gateway.edge.admin.guard import AdminRequest, admin_access
 
     headers = [(b"host", b"localhost"), (b"x-shapegate-admin", b"1")]
     unix = {"path": "/admin/state", "method": "GET", "client": None, "headers": headers}

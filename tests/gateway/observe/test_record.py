@@ -7,16 +7,16 @@ from pathlib import Path
 import orjson
 from structlog.testing import capture_logs
 
-from gateway.count.tokens import TokenCount, TokenCounter
+from gateway.core.count import TokenCount
+from gateway.core.decision import Decision, Grant
+from gateway.core.watchdog import DeadlineHit
+from gateway.count.tokens import TokenCounter
+from gateway.edge.admin.state import decision_row
 from gateway.errors import BadRequest, NoHealthyCluster, UpstreamError
-from gateway.observe.dashboard.state import decision_row
 from gateway.observe.log import get_logger
 from gateway.observe.metrics import Metrics
 from gateway.observe.record import Record, Recorder, Routed
-from gateway.request.admission import Grant
-from gateway.request.lanes import Decision
-from gateway.request.protocol import parse_request
-from gateway.request.watchdog import DeadlineHit
+from gateway.protocols.openai import parse_request
 
 COUNT = TokenCount(tokens=1234, method="exact", tokenizer="qwen", prompt_bytes=5000, seconds=0.002)
 
@@ -46,7 +46,7 @@ def test_an_admitted_request_logs_one_decision_and_one_finish_with_typed_fields(
     tmp_path: Path,
 ) -> None:
     rec = recorder(tmp_path)
-    record = Record(request_id="r1", endpoint="chat")
+    record = Record(request_id="r1", route="chat")
     with capture_logs() as logs:
         rec.decided(record, routed())
         assert rec.snapshot()[0]["outcome"] == "in_flight"  # in the ring while it runs

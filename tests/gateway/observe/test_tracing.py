@@ -27,7 +27,7 @@ from gateway.observe.metrics import Metrics
 from gateway.observe.tracing import GuardedExporter, Tracing, otlp_exporter
 from gateway.settings import ConfigError, TracingSettings, parse_settings
 from tests.conftest import JSON, lanes_config
-from tests.gateway.upstream.test_failover import (
+from tests.gateway.request.test_failover import (
     QUIET_PROBER,
     engine_that_dies,
     first_probe,

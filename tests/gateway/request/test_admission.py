@@ -5,12 +5,13 @@ import asyncio
 import pytest
 
 from engine_pool.cluster import EngineState, EngineView
+from gateway.core.slots import Limit
 from gateway.errors import Overloaded, QueueTimeout
 from gateway.observe.log import get_logger
 from gateway.observe.metrics import Metrics
 from gateway.request.admission import Admission
 from gateway.settings import LaneSettings
-from gateway.slots.store import Limit, MemorySlotStore
+from gateway.slots.store import MemorySlotStore
 from tests.support.waiting import wait_for
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import httpx
 
-from gateway.request.protocol import ChatPrompt, CompletionPrompt, prefix_key
+from gateway.protocols.openai import ChatPrompt, CompletionPrompt, prefix_key
 from tests.conftest import lanes_config
 from tests.support.fake_engine import FakeEngine
 from tests.support.servers import serve_asgi

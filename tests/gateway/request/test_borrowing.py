@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
+from gateway.observe.trace import TraceRecord
 from gateway.request.borrowing import (
     EndpointUse,
     borrow_room,
@@ -20,9 +21,8 @@ from gateway.request.borrowing import (
 )
 from gateway.settings import ConfigError, LendSettings, Settings, parse_settings
 from gateway.shipped import resolve_policy
-from gateway.tuning.fleet_sim import FleetSim, Outcome
+from gateway.tuning.fleet_sim import FleetSim, SimulatedRequest
 from gateway.tuning.replay import cluster_profiles, simulate
-from gateway.tuning.trace import TraceRecord
 
 RULE = LendSettings(to=("fast",), max_prompt_tokens=8192, max_tokens=128, per_endpoint=4)
 
@@ -102,7 +102,8 @@ def test_the_fast_lane_never_lends_to_the_heavy_lane() -> None:
 def test_guards_make_borrowers_and_the_lenders_own_requests_exclude_each_other() -> None:
     import asyncio
 
-    from gateway.slots.store import Limit, MemorySlotStore
+    from gateway.core.slots import Limit
+    from gateway.slots.store import MemorySlotStore
 
     async def scenario() -> None:
         store = MemorySlotStore()
@@ -143,7 +144,7 @@ def small(t: float, tokens: int = 2000, output: int = 100) -> TraceRecord:
     )
 
 
-def run(settings: Settings, trace: list[TraceRecord]) -> list[Outcome]:
+def run(settings: Settings, trace: list[TraceRecord]) -> list[SimulatedRequest]:
     return list(FleetSim(settings, cluster_profiles(settings)).run(trace).outcomes)
 
 
@@ -180,7 +181,7 @@ def test_a_monster_waits_no_longer_than_max_drain_s_for_slow_borrowers() -> None
 
 
 def test_the_shipped_policy_never_puts_a_monster_on_a_fast_engine() -> None:
-    from gateway.tuning.trace import synthesize
+    from gateway.observe.trace import synthesize
 
     settings = parse_settings(demo_raw(), {})
     report = simulate(
@@ -198,10 +199,11 @@ async def test_admission_reserves_for_the_lender_and_drops_the_reservation_when_
     import asyncio
 
     from engine_pool.cluster import EngineState, EngineView
+    from gateway.core.slots import reserve_key
     from gateway.observe.log import get_logger
     from gateway.observe.metrics import Metrics
     from gateway.request.admission import Admission, Want
-    from gateway.slots.store import MemorySlotStore, reserve_key
+    from gateway.slots.store import MemorySlotStore
 
     settings = one_heavy_engine(max_drain_s=60)
     fast, heavy = settings.lane("fast"), settings.lane("heavy")

@@ -14,6 +14,7 @@ from engine_pool.cluster import EngineState, EngineView
 from gateway.errors import Overloaded
 from gateway.observe.log import get_logger
 from gateway.observe.metrics import Metrics
+from gateway.observe.trace import TraceRecord
 from gateway.request.admission import Admission, Want
 from gateway.request.classes import (
     DrainMeter,
@@ -30,7 +31,6 @@ from gateway.shipped import resolve_policy
 from gateway.slots.store import MemorySlotStore
 from gateway.tuning.fleet_sim import FleetSim
 from gateway.tuning.replay import cluster_profiles
-from gateway.tuning.trace import TraceRecord
 from tests.support.waiting import wait_for
 
 GOLD = hashlib.sha256(b"gold-key").hexdigest()

@@ -248,7 +248,7 @@ async def test_openai_sdk_works_unchanged(gateway: str) -> None:
 def test_a_cluster_may_name_its_model_by_an_alias(counter: Any) -> None:
     """``clusters[].models`` may list a model's alias (validation accepts it): the cluster then
     serves that model whichever name the client uses, and no other model."""
-    from gateway.edge.auth import ClientAuth
+    from gateway.request.auth import ClientAuth
     from gateway.request.pipeline import Policy
     from gateway.settings import AuthSettings, parse_settings
 

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from gateway.errors import BadRequest
+from gateway.protocols.routes import ENGINE_ROUTES
 from gateway.request.pipeline import read_request
-from gateway.request.routes import ENGINE_ROUTES
 from gateway.settings import parse_settings
 from tests.conftest import MODEL, lanes_config
 

@@ -24,11 +24,13 @@ from pathlib import Path
 
 import pytest
 
+from gateway.core.slots import Limit
 from gateway.observe.metrics import Metrics
 from gateway.settings import StateSettings
-from gateway.slots.host import HostSlotStore, SlotServer
+from gateway.slots.host import HostSlotStore
+from gateway.slots.host_server import SlotServer
 from gateway.slots.redis_store import RedisSlotStore
-from gateway.slots.store import Limit, MemorySlotStore, SlotStore
+from gateway.slots.store import MemorySlotStore, SlotStore
 from tests.integration.redis_support import delete_prefix, new_prefix, shared_or_own_redis
 from tests.support.waiting import wait_for
 

@@ -9,11 +9,11 @@ import math
 
 import pytest
 
+from gateway.observe.trace import TraceRecord
 from gateway.settings import Settings, parse_settings
 from gateway.tuning.fleet_model import LiveCosts
-from gateway.tuning.fleet_sim import FleetSim, Outcome, _Ticket
+from gateway.tuning.fleet_sim import FleetSim, SimulatedRequest, _Ticket
 from gateway.tuning.replay import cluster_profiles
-from gateway.tuning.trace import TraceRecord
 from tests.conftest import lanes_config
 
 
@@ -30,7 +30,7 @@ def _small(t: float, tokens: int = 3000, output: int = 30) -> TraceRecord:
     return TraceRecord(t, "qwen3.6", tokens, tokens * 4, output)
 
 
-def _run(trace: list[TraceRecord], costs: LiveCosts, **policy: float) -> list[Outcome]:
+def _run(trace: list[TraceRecord], costs: LiveCosts, **policy: float) -> list[SimulatedRequest]:
     settings = _settings(**policy)  # type: ignore[arg-type]
     return list(FleetSim(settings, cluster_profiles(settings), live=costs).run(trace).outcomes)
 

@@ -15,6 +15,7 @@ import pytest
 from engine_pool.sim.server import run_sim
 from gateway.config_check import load_settings
 from gateway.count.tokens import TokenCounter
+from gateway.observe.trace import TraceRecord, synthesize, write_trace
 from gateway.shipped import resolve_policy
 from gateway.tools.cli import main
 from gateway.tools.sim_support import RegistryCounter
@@ -22,7 +23,6 @@ from gateway.tuning import live_measure, live_replay, live_report
 from gateway.tuning.fleet_model import LiveCosts
 from gateway.tuning.live_cli import predict
 from gateway.tuning.replay import percentile, summarize
-from gateway.tuning.trace import TraceRecord, synthesize, write_trace
 from gateway.tuning.trace_window import busiest, cut
 from tests.conftest import lanes_config
 

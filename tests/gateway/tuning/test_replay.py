@@ -10,9 +10,9 @@ import httpx
 import orjson
 
 from gateway.config_check import load_settings
+from gateway.observe.trace import TraceRecord, read_trace, synthesize, write_trace
 from gateway.tools.cli import main
 from gateway.tuning.replay import SimReport, analyze, cluster_profiles, simulate, verdict
-from gateway.tuning.trace import TraceRecord, read_trace, synthesize, write_trace
 from tests.conftest import lanes_config
 from tests.support.fake_engine import FakeEngine
 from tests.support.servers import serve_asgi

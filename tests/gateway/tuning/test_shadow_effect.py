@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
+from gateway.observe.trace import TraceRecord, synthesize
 from gateway.settings import parse_settings
 from gateway.tuning.fleet_model import LiveCosts
 from gateway.tuning.shadow_effect import predict_effect
-from gateway.tuning.trace import TraceRecord, synthesize
 from tests.conftest import lanes_config
 
 

@@ -10,10 +10,10 @@ import orjson
 import pytest
 import yaml
 
+from gateway.observe.trace import synthesize, write_trace
 from gateway.settings import parse_settings
 from gateway.tools.cli import main
 from gateway.tuning.sweep import candidate, parse_sweep
-from gateway.tuning.trace import synthesize, write_trace
 
 ROOT = Path(__file__).resolve().parents[3]
 DEMO = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())

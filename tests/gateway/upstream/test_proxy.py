@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.core.watchdog import Deadlines, Watch
 from gateway.errors import UpstreamError
-from gateway.request.watchdog import Deadlines, Watch
 from gateway.upstream.http1 import Origin
 from gateway.upstream.proxy import SPLIT_CACHE_URLS, Upstream
 
