@@ -49,7 +49,9 @@ async def test_every_worker_shadows_its_own_traffic_and_the_report_merges_them(
                 report = (await admin.get(url + "/admin/shadow")).json()
                 # Each worker's own report, told apart by when its shadow started.
                 own: dict[float, int] = {}
-                for _ in range(30):
+                for _ in range(200):  # until both answered (the kernel picks the worker)
+                    if len(own) == 2:
+                        break
                     async with httpx.AsyncClient(timeout=30) as fresh:
                         mine = await fresh.get(
                             url + "/admin/shadow", headers={"x-shapegate-scope": "worker"}
