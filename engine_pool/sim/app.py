@@ -105,9 +105,9 @@ def create_app(parts: SimParts, apply_faults: ApplyFaults) -> FastAPI:
     if "generate" in profile.tasks:
         for path, generating in GENERATE_PATHS.items():
             app.add_api_route(path, generate_handler(parts, generating), methods=["POST"])
-    for path, endpoint in POOLING_PATHS.items():
-        if vllm_rules.TASK_OF[endpoint] in profile.tasks:
-            app.add_api_route(path, _pool_handler(parts, endpoint), methods=["POST"])
+    for path, kind in POOLING_PATHS.items():
+        if vllm_rules.TASK_OF[kind] in profile.tasks:
+            app.add_api_route(path, _pool_handler(parts, kind), methods=["POST"])
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
@@ -121,8 +121,8 @@ def create_app(parts: SimParts, apply_faults: ApplyFaults) -> FastAPI:
         return JSONResponse({"prompt": text})
 
     if "transcription" in profile.tasks:
-        for path, endpoint in AUDIO_PATHS.items():
-            app.add_api_route(path, _audio_handler(parts, endpoint), methods=["POST"])
+        for path, kind in AUDIO_PATHS.items():
+            app.add_api_route(path, _audio_handler(parts, kind), methods=["POST"])
 
     @app.get("/version")
     async def version() -> JSONResponse:
@@ -216,7 +216,7 @@ async def _pool(parts: SimParts, request: Request, kind: RouteKind) -> Response:
         return _error(400, message, "BadRequestError", "input_tokens")
     request_id = request.headers.get("x-request-id") or wire.random_id()
     stream = engine.submit(
-        request_id, endpoint=kind, prompt_tokens=max(prompt_tokens, 1), output_tokens=1
+        request_id, route=kind, prompt_tokens=max(prompt_tokens, 1), output_tokens=1
     )
     try:
         stayed, _ = await race_disconnect(request.receive, _drain(stream))
@@ -266,7 +266,7 @@ def _audio_handler(parts: SimParts, kind: RouteKind) -> Callable[[Request], Awai
         request_id = request.headers.get("x-request-id") or wire.random_id()
         stream = parts.engine.submit(
             request_id,
-            endpoint=kind,
+            route=kind,
             prompt_tokens=AUDIO_PROMPT_TOKENS,
             output_tokens=AUDIO_OUTPUT_TOKENS,
         )

@@ -13,9 +13,9 @@ Contract of a ``PromptCounter`` (calls are blocking: the app runs ``count``, ``p
 ``detokenize`` and ``tokenize`` in a worker thread, so a 300k-token prompt does not stall the
 event loop); every reader raises ``RequestRejected(message, param)`` for what vLLM answers with
 400:
-- ``read(endpoint, body)`` parses a JSON request body of any route but ``/tokenize`` into a
+- ``read(kind, body)`` parses a JSON request body of any route but ``/tokenize`` into a
   ``SimRequest``.
-- ``read_form(endpoint, content_type, body)`` reads a multipart/form-data body (the audio
+- ``read_form(kind, content_type, body)`` reads a multipart/form-data body (the audio
   routes): only its ``model`` matters; its prompt is empty.
 - ``count(request)``: the exact prompt tokens of a request a reader returned (a pooling
   request's largest sequence, as the gateway counts it). A prompt the chat template refuses

@@ -126,13 +126,13 @@ class SimEngine:
         self.crash(reason="stopped")
 
     def submit(
-        self, request_id: str, *, endpoint: str, prompt_tokens: int, output_tokens: int
+        self, request_id: str, *, route: str, prompt_tokens: int, output_tokens: int
     ) -> RequestStream:
         key = f"{next(self._ids)}:{request_id}"
         record = RequestRecord(
             request_id=request_id,
             key=key,
-            endpoint=endpoint,
+            route=route,
             prompt_tokens=prompt_tokens,
             output_tokens=output_tokens,
             arrived_s=self.now(),

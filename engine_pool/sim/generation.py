@@ -1,7 +1,7 @@
 """The generating routes (chat, completions, Responses, Anthropic Messages): from a request to
 the engine and back, with vLLM 0.32's rules (``vllm_rules.py``).
 
-- ``generate(parts, request, endpoint)``: validate, count each prompt, check the context and the
+- ``generate(parts, request, kind)``: validate, count each prompt, check the context and the
   sampling parameters, submit one engine request per prompt (a completions batch has several),
   then stream or answer whole (headers only once the whole answer is ready, as vLLM does).
 - ``GENERATE_PATHS``: the paths of these routes; ``generate_handler`` one route's handler.
@@ -133,7 +133,7 @@ async def _prepare(
         output_tokens, finish = _output(parts, kind, routed.max_tokens, prompt_tokens)
         gens.append(
             Generation(
-                endpoint=kind,
+                route=kind,
                 request_id=request_id if len(counts) == 1 else f"{request_id}-{index}",
                 response_id=ID_PREFIX[kind] + request_id,
                 created=created,
@@ -164,7 +164,7 @@ async def generate(parts: SimParts, request: Request, kind: GenerateRouteKind) -
     streams = [
         engine.submit(
             gen.request_id,
-            endpoint=kind,
+            route=kind,
             prompt_tokens=gen.prompt_tokens,
             output_tokens=gen.output_tokens,
         )

@@ -2,9 +2,9 @@
 request passes before the engine sees it (parse, model, dead engine, injected faults).
 
 - ``SimParts``: one engine's profile, scheduler, faults, prompt counter and stored responses.
-- ``error(status, message, type_, param, headers, endpoint=)``: vLLM's error response, in
+- ``error(status, message, type_, param, headers, kind=)``: vLLM's error response, in
   Anthropic's shape on ``/v1/messages``.
-- ``validate(parts, endpoint, body)``: the parsed request, or the error response vLLM would
+- ``validate(parts, kind, body)``: the parsed request, or the error response vLLM would
   send (400 unreadable, 404 unknown model, 500 engine dead, injected 500 or 429).
 """
 

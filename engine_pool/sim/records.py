@@ -22,7 +22,7 @@ RecordState = Literal["running", "finished", "aborted"]
 class RequestRecord:
     request_id: str
     key: str
-    endpoint: str
+    route: str  # the engine route's kind (chat, completions, ...)
     prompt_tokens: int
     output_tokens: int
     arrived_s: float

@@ -49,7 +49,7 @@ class DroppedConnection(ConnectionResetError):
 
 @dataclass(frozen=True, slots=True)
 class Generation:
-    endpoint: GenerateRouteKind
+    route: GenerateRouteKind
     request_id: str
     response_id: str
     created: int
@@ -88,7 +88,7 @@ class _OpenAIFramer:
 
     def opening(self) -> list[bytes]:
         gen = self.gen
-        if gen.endpoint == "chat":
+        if gen.route == "chat":
             usage = self._so_far(0)
             return [wire.chat_role_chunk(gen.response_id, gen.created, gen.model, usage)]
         return []
@@ -98,7 +98,7 @@ class _OpenAIFramer:
         text = wire.output_text(gen.first_word + index, 1)
         finish = gen.finish_reason if last else None
         usage = self._so_far(index + 1)
-        if gen.endpoint == "chat":
+        if gen.route == "chat":
             return wire.chat_content_chunk(
                 gen.response_id, gen.created, gen.model, text, finish, usage
             )
@@ -113,7 +113,7 @@ class _OpenAIFramer:
         gen = self.gen
         if not gen.include_usage:
             return [wire.DONE]
-        build = wire.chat_usage_chunk if gen.endpoint == "chat" else wire.completion_usage_chunk
+        build = wire.chat_usage_chunk if gen.route == "chat" else wire.completion_usage_chunk
         usage = build(gen.response_id, gen.created, gen.model, gen.prompt_tokens, gen.output_tokens)
         return [usage, wire.DONE]
 
@@ -124,7 +124,7 @@ class _TypedFramer:
     def __init__(self, gen: Generation) -> None:
         self.gen = gen
         self.events: wire_apis.ResponsesEvents | wire_apis.MessagesEvents
-        if gen.endpoint == "responses":
+        if gen.route == "responses":
             self.events = wire_apis.ResponsesEvents(
                 gen.response_id, gen.created, gen.model, gen.request
             )
@@ -142,13 +142,13 @@ class _TypedFramer:
         return self.events.closing(gen.finish_reason, gen.prompt_tokens, gen.output_tokens)
 
     def error(self, message: str) -> list[bytes]:
-        if self.gen.endpoint == "messages":
+        if self.gen.route == "messages":
             return [wire_apis.event("error", wire_apis.anthropic_error_body(message, 500))]
         return [wire_apis.event("error", {"type": "error", "code": "500", "message": message})]
 
 
 def framer(gen: Generation) -> Framer:
-    if gen.endpoint in ("chat", "completions"):
+    if gen.route in ("chat", "completions"):
         return _OpenAIFramer(gen)
     return _TypedFramer(gen)
 
@@ -307,13 +307,13 @@ async def full_body(gen: Generation, stream: RequestStream) -> dict[str, Any]:
         _, _, last = await stream.next_tokens()
     text = wire.output_text(gen.first_word, gen.output_tokens)
     args = (gen.prompt_tokens, gen.output_tokens)
-    if gen.endpoint == "responses":
+    if gen.route == "responses":
         return wire_apis.response_full(
             gen.response_id, gen.created, gen.model, gen.request, text, gen.finish_reason, args
         )
-    if gen.endpoint == "messages":
+    if gen.route == "messages":
         return wire_apis.message_full(gen.response_id, gen.model, text, gen.finish_reason, *args)
-    build = wire.chat_response if gen.endpoint == "chat" else wire.completion_response
+    build = wire.chat_response if gen.route == "chat" else wire.completion_response
     return build(gen.response_id, gen.created, gen.model, text, gen.finish_reason, *args)
 
 

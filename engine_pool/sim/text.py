@@ -10,7 +10,7 @@ Contract:
   completions prompt that is an earlier prompt plus the text it got) goes on with that word's
   successor. So the output is the same for the same (prompt, sampling), and a continuation
   of the first k tokens is tokens k.. of the uninterrupted answer.
-- ``first_word(endpoint, data, index)``: where the answer to prompt ``index`` of request body
+- ``first_word(kind, data, index)``: where the answer to prompt ``index`` of request body
   ``data`` starts in ``WORDS`` (the ``start`` ``wire.output_text`` takes).
 """
 
@@ -38,9 +38,9 @@ def _content(content: Any) -> str:
     return ""
 
 
-def _tail(endpoint: str, data: dict[str, Any], index: int) -> str:
+def _tail(kind: str, data: dict[str, Any], index: int) -> str:
     """The text the answer continues: a continued final assistant message, or the prompt."""
-    if endpoint == "chat":
+    if kind == "chat":
         messages = data.get("messages")
         if not (data.get("continue_final_message") is True and isinstance(messages, list)):
             return ""
@@ -48,7 +48,7 @@ def _tail(endpoint: str, data: dict[str, Any], index: int) -> str:
         if isinstance(last, dict) and last.get("role") == "assistant":
             return _content(last.get("content"))
         return ""
-    if endpoint == "completions":
+    if kind == "completions":
         prompt = data.get("prompt")
         if isinstance(prompt, list):
             prompt = prompt[index] if index < len(prompt) else None
@@ -56,10 +56,10 @@ def _tail(endpoint: str, data: dict[str, Any], index: int) -> str:
     return ""
 
 
-def first_word(endpoint: str, data: Any, index: int = 0) -> int:
+def first_word(kind: str, data: Any, index: int = 0) -> int:
     if not isinstance(data, dict):
         return 0
-    tail = _tail(endpoint, data, index)
+    tail = _tail(kind, data, index)
     for i, word in enumerate(WORDS):
         if tail.endswith(word):
             return i + 1

@@ -137,7 +137,7 @@ async def test_pooling_routes(client: httpx.AsyncClient, sim: SimServer) -> None
     ).json()
     scores = [r["relevance_score"] for r in ranked["results"]]
     assert len(scores) == 2 and scores == sorted(scores, reverse=True)
-    assert all(r.endpoint in ("embeddings", "pooling", "score", "rerank") for r in sim.requests())
+    assert all(r.route in ("embeddings", "pooling", "score", "rerank") for r in sim.requests())
 
 
 async def test_tokenize_detokenize_round_trip(client: httpx.AsyncClient) -> None:

@@ -99,8 +99,8 @@ async def test_the_live_engine_keeps_simulated_time_at_100x() -> None:
     engine = SimEngine(PROFILE, time_scale=0.01)
     await engine.start()
     try:
-        monster = engine.submit("m", endpoint="chat", prompt_tokens=100_000, output_tokens=40)
-        small = engine.submit("s", endpoint="chat", prompt_tokens=3_000, output_tokens=40)
+        monster = engine.submit("m", route="chat", prompt_tokens=100_000, output_tokens=40)
+        small = engine.submit("s", route="chat", prompt_tokens=3_000, output_tokens=40)
         for stream in (monster, small):
             last = False
             while not last:

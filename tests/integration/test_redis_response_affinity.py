@@ -36,7 +36,7 @@ async def test_a_follow_up_through_another_replica_reaches_the_same_engine(
             json={"model": "qwen3.6", "input": "and then?", "previous_response_id": previous},
         )
     assert follow.status_code == 200, follow.text
-    assert [r.endpoint for r in two_engines[1].requests()] == ["responses", "responses"]
+    assert [r.route for r in two_engines[1].requests()] == ["responses", "responses"]
     client = redis.Redis.from_url(redis_url)
     key = f"{prefix}:response:{previous}"
     assert client.exists(key) and 0 < client.pttl(key) <= 24 * 3600 * 1000

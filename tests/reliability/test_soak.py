@@ -65,7 +65,7 @@ async def test_an_abort_racing_the_last_step_still_closes_the_engine_record() ->
     engine = SimEngine(load_profile("h100-fast"), time_scale=10.0)
     await engine.start()
     try:
-        stream = engine.submit("last", endpoint="chat", prompt_tokens=100, output_tokens=1)
+        stream = engine.submit("last", route="chat", prompt_tokens=100, output_tokens=1)
         # Its one step (prefill and its only token) takes ~0.28 s of wall time at this scale;
         # the scheduler already counts it finished, its delivery is still to come.
         await asyncio.sleep(0.1)

@@ -74,7 +74,7 @@ async def _first_response_on_second_engine(
         if all(e["in_flight"] == 0 for c in state["clusters"] for e in c["endpoints"]):
             break
         await asyncio.sleep(0.02)
-    assert len(engines[1].requests()) == 1 and engines[1].requests()[0].endpoint == "responses"
+    assert len(engines[1].requests()) == 1 and engines[1].requests()[0].route == "responses"
     response_id: str = first.json()["id"]
     return response_id
 
@@ -103,8 +103,8 @@ async def test_follow_ups_reach_the_engine_holding_the_previous_response(
                 previous = orjson.loads(first_data)["response"]["id"]
             else:
                 previous = follow.json()["id"]
-    assert [r.endpoint for r in two_engines[1].requests()] == ["responses"] * 6
-    assert not [r for r in two_engines[0].requests() if r.endpoint == "responses"]
+    assert [r.route for r in two_engines[1].requests()] == ["responses"] * 6
+    assert not [r for r in two_engines[0].requests() if r.route == "responses"]
 
 
 async def test_without_the_map_a_follow_up_lands_elsewhere_and_the_engine_says_404(
