@@ -322,11 +322,34 @@ class Recorder:
         if record.span is not None:
             record.span.attempt_failed(reason)
 
-    def migrated(self, record: Record, grant: Grant, reason: str) -> None:
+    def migrated(
+        self, record: Record, grant: Grant, reason: str, cause: GatewayError | None = None
+    ) -> None:
         """The stream moved mid-answer: its slot is now ``grant``'s (the ``route.migrated``
-        event itself is gateway/request/failover.py's)."""
+        event itself is gateway/request/failover.py's). A deadline that cut it (the engine went
+        idle past the lane's ``idle_s``) is still a watchdog event, counted and listed with
+        the decision ``migrated``: the engine stalled even though the client did not see it."""
+        stalled = record.grant
         record.grant = grant
         record.migrations += 1
+        if isinstance(cause, DeadlineHit):
+            cluster = stalled.cluster if stalled is not None else grant.cluster
+            self.metrics.watchdog_events.labels(
+                lane=record.lane, cluster=cluster, kind=cause.kind
+            ).inc()
+            self.metrics.events.add(
+                "watchdog",
+                "pipeline.deadline",
+                cause.message,
+                "migrated",
+                {
+                    "deadline": cause.kind,
+                    "lane": record.lane,
+                    "cluster": cluster,
+                    "endpoint": stalled.url if stalled is not None else None,
+                    "request_id": record.request_id,
+                },
+            )
         if record.span is not None:
             record.span.attempt_failed(reason)
 

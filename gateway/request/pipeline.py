@@ -314,7 +314,7 @@ class Pipeline:
                                 await out.body(ctx.relay.held, more=False)
                             raise cut.cause from None
                         ctx.sent = following
-                        self.recorder.migrated(record, held.grant, cut.reason)
+                        self.recorder.migrated(record, held.grant, cut.reason, cut.cause)
                         self.prefixes.sent(seen, held.url)
                     except GatewayError as exc:
                         # The answer began and cannot migrate: said in the log, ended as before.

@@ -159,3 +159,21 @@ def test_every_record_has_the_same_json_shape_for_the_dashboard() -> None:
     rows = [decision_row(r, wall_now=1e9, mono_now=r.started + 1) for r in (unparsed, routed_)]
     assert rows[0]["model"] is None and rows[0]["error"] == "bad json"
     assert rows[0]["outcome"] == "in_flight" and rows[1]["lane"] == "fast"  # neither finished
+
+
+def test_a_deadline_that_migrated_a_stream_is_still_a_watchdog_event() -> None:
+    """An idle deadline cut the stream and it migrated: the client saw nothing, the operator
+    still sees the stalled engine (metric and the dashboard's list, decision ``migrated``)."""
+    rec = recorder()
+    record = Record("r9", "chat")
+    rec.decided(record, routed())
+    rec.admitted(record, grant())
+    moved_to = Grant("slot-1", "fast", "fast-a", "http://e:2", ("k",), 0.25)
+    rec.migrated(record, moved_to, "connection_lost", UpstreamError("reset"))
+    assert rec.metrics.events.recent() == []
+    rec.migrated(record, grant(), "idle", DeadlineHit("idle", 1.0))
+    m = rec.metrics
+    assert sample(m, "shapegate_watchdog_events_total", kind="idle", lane="fast", cluster="fast-a")
+    [event] = m.events.recent()
+    assert (event["kind"], event["decision"]) == ("watchdog", "migrated")
+    assert event["fields"]["endpoint"] == "http://e:2" and record.migrations == 2
