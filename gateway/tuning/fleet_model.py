@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,17 @@ class LiveCosts:
     def none(cls, time_scale: float = 1.0) -> LiveCosts:
         """No cost outside the engine and an always-fresh picker: the engine alone."""
         return cls(time_scale, 0.0, 0.0, 0.0, 0.0, model_scrape=False)
+
+    def as_json(self) -> dict[str, Any]:
+        """The costs as reports print them (milliseconds, rounded)."""
+        return {
+            "time_scale": self.time_scale,
+            "gateway_ms": round(self.gateway_s * 1000, 3),
+            "forward_ms": round(self.forward_s * 1000, 3),
+            "relay_ms": round(self.relay_s * 1000, 3),
+            "per_mtoken_ms": round(self.per_mtoken_s * 1000, 1),
+            "model_scrape": self.model_scrape,
+        }
 
     def to_engine(self, wall_s: float) -> float:
         """Wall seconds as seconds of the engines' clock."""

@@ -206,7 +206,7 @@ def play_and_predict(
         predicted = predict("predicted", settings, trace, costs)
     report = report_of(live, predicted, plays, costs or LiveCosts(), small_below)
     if measured is not None:
-        report["measured_costs"] = measured.as_dict() | {"model": _costs(measured.costs)}
+        report["measured_costs"] = measured.as_dict() | {"model": measured.costs.as_json()}
         report["engine_records"] = [
             {k: records[rid].get(k) for k in ENGINE_FIELDS} for rid in sorted(records)
         ]
@@ -236,17 +236,6 @@ def predict(
     return summarize(name, settings, result, count_by)
 
 
-def _costs(costs: LiveCosts) -> dict[str, Any]:
-    return {
-        "time_scale": costs.time_scale,
-        "gateway_ms": round(costs.gateway_s * 1000, 3),
-        "forward_ms": round(costs.forward_s * 1000, 3),
-        "relay_ms": round(costs.relay_s * 1000, 3),
-        "per_mtoken_ms": round(costs.per_mtoken_s * 1000, 1),
-        "model_scrape": costs.model_scrape,
-    }
-
-
 def report_of(
     live: SimReport,
     predicted: SimReport | None,
@@ -265,7 +254,7 @@ def report_of(
         "send_lag": live_report.send_lag(plays),
         "count_mismatches": live_report.count_mismatches(plays),
         "plays": [live_report.play_row(item) for item in plays],
-        "costs": _costs(costs),
+        "costs": costs.as_json(),
     }
 
 

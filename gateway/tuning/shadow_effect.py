@@ -94,15 +94,7 @@ def effect_of(
 
 
 def calibration(costs: LiveCosts) -> dict[str, Any]:
-    return {
-        "source": CALIBRATION,
-        "time_scale": costs.time_scale,
-        "gateway_ms": round(costs.gateway_s * 1000, 3),
-        "forward_ms": round(costs.forward_s * 1000, 3),
-        "relay_ms": round(costs.relay_s * 1000, 3),
-        "per_mtoken_ms": round(costs.per_mtoken_s * 1000, 1),
-        "model_scrape": costs.model_scrape,
-    }
+    return {"source": CALIBRATION, **costs.as_json()}
 
 
 def predict_effect(
