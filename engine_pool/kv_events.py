@@ -171,6 +171,8 @@ class EngineBlocks:
         self.keyed = 0
         self.rebuilds = 0
         self.block_size = 0
+        # Told once that the engine's block is not the index's.
+        self.warned = False
 
     @property
     def blocks(self) -> int:
@@ -192,7 +194,7 @@ class EngineBlocks:
             n += 1
         return n
 
-    def lag_s(self, now: float | None = None) -> float:
+    def lag_s(self) -> float:
         """Seconds between the newest batch's engine timestamp and when it was applied."""
         return max(0.0, self.applied_at - self.last_ts) if self.last_ts else 0.0
 

@@ -7,7 +7,6 @@ import contextlib
 from typing import Any
 
 import msgspec
-import zmq
 
 from engine_pool.kv_events import (
     Batch,
@@ -20,50 +19,15 @@ from engine_pool.kv_events import (
     decode_payload,
 )
 from engine_pool.prefix_index import chained_hashes, token_bytes
-
-BLOCK = 4
-
-
-# vLLM 0.32's own structs (vllm/distributed/kv_events.py), so the test encodes what it sends.
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[bytes | int]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-def stored(hashes: list[bytes | int], parent: bytes | None, tokens: list[int]) -> BlockStored:
-    return BlockStored(hashes, parent, tokens, BLOCK, None, "GPU", None, [None] * len(hashes))
-
-
-def wire(seq: int, *events: Any) -> list[bytes]:
-    payload = msgspec.msgpack.encode(EventBatch(1.5, list(events)))
-    return [b"", seq.to_bytes(8, "big"), payload]
+from tests.support.vllm_kv import (
+    BLOCK,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Publisher,
+    stored,
+    wire,
+)
 
 
 def decoded(seq: int, *events: Any) -> Batch:
@@ -127,38 +91,6 @@ def test_gap_old_and_restart_by_sequence() -> None:
     # A new engine process counts from 0 again: everything before it is gone.
     assert blocks.apply(decoded(0, stored([b"x"], None, [9, 9, 9, 9]))) is Step.RESTART
     assert blocks.match(digests(PROMPT)) == 0 and blocks.rebuilds == 1
-
-
-class Publisher:
-    """vLLM's ZmqEventPublisher's wire: PUB of 3 frames, ROUTER replaying its buffer."""
-
-    def __init__(self) -> None:
-        self.ctx = zmq.Context()
-        self.pub = self.ctx.socket(zmq.PUB)
-        self.port = self.pub.bind_to_random_port("tcp://127.0.0.1")
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
-        self.buffer: list[list[bytes]] = []
-
-    def publish(self, frames: list[bytes], send: bool = True) -> None:
-        self.buffer.append(frames)
-        if send:
-            self.pub.send_multipart(frames)
-
-    def serve_replay(self) -> None:
-        while self.router.poll(0):
-            client, _, start = self.router.recv_multipart()
-            for frames in self.buffer:
-                if int.from_bytes(frames[1], "big") >= int.from_bytes(start, "big"):
-                    self.router.send_multipart([client, b"", *frames])
-            self.router.send_multipart(
-                [client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""]
-            )
-
-    def close(self) -> None:
-        self.pub.close(0)
-        self.router.close(0)
-        self.ctx.term()
 
 
 async def until(check: Any, publisher: Publisher, timeout_s: float = 5.0) -> None:
