@@ -21,8 +21,8 @@ from gateway.request.prefix import Prefixes, readers
 from gateway.settings import ConfigError, parse_settings
 from tests.conftest import lanes_config
 from tests.support.fake_engine import FakeEngine
-from tests.support.vllm_kv import BlockRemoved, Publisher, stored, wire
 from tests.support.servers import serve_asgi
+from tests.support.vllm_kv import BlockRemoved, Publisher, stored, wire
 
 BLOCK = 16
 MESSAGES = [
