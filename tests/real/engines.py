@@ -151,16 +151,14 @@ def with_kv_events(config: dict[str, Any], port: int, replay_port: int) -> None:
     kv_events``, the engine's 128-token blocks), scoring the fast lane's endpoint by them
     (``weights.prefix``: its one endpoint keeps every request, so nothing else changes)."""
     fast = config["clusters"][0]
-    fast["engine"]["extra_args"] = {
-        "kv-events-config": json.dumps(
-            {
-                "enable_kv_cache_events": True,
-                "publisher": "zmq",
-                "endpoint": f"tcp://*:{port}",
-                "replay_endpoint": f"tcp://*:{replay_port}",
-            }
-        )
-    }
+    fast["engine"]["extra_args"]["kv-events-config"] = json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{port}",
+            "replay_endpoint": f"tcp://*:{replay_port}",
+        }
+    )
     fast["kv_events"] = {"port": port, "replay_port": replay_port}
     config["prefix_index"] = {"source": "kv_events", "block_tokens": KV_BLOCK}
     config["lanes"][0]["weights"] = {"load": 1.0, "prefix": 1.0}
