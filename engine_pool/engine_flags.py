@@ -111,7 +111,9 @@ KNOWN_FLAGS: dict[tuple[EngineKind, str], frozenset[str]] = {
     # --help=all`): every flag above is there too; tests/real/test_engine_flags.py checks
     # the installed release accepts each one. The CPU build parses the GPU-only ones
     # (--gpu-memory-utilization) and sizes its KV cache from VLLM_CPU_KVCACHE_SPACE instead.
-    ("vllm", "0.32.0"): OWNED_FLAGS["vllm"] | _VLLM_0_32_TO_0_33,
+    # --kv-events-config (KVEventsConfig as JSON: the zmq publisher of BlockStored/BlockRemoved
+    # that prefix_index.source kv_events reads) is in its --help=all; the real tier runs it.
+    ("vllm", "0.32.0"): OWNED_FLAGS["vllm"] | _VLLM_0_32_TO_0_33 | {"--kv-events-config"},
     ("sglang", "0.5.23"): OWNED_FLAGS["sglang"]
     | frozenset(
         {

@@ -49,9 +49,10 @@ def token_bytes(ids: Sequence[int]) -> bytes:
     return array("I", ids).tobytes()
 
 
-def chained_hashes(data: bytes, block_bytes: int) -> list[Digest]:
-    """One digest per full block of ``data``; digest i covers ``data[: (i + 1) * block_bytes]``."""
-    h = 0
+def chained_hashes(data: bytes, block_bytes: int, parent: Digest = 0) -> list[Digest]:
+    """One digest per full block of ``data``; digest i covers ``data[: (i + 1) * block_bytes]``
+    (and the blocks before ``data``, whose last digest is ``parent``: 0 for none)."""
+    h = parent
     out: list[Digest] = []
     for start in range(0, len(data) - block_bytes + 1, block_bytes):
         h = hash((h, data[start : start + block_bytes]))

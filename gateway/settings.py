@@ -33,6 +33,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
@@ -203,6 +204,37 @@ class DiscoverySettings(_Frozen):
     timeout_s: float = Field(2.0, gt=0, le=30)
 
 
+class KvPublisherSettings(_Frozen):
+    """One engine's KV event sockets: ``publisher`` (its PUB) and ``replay`` (its ROUTER)."""
+
+    publisher: str = Field(pattern=r"^tcp://.+:[0-9]+$")
+    replay: str | None = Field(None, pattern=r"^tcp://.+:[0-9]+$")
+
+
+class KvEventsSettings(_Frozen):
+    """Where a vLLM cluster's engines publish their KV events (``clusters[].kv_events``; vLLM's
+    ``--kv-events-config`` with the zmq publisher): each endpoint's host (from its URL) on
+    ``port`` (PUB) and ``replay_port`` (the ROUTER that replays missed batches; without it a gap
+    forgets the engine's blocks until they are stored again), or, per endpoint URL, the sockets
+    ``endpoints`` names (engines sharing a host). Read with ``prefix_index.source: kv_events``
+    (engine_pool/kv_events.py; the ``kv-events`` extra)."""
+
+    port: int | None = Field(None, ge=1, le=65535)
+    replay_port: int | None = Field(None, ge=1, le=65535)
+    endpoints: dict[str, KvPublisherSettings] = {}
+
+    def sockets(self, url: str) -> KvPublisherSettings | None:
+        """The publisher of the engine at ``url`` (None: it publishes none)."""
+        if url in self.endpoints:
+            return self.endpoints[url]
+        if self.port is None:
+            return None
+        host = urlsplit(url).hostname or "127.0.0.1"
+        host = f"[{host}]" if ":" in host else host
+        replay = None if self.replay_port is None else f"tcp://{host}:{self.replay_port}"
+        return KvPublisherSettings(publisher=f"tcp://{host}:{self.port}", replay=replay)
+
+
 class ClusterSettings(_Frozen):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     kind: EngineKind = "vllm"
@@ -229,9 +261,18 @@ class ClusterSettings(_Frozen):
     # endpoint a reload removes.
     draining: tuple[str, ...] = ()
     drain_s: float = Field(30.0, ge=0)
+    kv_events: KvEventsSettings | None = None
 
     @model_validator(mode="after")
     def _endpoints_are_urls(self) -> ClusterSettings:
+        if self.kv_events is not None:
+            if self.kind != "vllm":
+                raise ValueError(f"cluster {self.name!r}: kv_events are vLLM's (kind {self.kind})")
+            stray = [u for u in self.kv_events.endpoints if u not in self.endpoints]
+            if stray:
+                raise ValueError(f"cluster {self.name!r}: kv_events.endpoints {stray} unknown")
+            if self.kv_events.port is None and not self.kv_events.endpoints:
+                raise ValueError(f"cluster {self.name!r}: kv_events needs port or endpoints")
         if not self.endpoints and self.discovery is None:
             raise ValueError(f"cluster {self.name!r}: no endpoints and no discovery")
         for url in self.endpoints:
@@ -357,8 +398,13 @@ class PrefixIndexSettings(_Frozen):
     difference). ``bytes_per_token``: a text prompt is cut in blocks of ``block_tokens`` x this
     many UTF-8 bytes. ``max_blocks``: (block, endpoint) entries kept at most, least recently
     sent evicted first. ``ttl_s``: an entry older than this is forgotten (the engine has likely
-    evicted it)."""
+    evicted it). ``source``: ``approximate`` (that record) or ``kv_events``: for the endpoints of
+    clusters with ``kv_events``, what their engines report holding (engine_pool/kv_events.py),
+    the prompt's token ids (the model's tokenizer and chat template) hashed in blocks of
+    ``block_tokens``, which must then be the engines' KV block size; other endpoints keep the
+    approximate record."""
 
+    source: Literal["approximate", "kv_events"] = "approximate"
     block_tokens: int = Field(128, ge=1, le=4096)
     bytes_per_token: int = Field(4, ge=1, le=16)
     max_blocks: int = Field(250_000, ge=1, le=100_000_000)
@@ -689,7 +735,24 @@ def policy_problems(settings: Settings) -> list[Problem]:
         *_slot_limits(settings),
         *_emergencies(settings),
         *lending_problems(settings),
+        *_kv_events(settings),
     ]
+
+
+def _kv_events(settings: Settings) -> Iterable[Problem]:
+    """``prefix_index.source: kv_events`` needs a cluster publishing them, and the reverse."""
+    publishing = [c for c in settings.clusters if c.kv_events is not None]
+    if settings.prefix_index.source == "kv_events" and not publishing:
+        yield Problem(
+            ("prefix_index", "source"), "kv_events, but no cluster sets clusters[].kv_events"
+        )
+    if settings.prefix_index.source != "kv_events":
+        for index, cluster in enumerate(settings.clusters):
+            if cluster.kv_events is not None:
+                yield Problem(
+                    ("clusters", index, "kv_events"),
+                    "read only with prefix_index.source: kv_events",
+                )
 
 
 def lending_problems(settings: Settings) -> Iterable[Problem]:

@@ -49,6 +49,7 @@ def create_app(
         await rehearse(gateway.pipeline.policy, gateway.log, gateway.metrics)
         async with anyio.create_task_group() as background:
             background.start_soon(gateway.run_monitor)
+            background.start_soon(gateway.run_kv_events)
             background.start_soon(run_discovery, gateway)
             background.start_soon(watch_latency, gateway.pool, gateway.metrics, gateway.log)
             if settings.server.boot_probe:

@@ -98,6 +98,9 @@ def diff_settings(old: Settings, new: Settings) -> dict[str, dict[str, Any]]:
 
 
 def _restart_only(key: str) -> bool:
+    # The KV event readers are started once, at boot, with the prefix index they feed.
+    if key.startswith("clusters[") and ".kv_events" in key:
+        return True
     return any(key == p or key.startswith(p + ".") for p in RESTART_ONLY)
 
 

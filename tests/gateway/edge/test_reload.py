@@ -295,3 +295,10 @@ def test_the_prefix_index_settings_need_a_restart_and_lane_weights_do_not() -> N
     assert set(diff) == {"prefix_index.max_blocks", "lanes[fast].weights.prefix"}
     assert _restart_only("prefix_index.max_blocks")
     assert not _restart_only("lanes[fast].weights.prefix")
+    # The KV event readers are the prefix index's, started with it.
+    config["prefix_index"] = {"source": "kv_events"}
+    config["clusters"][0]["kv_events"] = {"port": 5557}
+    diff = diff_settings(old, parse_settings(config, environ={}))
+    assert "clusters[fast].kv_events.port" in diff
+    assert _restart_only("clusters[fast].kv_events.port")
+    assert not _restart_only("clusters[fast].endpoints")
