@@ -18,7 +18,7 @@ OWN = Limit("ep:heavy:h", 4, guards=("borrow:heavy:h",))
 
 def store(url: str, prefix: str) -> RedisSlotStore:
     spec = StateSettings.model_validate(
-        {"backend": "redis", "redis_url": url, "key_prefix": prefix}
+        {"backend": "redis", "redis_url": url, "key_prefix": prefix, "redis_timeout_s": 5.0}
     )
     return RedisSlotStore.from_settings(spec, Metrics())
 

@@ -96,7 +96,13 @@ async def test_a_starved_waiter_moves_ahead_of_every_class_in_the_shared_list(
     """The shared list is class, then arrival; a waiter past ``starved_at`` moves ahead of every
     class at that moment (its refresh re-scores it, its ticket kept)."""
     spec = StateSettings.model_validate(
-        {"backend": "redis", "redis_url": redis_url, "key_prefix": prefix, "lease_ttl_s": 30}
+        {
+            "backend": "redis",
+            "redis_url": redis_url,
+            "key_prefix": prefix,
+            "lease_ttl_s": 30,
+            "redis_timeout_s": 5.0,
+        }
     )
     low, high = (RedisSlotStore.from_settings(spec, Metrics()) for _ in range(2))
     raw = redis.Redis.from_url(redis_url)

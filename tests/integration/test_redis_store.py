@@ -35,6 +35,10 @@ TTL_MS = int(TTL_S * 1000)
 
 
 def store_for(url: str, prefix: str, **state: object) -> RedisSlotStore:
+    # These tests check the lease rules, not the call bound: a Redis call delayed past the
+    # default 0.5 s by a loaded CI machine (two cores, the suite in parallel) must not read as an
+    # outage (tests/integration/test_redis_outage.py owns the bound).
+    state.setdefault("redis_timeout_s", 5.0)
     spec = StateSettings.model_validate(
         {"backend": "redis", "redis_url": url, "key_prefix": prefix, **state}
     )

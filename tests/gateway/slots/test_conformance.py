@@ -79,6 +79,8 @@ class Backend:
                     "redis_url": self._redis_url,
                     "key_prefix": self._prefix,
                     "lease_ttl_s": TTL_S,
+                    # The rules, not the call bound: a loaded CI machine may delay a call.
+                    "redis_timeout_s": 5.0,
                 }
             )
             store = RedisSlotStore.from_settings(state, Metrics())
