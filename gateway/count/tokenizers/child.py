@@ -1,23 +1,38 @@
-"""What runs in the tokenizer's child process (worker.py starts it, a fresh interpreter:
-``python -m gateway.count.tokenizers.child READ_FD WRITE_FD``): read the recipe, build the
-encoder, warm it, answer ``ready``, then answer calls until the gateway closes its end of the
-pipe. Every answer carries the child's resident memory, which worker.py's bound watches.
+"""What runs in the tokenizer's processes. worker.py starts one, the template (a fresh
+interpreter: ``python -m gateway.count.tokenizers.child READ_FD WRITE_FD CONTROL_FD``): it reads
+the recipe, builds the encoder, warms it and answers ``ready``, then never counts. Each pair of
+pipe ends the gateway passes over the control socket (``SCM_RIGHTS``,
+``multiprocessing.reduction.sendfds``) becomes a counting child by ``os.fork``: the loaded,
+warmed tokenizer is copied on write, so a replacement costs a fork (milliseconds) instead of a
+load (about a second of CPU, several on a busy core, taken from the counts the old child is
+still answering). The template answers ``("forked", pid)``, reaps its children (so their CPU
+time is accounted to it) and exits when the gateway closes the control socket. A counting child
+answers calls until the gateway closes its end of the pipe; every answer carries its resident
+memory, which worker.py's bound watches.
+
+Safe to fork: the template is single-threaded but for numpy's BLAS pool (which registers its own
+fork handlers); gigatoken's parallel pool, which a fork would leave without threads, is never
+touched (every count passes ``parallel=False``, encoders.py).
 
 The recipes (``gigatoken_from_json``, ``gigatoken_from_tiktoken``) are built in the gateway and
 called here: picklable, and the 13 MB of a tokenizer.json never parsed in the gateway.
 
-Wire, one pickled tuple each way: ``(recipe, warm_chars)`` then ``("ready", warm_ms, rss)`` or
-``("failed", why, rss)``; then per call ``(op, arg)`` (``encode``, ``decode``, ``count``) and
-``("ok", result, rss)``, ``("invalid", why, rss)`` (a ``decode`` of an id outside the
-vocabulary) or ``("failed", why, rss)``.
+Wire, one pickled tuple each way. Template: ``(recipe, warm_chars)`` then ``("ready", warm_ms,
+rss)`` or ``("failed", why, rss)``; then for each pair of fds received ``("forked", pid)``. A
+counting child, per call: ``(op, arg)`` (``encode``, ``decode``, ``count``) and ``("ok", result,
+rss)``, ``("invalid", why, rss)`` (a ``decode`` of an id outside the vocabulary) or
+``("failed", why, rss)``.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import sys
 import time
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import recvfds
 from typing import Any
 
 from gateway.count.tokenizers.encoders import Encoder, GigatokenEncoder
@@ -48,9 +63,9 @@ def _answer(encoder: Encoder, op: str, arg: Any) -> Any:
     return encoder.count_many(arg)
 
 
-def _serve(inbox: Connection, outbox: Connection) -> None:
-    """The child: read its recipe, build the tokenizer, warm it, then answer calls until the
-    gateway closes its end of the pipe (or dies)."""
+def _load(inbox: Connection, outbox: Connection) -> Encoder | None:
+    """Read the recipe, build the tokenizer and warm it; answer ``ready`` (or ``failed``, then
+    None)."""
     hold_heap(CHILD_KEEP_MB)
     try:
         recipe, warm_chars = inbox.recv()
@@ -64,8 +79,12 @@ def _serve(inbox: Connection, outbox: Connection) -> None:
     # pyo3's PanicException derives from BaseException; the parent raises what it is told.
     except BaseException as exc:  # noqa: BLE001 - sent to the parent, which raises it
         outbox.send(("failed", f"{type(exc).__name__}: {str(exc)[:500]}", _rss_mb()))
-        return
+        return None
     outbox.send(("ready", warm_ms, _rss_mb()))
+    return encoder
+
+
+def _answer_calls(encoder: Encoder, inbox: Connection, outbox: Connection) -> None:
     while True:
         try:
             op, arg = inbox.recv()
@@ -81,6 +100,49 @@ def _serve(inbox: Connection, outbox: Connection) -> None:
                 outbox.send(("failed", f"{type(exc).__name__}: {str(exc)[:500]}", _rss_mb()))
             continue
         outbox.send(("ok", result, _rss_mb()))
+
+
+def _reap(_signum: int, _frame: object) -> None:
+    """Wait for every child that ended, so none stays a zombie (the gateway sees it gone) and
+    its CPU time is added to the template's (what a benchmark reads)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _serve_template(inbox: Connection, outbox: Connection, control: socket.socket) -> None:
+    """The template: load, then fork a counting child for each pair of pipe ends the gateway
+    sends, until it closes the control socket."""
+    encoder = _load(inbox, outbox)
+    if encoder is None:
+        return
+    signal.signal(signal.SIGCHLD, _reap)
+    while True:
+        try:
+            child_reads, child_writes = recvfds(control, 2)
+        except (EOFError, OSError, RuntimeError):  # closed (the gateway is done or gone)
+            return
+        pid = os.fork()
+        if pid == 0:  # the counting child: only its own two pipe ends
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            control.close()
+            inbox.close()
+            outbox.close()
+            try:
+                _answer_calls(
+                    encoder,
+                    Connection(child_reads, writable=False),
+                    Connection(child_writes, readable=False),
+                )
+            finally:
+                os._exit(0)
+        os.close(child_reads)
+        os.close(child_writes)
+        outbox.send(("forked", pid))
 
 
 def warm_text(chars: int) -> str:
@@ -108,6 +170,8 @@ def gigatoken_from_tiktoken(
 
 
 if __name__ == "__main__":
-    _serve(
-        Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False)
+    _serve_template(
+        Connection(int(sys.argv[1]), writable=False),
+        Connection(int(sys.argv[2]), readable=False),
+        socket.socket(fileno=int(sys.argv[3])),
     )

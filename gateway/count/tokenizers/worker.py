@@ -43,8 +43,11 @@ Events: ``tokenizer.child_warmed`` (pid, warm_chars, warm_ms, pipe_ms),
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -53,6 +56,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import sendfds
 from typing import TYPE_CHECKING, Any
 
 from gateway.count.tokenizers.child import warm_text
@@ -71,9 +75,48 @@ class EncoderFailed(RuntimeError):
     """The tokenizer in the child process raised, or no child could be started."""
 
 
+class _Forked:
+    """A counting child forked by the template: not this process's child (the template reaps
+    it), so it is watched by pid, with ``subprocess.Popen``'s ``pid``, ``poll``, ``kill`` and
+    ``wait``."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def poll(self) -> int | None:
+        return None if _running(self.pid) else -signal.SIGKILL
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):  # it ended: nothing to stop
+            os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while _running(self.pid):
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"tokenizer child {self.pid}", timeout)
+            time.sleep(0.005)
+        return -signal.SIGKILL
+
+
+def _running(pid: int) -> bool:
+    """Alive: a zombie (ended, its parent not yet told) counts as gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: whether the pid still names a process
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
 @dataclass(slots=True)
 class _Child:
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[bytes] | _Forked
     send: Connection
     recv: Connection
     rss_mb: float
@@ -82,56 +125,127 @@ class _Child:
     ready_rss_mb: float = 0.0
 
 
-def _start(recipe: Callable[[], Encoder], warm_chars: int = 0) -> _Child:
-    """Start a child (a fresh interpreter: nothing of this process is forked or re-imported)
-    and wait until its tokenizer is loaded and warm."""
-    started = time.monotonic()
+@dataclass(slots=True)
+class _Template:
+    """The tokenizer loaded and warmed once, in a process that never counts: every counting
+    child is a fork of it (child.py, ``_serve_template``)."""
+
+    process: subprocess.Popen[bytes]
+    send: Connection
+    recv: Connection
+    control: socket.socket
+    lock: threading.Lock
+
+
+def _launch(
+    recipe: Callable[[], Encoder], warm_chars: int, control: socket.socket
+) -> tuple[subprocess.Popen[bytes], Connection, Connection, float]:
+    """Start the template, a fresh interpreter running child.py (nothing of this process is
+    forked or re-imported), send it the recipe and wait until its tokenizer is loaded and warm:
+    its process, pipe ends and warm-up ms. ``EncoderFailed`` (the process stopped) if it does
+    not get there."""
     child_reads, to_child = os.pipe()  # (read end, write end); ours are not inherited
     from_child, child_writes = os.pipe()
     _widen(to_child)
     _widen(from_child)
+    fds = (child_reads, child_writes, control.fileno())
     process = subprocess.Popen(  # noqa: S603 - our own interpreter and module
-        [
-            sys.executable,
-            "-m",
-            "gateway.count.tokenizers.child",
-            str(child_reads),
-            str(child_writes),
-        ],
-        pass_fds=(child_reads, child_writes),
+        [sys.executable, "-m", "gateway.count.tokenizers.child", *(str(fd) for fd in fds)],
+        pass_fds=fds,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
     )
     os.close(child_reads)
     os.close(child_writes)
+    send, recv = Connection(to_child, readable=False), Connection(from_child, writable=False)
+
+    def stop() -> None:
+        send.close()
+        recv.close()
+        process.kill()
+        process.wait(timeout=10)
+
+    try:
+        send.send((recipe, warm_chars))
+        if not recv.poll(READY_TIMEOUT_S):
+            raise EncoderFailed(f"tokenizer child not ready within {READY_TIMEOUT_S:g}s")
+        status, detail, _rss = recv.recv()
+    except (EOFError, OSError) as exc:
+        stop()
+        raise EncoderFailed(f"tokenizer child exited while loading: {exc!r}") from exc
+    except EncoderFailed:
+        stop()
+        raise
+    if status != "ready":
+        stop()
+        raise EncoderFailed(f"tokenizer child failed to load: {detail}")
+    return process, send, recv, float(detail)
+
+
+def _start_template(recipe: Callable[[], Encoder], warm_chars: int) -> _Template:
+    """Start the template (a fresh interpreter) and wait until its tokenizer is loaded and warm
+    (``tokenizer.template_ready``: pid, warm_chars, warm_ms, load_s)."""
+    started = time.monotonic()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        process, send, recv, warm_ms = _launch(recipe, warm_chars, theirs)
+    except EncoderFailed:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    get_logger("tokens").info(
+        "tokenizer.template_ready",
+        pid=process.pid,
+        warm_chars=warm_chars,
+        warm_ms=round(warm_ms, 1),
+        load_s=round(time.monotonic() - started, 2),
+    )
+    return _Template(process, send, recv, ours, threading.Lock())
+
+
+def _fork(template: _Template, warm_chars: int) -> _Child:
+    """A counting child forked from the template, rehearsed through its pipe as a request's
+    count goes (``tokenizer.child_warmed``: pid, template_pid, fork_ms, pipe_ms).
+    ``EncoderFailed`` if the template or the child is gone."""
+    started = time.monotonic()
+    child_reads, to_child = os.pipe()
+    from_child, child_writes = os.pipe()
+    _widen(to_child)
+    _widen(from_child)
+    try:
+        with template.lock:
+            sendfds(template.control, [child_reads, child_writes])
+            if not template.recv.poll(READY_TIMEOUT_S):
+                raise EncoderFailed(f"tokenizer template did not fork within {READY_TIMEOUT_S:g}s")
+            status, pid = template.recv.recv()
+        if status != "forked":
+            raise EncoderFailed(f"tokenizer template answered {status!r}")
+    except (EOFError, OSError, EncoderFailed) as exc:
+        os.close(to_child)
+        os.close(from_child)
+        if isinstance(exc, EncoderFailed):
+            raise
+        raise EncoderFailed(f"tokenizer template gone: {exc!r}") from exc
+    finally:  # the template holds copies (and its child the only ones it keeps)
+        os.close(child_reads)
+        os.close(child_writes)
     child = _Child(
-        process,
+        _Forked(pid),
         Connection(to_child, readable=False),
         Connection(from_child, writable=False),
         0,
         started,
     )
-    try:
-        child.send.send((recipe, warm_chars))
-        if not child.recv.poll(READY_TIMEOUT_S):
-            raise EncoderFailed(f"tokenizer child not ready within {READY_TIMEOUT_S:g}s")
-        status, detail, _rss = child.recv.recv()
-    except (EOFError, OSError) as exc:
-        _stop(child)
-        raise EncoderFailed(f"tokenizer child exited while loading: {exc!r}") from exc
-    except EncoderFailed:
-        _stop(child)
-        raise
-    if status != "ready":
-        _stop(child)
-        raise EncoderFailed(f"tokenizer child failed to load: {detail}")
+    fork_ms = (time.monotonic() - started) * 1000
     pipe_ms = _rehearse(child, warm_chars)
     child.ready_rss_mb = child.rss_mb
     get_logger("tokens").info(
         "tokenizer.child_warmed",
-        pid=process.pid,
+        pid=pid,
+        template_pid=template.process.pid,
         warm_chars=warm_chars,
-        warm_ms=round(float(detail), 1),
+        fork_ms=round(fork_ms, 1),
         pipe_ms=round(pipe_ms, 1),
     )
     return child
@@ -179,11 +293,14 @@ def _widen(fd: int) -> None:
         get_logger("tokens").info("tokenizer.pipe_default", error=str(exc))
 
 
-def _stop(child: _Child) -> None:
-    """Close the pipe and kill: the child holds nothing worth a graceful exit, and its memory
-    goes back to the system at once."""
+def _stop(child: _Child | _Template) -> None:
+    """Close the pipe and kill: a child holds nothing worth a graceful exit, and its memory
+    goes back to the system at once. A template's counting children are not its: each is
+    stopped on its own (and ends by itself when its pipe closes)."""
     child.send.close()
     child.recv.close()
+    if isinstance(child, _Template):
+        child.control.close()
     if child.process.poll() is None:
         child.process.kill()
     child.process.wait(timeout=10)
@@ -201,8 +318,10 @@ class ChildEncoder:
         metrics: Metrics | None = None,
         warm_chars: int = 0,
     ) -> None:
-        """``recipe`` builds the in-process encoder (of ``backend``) in the child: a picklable
-        callable; each child encodes ``warm_chars`` characters before it answers."""
+        """``recipe`` builds the in-process encoder (of ``backend``) in the template: a
+        picklable callable; the template encodes ``warm_chars`` characters before it answers
+        ready, and each counting child counts a text as large through its pipe before it takes
+        a call."""
         self._recipe = recipe
         self.backend = backend
         self.warm_chars = warm_chars
@@ -211,10 +330,16 @@ class ChildEncoder:
         self.lock = threading.Lock()
         self.recycles = 0
         self._log = get_logger("tokens")
-        self._child = _start(recipe, warm_chars)
+        self._spawning = threading.Lock()  # one fork (or template restart) at a time
+        self._template = _start_template(recipe, warm_chars)
+        try:
+            self._child = _fork(self._template, warm_chars)
+        except EncoderFailed:
+            _stop(self._template)
+            raise
         self._next: _Child | None = None
         self._pending: threading.Thread | None = None
-        self._stopped = weakref.finalize(self, _stop_all, [self._child])
+        self._stopped = self._arm()
 
     @property
     def rss_mb(self) -> float:
@@ -223,7 +348,12 @@ class ChildEncoder:
 
     @property
     def pid(self) -> int:
+        """The counting child's."""
         return self._child.process.pid
+
+    @property
+    def template_pid(self) -> int:
+        return self._template.process.pid
 
     def encode(self, text: str) -> list[int]:
         with self.lock:
@@ -254,7 +384,7 @@ class ChildEncoder:
             if self._pending is not None:
                 self._pending.join()
             self._stopped.detach()
-            _stop_all([c for c in (self._child, self._next) if c is not None])
+            _stop_all([c for c in (self._child, self._next, self._template) if c is not None])
 
     # -- internals (the caller holds ``lock``) ----------------------------------------------
 
@@ -305,9 +435,31 @@ class ChildEncoder:
 
     def _prepare(self) -> None:
         try:
-            self._next = _start(self._recipe, self.warm_chars)
+            self._next = self._spawn()
         except EncoderFailed as exc:
             swallowed(self._log, self._metrics, "tokenizer.recycle", exc, "kept_the_old_child")
+
+    def _spawn(self) -> _Child:
+        """A counting child forked from the template; a template that is gone (killed, crashed)
+        is started again first (a full load, the only one after boot)."""
+        with self._spawning:
+            try:
+                return _fork(self._template, self.warm_chars)
+            except EncoderFailed as exc:
+                if self._template.process.poll() is None:
+                    raise  # the template lives: the fork or the child failed
+                swallowed(
+                    self._log, self._metrics, "tokenizer.template", exc, "restarted_the_template"
+                )
+                old, self._template = self._template, _start_template(self._recipe, self.warm_chars)
+                _stop(old)
+                self._stopped.detach()
+                self._stopped = self._arm()
+                return _fork(self._template, self.warm_chars)
+
+    def _arm(self) -> weakref.finalize[Any, Any]:
+        """Stop the counting child and the template when this encoder is collected."""
+        return weakref.finalize(self, _stop_all, [self._child, self._template])
 
     def _take_over(self) -> None:
         if self._pending is not None and not self._pending.is_alive():
@@ -317,7 +469,7 @@ class ChildEncoder:
         old, self._child, self._next = self._child, self._next, None
         self.recycles += 1
         self._stopped.detach()
-        self._stopped = weakref.finalize(self, _stop_all, [self._child])
+        self._stopped = self._arm()
         self._log.info(
             "tokenizer.recycled",
             old_rss_mb=round(old.rss_mb, 1),
@@ -328,12 +480,12 @@ class ChildEncoder:
 
     def _replace_now(self) -> None:
         old = self._child
-        self._child = _start(self._recipe, self.warm_chars)
+        self._child = self._spawn()
         self._stopped.detach()
-        self._stopped = weakref.finalize(self, _stop_all, [self._child])
+        self._stopped = self._arm()
         _stop(old)
 
 
-def _stop_all(children: list[_Child]) -> None:
+def _stop_all(children: list[_Child | _Template]) -> None:
     for child in children:
         _stop(child)

@@ -3,7 +3,8 @@
 - ``machine()``: CPU model, cores, load average now, Python; every suite's JSON carries it.
 - ``Child``: a process started with ``sys.executable``, optionally pinned to CPUs, stdout to a
   file; ``cpu_s()`` and ``rss_mb()`` read ``/proc/PID/stat`` and ``/proc/PID/statm`` (the
-  whole process, every thread; RSS with its children: the tokenizer child); ``stop()`` sends
+  whole process, every thread; RSS with its descendants: the tokenizer processes);
+  ``tree_pss_mb`` counts the pages they share once; ``stop()`` sends
   SIGINT, then kills after a grace period.
 - ``start_upstream(folder, cpus, chunks)``: the fixed fast upstream (``upstream.py``).
 - ``start_smg(upstream_port, folder, cpus)``: SGLang's Rust model gateway (PyPI ``smg``, the
@@ -43,18 +44,49 @@ import orjson
 import yaml
 
 
-def tree_rss_mb(pid: int | None = None) -> float:
-    """Resident memory of a process and all its descendants, MB (Linux /proc)."""
-    pid = os.getpid() if pid is None else pid
-    total, todo = 0, [pid]
+def descendants(pid: int) -> list[int]:
+    """A process and all its descendants, those alive now (Linux /proc)."""
+    found, todo = [], [pid]
     while todo:
         current = todo.pop()
         try:
-            with open(f"/proc/{current}/statm", "rb") as statm:
-                total += int(statm.read().split()[1])
             for task in os.listdir(f"/proc/{current}/task"):
                 with open(f"/proc/{current}/task/{task}/children", "rb") as children:
                     todo.extend(int(c) for c in children.read().split())
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # it exited between two reads
+        found.append(current)
+    return found
+
+
+def tree_pss_mb(pid: int | None = None) -> float:
+    """The memory of a process and all its descendants, MB: the sum of their proportional set
+    sizes (``Pss`` in /proc/PID/smaps_rollup), so a page shared by several of them (the
+    tokenizer template's, copied on write into each counting child) is counted once in all.
+    Where smaps_rollup is missing, resident memory (which counts shared pages in each)."""
+    total_kb = 0
+    for current in descendants(os.getpid() if pid is None else pid):
+        try:
+            with open(f"/proc/{current}/smaps_rollup", "rb") as rollup:
+                total_kb += next(
+                    int(line.split()[1]) for line in rollup if line.startswith(b"Pss:")
+                )
+        except (FileNotFoundError, ProcessLookupError, StopIteration):
+            continue  # it exited between two reads
+        except PermissionError:
+            with open(f"/proc/{current}/statm", "rb") as statm:
+                total_kb += int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+    return total_kb / 1024
+
+
+def tree_rss_mb(pid: int | None = None) -> float:
+    """Resident memory of a process and all its descendants, MB (Linux /proc): a page several
+    of them share counts in each."""
+    total = 0
+    for current in descendants(os.getpid() if pid is None else pid):
+        try:
+            with open(f"/proc/{current}/statm", "rb") as statm:
+                total += int(statm.read().split()[1])
         except (FileNotFoundError, ProcessLookupError):
             continue  # it exited between two reads
     return total * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -142,7 +174,9 @@ class Child:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def rss_mb(self) -> float:
-        """The process and its children (the gateway's tokenizer child included)."""
+        """Resident memory of the process and its descendants (the gateway's tokenizer template
+        and counting children included; a page the template shares with a child copy-on-write
+        counts in each: ``tree_pss_mb`` counts it once)."""
         return tree_rss_mb(self.pid)
 
     def alive(self) -> bool:

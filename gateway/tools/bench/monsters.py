@@ -47,6 +47,7 @@ import orjson
 
 from gateway.tools.bench.harness import (
     Child,
+    descendants,
     free_port,
     gateway_policy,
     machine,
@@ -54,7 +55,7 @@ from gateway.tools.bench.harness import (
     publish,
     start_gateway,
     start_upstream,
-    tree_rss_mb,
+    tree_pss_mb,
     two_core_plan,
 )
 from gateway.tools.bench.httpload import percentile
@@ -143,14 +144,15 @@ async def _closed(
     port: int, bodies: list[bytes], concurrency: int, rss: list[float], pid: int
 ) -> list[Sample]:
     """The closed loop; ``rss`` gets the gateway's resident memory with its tokenizer children
-    (``harness.tree_rss_mb``) after every answer: two children during a recycle show there."""
+    (``harness.tree_pss_mb``: the tokenizer template's pages shared with its counting children
+    counted once) after every answer: two children during a recycle show there."""
     todo = list(reversed(bodies))
     done: list[Sample] = []
 
     async def client() -> None:
         while todo:
             done.append(await _post(port, todo.pop()))
-            rss.append(tree_rss_mb(pid))
+            rss.append(tree_pss_mb(pid))
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
     return done
@@ -160,22 +162,19 @@ async def _closed(
 
 
 def _cpu_s(pid: int) -> float:
-    """The gateway's CPU seconds: its own, its reaped children's (replaced tokenizer children),
-    and its live children's."""
+    """The gateway's CPU seconds: of it and every live descendant (the tokenizer template and
+    its counting children), each with the time of the children it reaped (the replaced
+    counting children are the template's, reaped by it)."""
     ticks = os.sysconf("SC_CLK_TCK")
-    with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    total = sum(int(f) for f in fields[11:15]) / ticks
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children", "rb") as children:
-            for child in children.read().split():
-                try:
-                    with open(f"/proc/{int(child)}/stat", encoding="ascii") as stat:
-                        cf = stat.read().rsplit(")", 1)[1].split()
-                    total += (int(cf[11]) + int(cf[12])) / ticks
-                except (FileNotFoundError, ProcessLookupError):
-                    continue  # exited between two reads: its time is in the reaped total soon
-    return total
+    total = 0
+    for current in descendants(pid):
+        try:
+            with open(f"/proc/{current}/stat", encoding="ascii") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # exited between two reads: its time is in its parent's reaped total soon
+        total += sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
+    return total / ticks
 
 
 def _recycles(log: Path) -> list[float]:
@@ -294,7 +293,7 @@ def _run(plan: Plan, texts: Texts, port: int, gateway: Child, log: Path) -> dict
         phase = {"shape": shape, "tokens": tokens, "concurrency": concurrency}
         phase |= _stats(samples, cpu)
         phase |= {"recycles": len(loads), "recycle_load_s": loads}
-        phase["peak_rss_mb"] = round(max(rss, default=0.0), 1)
+        phase["peak_pss_mb"] = round(max(rss, default=0.0), 1)
         phase["timeline"] = _timeline(samples, since)
         phase["recycle_events"] = _windows(log, since)  # [s, 0 started / 1 taken over]
         phases.append(phase)

@@ -68,7 +68,7 @@ def phase_line(p: dict[str, Any]) -> str:
     return (
         f"| {p['shape']} | {p['tokens_mean']:,} | {p['concurrency']} | {p['requests']} | "
         f"{p['p50_ms']} | {p['p99_ms']} | {p['tail_ratio']} | {p['errors']} | "
-        f"{p['cpu_ms_per_request']} | {p['recycles']} | {p.get('peak_rss_mb', '-')} |"
+        f"{p['cpu_ms_per_request']} | {p['recycles']} | {p.get('peak_pss_mb', '-')} |"
     )
 
 
@@ -84,7 +84,7 @@ def table(result: dict[str, Any]) -> str:
         f"{first['steady_requests']} requests; slowest / median {first['worst_ratio']}x",
         "",
         "| shape | tokens (mean) | concurrency | requests | p50 ms | p99 ms | p99/p50 | errors "
-        "| CPU ms / request | recycles | peak RSS MB |",
+        "| CPU ms / request | recycles | peak PSS MB |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
         *(phase_line(p) for p in result["phases"]),
     ]
@@ -117,12 +117,14 @@ def readme_lines(
         "### Unique monsters (`shapegate bench monsters`)",
         "",
         f"Machine: {machine_text}; load average {after} at the end. `shapegate serve` and its "
-        "tokenizer child on one core, this generator and a fixed upstream on the other; every "
+        "tokenizer processes on one core, this generator and a fixed upstream on the other; every "
         "prompt unique (no cache holds it), so each is counted exactly by the tokenizer child; "
         f"the child's bound `counting.max_encoder_rss_mb: {r['max_rss_mb']:g}`. Latency is the "
         "client's, to the whole answer; CPU is the gateway's, its tokenizer children included; "
-        "peak RSS is the gateway with its tokenizer children, after each answer (during a "
-        "recycle two children: the old one past the bound, the fresh one).",
+        "peak PSS is the memory of the gateway with its tokenizer template and counting "
+        "children (proportional set sizes: a page the template shares with a child counts "
+        "once), after each answer (during a recycle two counting children: the old one past the "
+        "bound, the fresh fork).",
         *smoke,
         "",
         f"First burst after boot ({r['slots']} concurrent unique "
@@ -132,7 +134,7 @@ def readme_lines(
         f"{first['steady_median_ms']:g} ms; slowest / median {first['worst_ratio']:g}x.",
         "",
         "| shape | tokens (mean) | concurrency | requests | p50 ms | p99 ms | p99/p50 | errors "
-        "| CPU ms / request | recycles | peak RSS MB |",
+        "| CPU ms / request | recycles | peak PSS MB |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         *(phase_line(p) for p in r["phases"]),
         "",

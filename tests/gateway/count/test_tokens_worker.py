@@ -7,7 +7,10 @@ from __future__ import annotations
 import base64
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -63,10 +66,13 @@ def test_child_counts_exactly_what_the_in_process_tokenizer_counts() -> None:
 
 
 def test_past_its_bound_the_child_is_replaced_and_memory_comes_back() -> None:
-    child = load_vocabulary(CL100K, limits=EncoderLimits(max_rss_mb=128)).encoder
+    # A replacement is a fork of the template, then a count of warm_chars through its pipe:
+    # 2M characters keep it busy long enough (~0.1 s) to see the old child answer meanwhile.
+    limits = EncoderLimits(max_rss_mb=128, warm_chars=2_000_000)
+    child = load_vocabulary(CL100K, limits=limits).encoder
     assert isinstance(child, ChildEncoder)
     try:
-        first_pid, loaded = child.pid, child.rss_mb
+        first_pid, loaded, template = child.pid, child.rss_mb, child.template_pid
         bound = child.bound_mb
         assert bound >= loaded  # a bound under the loaded size is raised, not looped on
         rng = np.random.default_rng(5)
@@ -95,6 +101,11 @@ def test_past_its_bound_the_child_is_replaced_and_memory_comes_back() -> None:
         )
         events = [e["event"] for e in logs]
         assert "tokenizer.recycle_started" in events and "tokenizer.recycled" in events
+        # Each replacement was a fork of the one template: no tokenizer loaded again.
+        assert child.template_pid == template and "tokenizer.template_ready" not in events
+        assert [e["template_pid"] for e in logs if e["event"] == "tokenizer.child_warmed"] == [
+            template
+        ] * child.recycles
         # The replacement counts as the first did.
         assert child.count_many(TEXTS) == load_vocabulary(
             CL100K, limits=EncoderLimits(max_rss_mb=None)
@@ -119,6 +130,29 @@ def test_a_killed_child_is_replaced_and_the_call_answered() -> None:
     finally:
         child.close()
     assert not _alive(child.pid or 0) or _gone(child.pid or 0)
+    assert _gone(child.template_pid)
+
+
+def test_a_killed_template_is_started_again_when_a_child_is_needed() -> None:
+    child = load_vocabulary(CL100K, limits=EncoderLimits(max_rss_mb=512)).encoder
+    assert isinstance(child, ChildEncoder)
+    try:
+        expected = child.count_many(TEXTS)
+        template, victim = child.template_pid, child.pid
+        os.kill(template, signal.SIGKILL)
+        assert _gone(template)
+        assert child.count_many(TEXTS) == expected  # the counting child lives on without it
+        os.kill(victim, signal.SIGKILL)
+        assert _gone(victim)
+        with capture_logs() as logs:
+            assert child.count_many(TEXTS) == expected
+        assert child.template_pid != template and child.pid != victim
+        where = [e.get("where") for e in logs if e["event"] == "error.swallowed"]
+        assert where == ["tokenizer.child", "tokenizer.template"]
+        assert [e["event"] for e in logs].count("tokenizer.template_ready") == 1
+    finally:
+        child.close()
+    assert _gone(child.template_pid) and _gone(child.pid)
 
 
 @pytest.mark.parametrize("bound", [None, 384.0])
@@ -199,3 +233,39 @@ async def test_a_bound_finished_in_the_worker_looks_the_cache_up_once() -> None:
         assert tokens == counter.count_sync("qwen3.6", prompt, exact_above=0).tokens
     finally:
         counter.close()
+
+
+def test_when_the_gateway_dies_its_template_and_children_end(tmp_path: Path) -> None:
+    """No process outlives the gateway: the template reads the end of its control socket, each
+    counting child the end of its pipe."""
+    script = tmp_path / "holder.py"
+    script.write_text(
+        "import sys, time\n"
+        "from gateway.count.tokenizers.backends import EncoderLimits\n"
+        "from gateway.count.tokenizers.sources import load_vocabulary\n"
+        "from gateway.settings import TokenizerSettings\n"
+        "enc = load_vocabulary(TokenizerSettings(source='builtin', name='cl100k_base'),\n"
+        "                      limits=EncoderLimits(max_rss_mb=512)).encoder\n"
+        "print('pids', enc.template_pid, enc.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, env=os.environ.copy()
+    )
+    try:
+        assert holder.stdout is not None
+        line = b""
+        while not line.startswith(b"pids "):  # the log's lines come first
+            line = holder.stdout.readline()
+            assert line, "the holder exited before it printed its children"
+        template, child = (int(pid) for pid in line.split()[1:])
+        assert _alive(template) and _alive(child)
+        holder.kill()  # SIGKILL: no finalizer, no close()
+        holder.wait(timeout=10)
+        assert _gone(template) and _gone(child)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(timeout=10)
+        if holder.stdout is not None:
+            holder.stdout.close()
