@@ -73,7 +73,7 @@ def sentinel_client(
         server_kwargs["password"] = _secret(env, sentinel.password_env)
     if sentinel.username:
         server_kwargs["username"] = sentinel.username
-    manager = Sentinel(  # type: ignore[no-untyped-call]
+    manager = Sentinel(  # type: ignore[no-untyped-call,unused-ignore]  # typed from redis 8.2
         sentinel.addresses(), sentinel_kwargs=sentinel_kwargs, **server_kwargs
     )
     client = manager.master_for(sentinel.master_name, redis_class=_SentinelRedis)
