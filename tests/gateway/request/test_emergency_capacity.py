@@ -105,7 +105,9 @@ async def test_heavy_request_is_admitted_on_the_emergency_cluster_at_half_load(
         assert r.status_code == 200, r.text
         assert r.headers["x-shapegate-lane"] == "heavy"
         assert r.headers["x-shapegate-cluster"] == "fast"
-        assert took < 1.0, took
+        # Admitted at once, not parked in the heavy lane's queue (max_wait_s 3, then a 429): a
+        # loaded CI machine took 1.3 s for the admitted request, so the line is below the wait.
+        assert took < 2.5, took
     finally:
         for task in holders:
             task.cancel()
