@@ -47,6 +47,24 @@ def test_cpu_counts_a_process_its_live_children_and_its_reaped_ones() -> None:
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"
     subprocess.run([sys.executable, "-c", burn], check=True)  # reaped: in our children's time
     assert _cpu_s(os.getpid()) - before >= 0.25
+    # A grandchild reaped by a child that still runs (a counting child the tokenizer template
+    # forked and reaped): in that child's children's time, which is read while it lives.
+    parent = (
+        "import os, sys, time\n"
+        f"pid = os.fork()\nif pid == 0:\n    {burn.replace(chr(10), chr(10) + '    ')}\n"
+        "    os._exit(0)\n"
+        "os.waitpid(pid, 0)\nprint('reaped', flush=True)\ntime.sleep(30)\n"
+    )
+    start = _cpu_s(os.getpid())
+    middle = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE)
+    try:
+        assert middle.stdout is not None and middle.stdout.readline() == b"reaped\n"
+        assert _cpu_s(os.getpid()) - start >= 0.25
+    finally:
+        middle.kill()
+        middle.wait()
+        if middle.stdout is not None:
+            middle.stdout.close()
 
 
 def test_every_text_is_new_and_near_its_size() -> None:
