@@ -168,6 +168,17 @@ def artifact_dir() -> Path:
     return Path(os.environ.get("SHAPEGATE_ARTIFACTS") or ROOT / "bench-results")
 
 
+FAILED_OUTCOMES = {"timeout", "upstream_error", "error"}
+
+
+async def outcomes_shown(page: Page) -> list[str]:
+    shown: list[str] = await page.evaluate(
+        "[...document.querySelectorAll('#decisions tbody tr[data-id] td:nth-child(10)')]"
+        ".map(td => td.textContent)"
+    )
+    return shown
+
+
 async def visible_lanes(page: Page) -> list[str]:
     lanes: list[str] = await page.evaluate(
         "[...document.querySelectorAll('#decisions tbody tr td:nth-child(7)')]"
@@ -224,12 +235,15 @@ async def test_dashboard_fills_in_while_traffic_flows(
                 assert lanes and set(lanes) == {"heavy"}
                 await page.click("#f-lane button[data-value=all]")
                 assert set(await visible_lanes(page)) >= {"fast", "heavy"}
+                every = await outcomes_shown(page)
                 await page.click("#f-outcome button[data-value=failed]")
-                outcomes = await page.evaluate(
-                    "[...document.querySelectorAll('#decisions tbody tr[data-id]"
-                    " td:nth-child(10)')].map(td => td.textContent)"
-                )
-                assert outcomes and set(outcomes) <= {"timeout", "upstream_error", "error"}
+                failed = await outcomes_shown(page)
+                # Only failures under that filter. A stalled stream mostly migrates to the other
+                # heavy engine (issue 33) and ends ok, so failures are not certain: the filter
+                # shows some whenever the table held some a moment earlier.
+                assert set(failed) <= FAILED_OUTCOMES, failed
+                assert bool(failed) or not FAILED_OUTCOMES & set(every), (every, failed)
+                assert set(every) - FAILED_OUTCOMES, every  # and it did hide something
                 await page.click("#f-outcome button[data-value=all]")
                 # Let the charts gather a few points, then keep the picture.
                 await asyncio.sleep(HISTORY_S)
