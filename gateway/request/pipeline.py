@@ -76,7 +76,16 @@ from gateway.request.lanes import (
     no_lane_message,
     pin_to_cluster,
 )
-from gateway.request.migration import MIGRATES, Interrupted, Relay, cannot_migrate, continuation
+from gateway.request.migration import (
+    IDS_FIELD,
+    MIGRATES,
+    Continuation,
+    Interrupted,
+    Relay,
+    by_text,
+    cannot_migrate,
+    continuation,
+)
 from gateway.request.policy import Policy
 from gateway.request.prefix import NOTHING, Prefixes, Seen
 from gateway.request.response_affinity import MemoryAffinity, ResponseAffinity
@@ -158,6 +167,14 @@ def _untracked(request: RoutedRequest, lane: LaneSettings) -> str | None:
     if not request.stream:
         return "not_streamed"
     return None
+
+
+def _relay(request: RoutedRequest, lane: LaneSettings, body: bytes) -> Relay | None:
+    """The relay of a stream that may migrate, else None. Its token ids are asked for (of vLLM)
+    unless the client named the field: then the client's choice stands, unblanked."""
+    if _untracked(request, lane) is not None:
+        return None
+    return Relay(request.route, collect_ids=True, strip_ids=IDS_FIELD not in body)
 
 
 class Pipeline:
@@ -289,7 +306,7 @@ class Pipeline:
             ctx.watch.left_s,
             order=order,
         )
-        ctx.relay = Relay(request.route) if _untracked(request, lane) is None else None
+        ctx.relay = _relay(request, lane, ctx.body)
         ctx.sent = ctx.body  # the original body, then a continuation after a migration
         # 5: the slot. Its token is ours, never the client's request id: two requests sharing an
         # id must not share (and free) one slot.
@@ -322,7 +339,7 @@ class Pipeline:
                             if ctx.relay is not None and ctx.relay.held and not out.finished:
                                 await out.body(ctx.relay.held, more=False)
                             raise cut.cause from None
-                        ctx.sent = following
+                        ctx.sent, ctx.sent_path = following.body, following.path
                         self.recorder.migrated(record, held.grant, cut.reason, cut.cause)
                         self.prefixes.sent(seen, held.url)
                     except GatewayError as exc:
@@ -346,7 +363,7 @@ class Pipeline:
 
     async def _migrate(
         self, ctx: RequestContext, cut: Interrupted, held: Held, attempts: Attempts
-    ) -> bytes | None:
+    ) -> Continuation | None:
         """Continue a stream cut mid-answer at another endpoint of its lane (its slot moves
         there): the continuation's body, or None when it cannot migrate (logged, counted)."""
         relay = ctx.relay
@@ -359,13 +376,19 @@ class Pipeline:
         if why is not None:
             self._refused_migration(ctx, why, cut.cause, so_far.tokens)
             return None
-        moved = await self.failover.migrate(
-            ctx.request_id, held, attempts, cut.reason, so_far.tokens
+        route, settings = ctx.request.route, ctx.policy.settings
+
+        def continued(cluster: str) -> Continuation:
+            text = by_text(route, data, so_far, settings.cluster(cluster).kind)
+            return continuation(route, data, so_far, ctx.model.max_model_len, text)
+
+        following = await self.failover.migrate(
+            ctx.request_id, held, attempts, cut.reason, so_far.tokens, continued
         )
-        if not moved:
+        if following is None:
             return None
-        relay.spliced(await ctx.exact.tokens(HEADER_COUNT_WAIT_S))
-        return continuation(ctx.request.route, data, so_far)
+        relay.spliced(await ctx.exact.tokens(HEADER_COUNT_WAIT_S), following.by == "token_ids")
+        return following
 
     def _refused_migration(
         self, ctx: RequestContext, why: str, exc: GatewayError, tokens_sent: int
