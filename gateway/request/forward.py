@@ -26,7 +26,7 @@ from gateway.errors import EngineUnreachable, GatewayError, UpstreamError
 from gateway.observe.record import Recorder
 from gateway.request.context import RequestContext, Target
 from gateway.request.failover import Failover
-from gateway.request.migration import Interrupted, asking_ids
+from gateway.request.migration import Diverged, Interrupted, asking_ids
 from gateway.request.response_affinity import ResponseAffinity, response_id_of
 from gateway.upstream.proxy import Upstream, UpstreamResponse, response_headers, upstream_headers
 
@@ -174,6 +174,8 @@ class Forwarder:
                 if relay is not None and relay.failure:
                     failed = UpstreamError("engine sent an error event mid-stream")
                     raise Interrupted(failed, "engine_error")
+                if relay is not None and relay.diverged:
+                    raise Diverged(UpstreamError("the replay did not repeat the answer relayed"))
         except (UpstreamError, DeadlineHit) as exc:
             reason = _cut(exc) if relay is not None else None
             if reason is None:

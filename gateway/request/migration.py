@@ -41,6 +41,15 @@ with the text already relayed as the answer's start: chat, an assistant message 
 assistant message is extended); completions, the prompt plus the text. ``route.migrated``
 says which (``continued``), and why text (``text:<why>``).
 
+The replay (``replay``, ``lanes[].migrate.replay_max_tokens``, off by default): an answer cut
+after at most that many tokens, whose ids are all there and whose next engine is vLLM, is sent
+again as it came, and the relay drops the first tokens of the new stream, each checked against
+the token ids already relayed, and splices the rest: the new engine computes the relayed tokens
+as the first one did, one decode step at a time, so a deterministic greedy engine gives the
+uninterrupted answer exactly, at the cost of those decode steps. A replay that does not repeat
+the relayed ids (``replay_diverged``: sampling without a seed, an engine that is not
+deterministic) is cut where it differs and continues at the same endpoint from the token ids.
+
 Either way ``max_tokens`` (and ``max_completion_tokens``, ``min_tokens``) shrinks by the tokens
 relayed (completions' default of 16 made explicit; a chat without one gets what vLLM's default
 would have left: ``max_model_len`` minus the context). A greedy (temperature 0) continuation
@@ -129,6 +138,14 @@ class Interrupted(Exception):
         super().__init__(reason)
         self.cause = cause
         self.reason = reason
+
+
+class Diverged(Interrupted):
+    """A replay that did not repeat the answer already relayed: it continues at the same
+    endpoint from the token ids (``reason``: ``replay_diverged``)."""
+
+    def __init__(self, cause: GatewayError) -> None:
+        super().__init__(cause, "replay_diverged")
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,10 +245,16 @@ def continuation(
     so_far: SoFar,
     max_model_len: int | None,
     text: str | None = None,
+    replay_max_tokens: int = 0,
 ) -> Continuation:
     """The request that continues the answer from ``so_far`` (``cannot_migrate`` found
-    nothing): from its token ids, or from its text when ``text`` says why (``by_text``; a
-    chat without ``max_tokens`` for a model of unknown ``max_model_len``: ``max_model_len``)."""
+    nothing): the request itself, replayed, when its ids are there and at most
+    ``replay_max_tokens``; else from its token ids, or from its text when ``text`` says why
+    (``by_text``; a chat without ``max_tokens`` for a model of unknown ``max_model_len``:
+    ``max_model_len``)."""
+    ids = so_far.ids
+    if text is None and ids is not None and 0 < len(ids) <= replay_max_tokens:
+        return Continuation(orjson.dumps(data), None, "replay")
     if text is None and _asked_max(kind, data) is None and max_model_len is None:
         text = "max_model_len"
     if text is None and so_far.ids is not None and so_far.prompt_ids is not None:
@@ -320,8 +343,10 @@ class Relay:
         "_kept_bytes",
         "_pending",
         "_prompt_tokens",
+        "_replayed",
         "_splicing",
         "created",
+        "diverged",
         "failure",
         "finished",
         "held",
@@ -344,6 +369,9 @@ class Relay:
         self.prompt_ids: list[int] | None = None
         self._ids: list[int] = []
         self._ids_missing = False
+        # A replay's tokens still to drop (the ids relayed), and how many it repeated so far.
+        self._replayed: tuple[list[int], int] | None = None
+        self.diverged = False
         self._pending = b""
         self._kept: list[bytes] = []
         self._kept_bytes = 0
@@ -473,18 +501,19 @@ class Relay:
         ids = list(self._ids) if whole else None
         return SoFar(text, tokens, self.role_sent, self.finished, self.other, self.prompt_ids, ids)
 
-    def spliced(self, prompt_tokens: int | None, by_ids: bool = False) -> None:
+    def spliced(self, prompt_tokens: int | None, by: str = "text") -> None:
         """The next stream continues this answer: its events are rewritten from now on, its
         usage made the whole answer's: the original prompt's tokens as the first engine reported
         them (continuous usage, else the length of their ids), else ``prompt_tokens`` (our exact
-        count), else the continuation's minus the tokens relayed. ``by_ids``: the continuation
-        is a completions request from the token ids (a chat answer's chunks are re-shaped)."""
+        count), else the continuation's minus the tokens relayed. ``by``: how it continues
+        (``Continuation.by``): from the token ids, a completions request (a chat answer's
+        chunks are re-shaped); a replay, whose first tokens are checked and dropped."""
         self._fold()
         if self._prompt_tokens is None and self.prompt_ids is not None:
             self._prompt_tokens = len(self.prompt_ids)
         if self._prompt_tokens is None:
             self._prompt_tokens = prompt_tokens
-        self._as_chat = self._as_chat or (self._chat and by_ids)
+        self._as_chat = self._as_chat or (self._chat and by == "token_ids")
         self._splicing = True
         self._pending = b""
         self.failure = False
@@ -492,6 +521,11 @@ class Relay:
         self.migrations += 1
         self._base = self.tokens if self.usage_tokens is None else self.usage_tokens
         self.usage_tokens = None
+        self._replayed = None
+        self.diverged = False
+        if by == "replay":  # its own usage counts the whole answer; its first tokens dropped
+            self._replayed = (list(self._ids), 0)
+            self._base = 0
 
     def _rewrite(self, whole: bytes) -> bytes:
         out: list[bytes] = []
@@ -504,6 +538,11 @@ class Relay:
                 self.failure = True
                 self.held = whole[whole.find(event) :]
                 break
+            if self._replayed is not None:
+                if self._repeats(payload):
+                    continue
+                self.diverged = True
+                break
             self._continued_ids(payload)
             if self._as_chat:
                 _as_chat_chunk(payload)
@@ -512,6 +551,28 @@ class Relay:
             self._note(payload)
             out.append(DATA + orjson.dumps(payload) + EVENT_END)
         return b"".join(out)
+
+    def _repeats(self, payload: dict[str, Any]) -> bool:
+        """Whether a replay's event repeats the answer already relayed (it is dropped): its
+        role chunk, or tokens whose ids are the next relayed ones. False: it diverged (other
+        ids, none, an end before the relayed tokens were all repeated)."""
+        assert self._replayed is not None
+        relayed, at = self._replayed
+        choices = payload.get("choices")
+        if not choices or not isinstance(choices, list) or not isinstance(choices[0], dict):
+            return False
+        choice = choices[0]
+        if choice.get("finish_reason") is not None:
+            return False
+        delta = choice.get("delta")
+        if isinstance(delta, dict) and "role" in delta and not delta.get("content"):
+            return True
+        ids = choice.get("token_ids")
+        if not isinstance(ids, list) or not ids or relayed[at : at + len(ids)] != ids:
+            return False
+        at += len(ids)
+        self._replayed = None if at == len(relayed) else (relayed, at)
+        return True
 
     def _continued_ids(self, payload: dict[str, Any]) -> None:
         """A continuation's token ids: collected (a later migration continues from them too),

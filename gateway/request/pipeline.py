@@ -80,6 +80,7 @@ from gateway.request.migration import (
     IDS_FIELD,
     MIGRATES,
     Continuation,
+    Diverged,
     Interrupted,
     Relay,
     by_text,
@@ -377,17 +378,31 @@ class Pipeline:
             self._refused_migration(ctx, why, cut.cause, so_far.tokens)
             return None
         route, settings = ctx.request.route, ctx.policy.settings
+        replay = 0 if isinstance(cut, Diverged) else lane.migrate.replay_max_tokens
 
         def continued(cluster: str) -> Continuation:
             text = by_text(route, data, so_far, settings.cluster(cluster).kind)
-            return continuation(route, data, so_far, ctx.model.max_model_len, text)
+            return continuation(route, data, so_far, ctx.model.max_model_len, text, replay)
 
-        following = await self.failover.migrate(
-            ctx.request_id, held, attempts, cut.reason, so_far.tokens, continued
-        )
-        if following is None:
-            return None
-        relay.spliced(await ctx.exact.tokens(HEADER_COUNT_WAIT_S), following.by == "token_ids")
+        if isinstance(cut, Diverged):  # the same endpoint goes on, from the token ids
+            following = continued(held.cluster)
+            self.log.info(  # the replay's stream is cut; its slot stays
+                "route.replay_diverged",
+                request_id=ctx.request_id,
+                lane=lane.name,
+                endpoint=held.url,
+                tokens_sent=so_far.tokens,
+                continued=following.by,
+            )
+            self.failover.migration(lane.name, "replay_diverged")
+        else:
+            moved = await self.failover.migrate(
+                ctx.request_id, held, attempts, cut.reason, so_far.tokens, continued
+            )
+            if moved is None:
+                return None
+            following = moved
+        relay.spliced(await ctx.exact.tokens(HEADER_COUNT_WAIT_S), following.by)
         return following
 
     def _refused_migration(

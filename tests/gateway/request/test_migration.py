@@ -196,7 +196,7 @@ def test_the_relay_collects_the_token_ids_and_blanks_them_unless_the_client_aske
 def test_a_completion_continuing_a_chat_answer_is_reshaped_into_its_chunks() -> None:
     relay = Relay("chat", collect_ids=True, strip_ids=True)
     relay.feed(with_ids("", None, [7, 8]) + with_ids(" lorem", [1000]) + with_ids(" ipsum", [1001]))
-    relay.spliced(prompt_tokens=None, by_ids=True)
+    relay.spliced(prompt_tokens=None, by="token_ids")
     head = {"id": "cmpl-b", "object": "text_completion", "created": 9, "model": "m"}
     choice = {
         "index": 0,
@@ -233,6 +233,27 @@ def test_a_completion_continuing_a_chat_answer_is_reshaped_into_its_chunks() -> 
     # The prompt's tokens are the original prompt's (its ids' count), the answer's all three.
     assert events[1]["usage"] == {"prompt_tokens": 2, "total_tokens": 5, "completion_tokens": 3}
     assert relay.so_far().ids == [1000, 1001, 1002]
+
+
+def test_an_answer_cut_early_enough_is_replayed_and_its_first_tokens_checked() -> None:
+    data = {"messages": [], "max_tokens": 10, "stream": True}
+    assert continuation("chat", data, IDS, 100, None, 1) == continuation("chat", data, IDS, 100)
+    replay = continuation("chat", data, IDS, 100, None, 2)
+    assert (orjson.loads(replay.body), replay.path, replay.by) == (data, None, "replay")
+    assert continuation("chat", data, IDS, 100, "tools", 3).by == "text:tools"
+    first = with_ids("", None, [7, 8, 9]) + with_ids(" lorem", [1000]) + with_ids(" ipsum", [1001])
+    for later, diverged in (([1000, 1001, 1002], False), ([1000, 1005, 1002], True)):
+        relay = Relay("chat", collect_ids=True, strip_ids=True)
+        relay.feed(first)
+        relay.spliced(None, "replay")
+        again = with_ids("", None, [7, 8, 9]) + b"".join(
+            with_ids(w, [i]) for w, i in zip((" lorem", " ipsum", " dolor"), later, strict=True)
+        )
+        out = relay.feed(again)
+        assert relay.diverged is diverged
+        # Repeated: dropped; then the rest spliced. Diverged: nothing from that point on.
+        assert out == (b"" if diverged else with_ids(" dolor", None))
+        assert relay.so_far().text == (" lorem ipsum" if diverged else " lorem ipsum dolor")
 
 
 def test_the_relay_passes_whole_events_and_holds_back_an_error() -> None:
@@ -441,3 +462,22 @@ async def test_a_migrated_stream_continues_from_its_token_ids_in_the_clients_sha
     assert token_ids_of(raw) == token_ids_of(whole)
     if client_asks is not True:
         assert token_ids_of(raw) == ([], [])
+
+
+async def test_a_replayed_stream_is_the_uninterrupted_one_and_named(
+    gateway_at: GatewayFactory, counter: TokenCounter
+) -> None:
+    body = {**BODY, "stream_options": {"include_usage": True}}
+    async with two_sims(counter, drop_first=10) as (a, b):
+        whole = await stream(b.url, body)
+        for replay_max_tokens, continued in ((9, "replay"), (8, "token_ids")):
+            config = config_for(a, b, replay_max_tokens=replay_max_tokens)
+            async with gateway_at(config) as (url, _):
+                with capture_logs() as logs:
+                    raw = await stream(url, body)
+            migrated = [e for e in logs if e["event"] == "route.migrated"]
+            assert [(e["continued"], e["tokens_sent"]) for e in migrated] == [(continued, 9)]
+            assert text_of(raw) == text_of(whole) and b'"error"' not in raw
+            usage = [orjson.loads(e[6:])["usage"] for e in raw.split(b"\n\n") if b'"usage"' in e]
+            assert usage[-1]["completion_tokens"] == 40
+            assert raw.count(b'"role"') == 1
