@@ -104,7 +104,7 @@ class Forwarder:
             ours["x-shapegate-prompt-tokens-bound"] = str(exact.bound)
         url = grant.url.rstrip("/") + (ctx.sent_path or ctx.route.path)
         body = ctx.sent
-        if ctx.relay is not None and ctx.relay.strip_ids and target.cluster.kind == "vllm":
+        if ctx.relay is not None and ctx.relay.ask_ids and target.cluster.kind == "vllm":
             body = asking_ids(body)  # the exact context to continue from (migration.py)
         async with self.upstream.open(
             url,

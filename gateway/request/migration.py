@@ -98,6 +98,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # vLLM (>= 0.10.2) returns the token ids of a streamed answer when asked: ``prompt_token_ids`` on
 # the first chunk (chat: the chunk; completions: its choice), ``token_ids`` on every choice.
 IDS_FIELD = b'"return_token_ids"'
+TOOLS_FIELD = b'"tools"'
 ASK_IDS = b'"return_token_ids":true,'
 TOKEN_IDS = re.compile(rb'"(prompt_)?token_ids":(null|\[[0-9, ]*\])')
 COMPLETIONS_PATH = "/v1/completions"
@@ -330,7 +331,8 @@ class Relay:
     continuing a chat answer re-shaped into chat chunks) and their text added at once.
 
     ``collect_ids``: the stream may carry token ids (asked for, or by the client); ``strip_ids``:
-    the client did not ask for them, so they are blanked before it sees them."""
+    the client did not ask for them, so they are blanked before it sees them; ``ask_ids``: the
+    forwarder asks vLLM for them."""
 
     __slots__ = (
         "_as_chat",
@@ -345,6 +347,7 @@ class Relay:
         "_prompt_tokens",
         "_replayed",
         "_splicing",
+        "ask_ids",
         "created",
         "diverged",
         "failure",
@@ -361,8 +364,15 @@ class Relay:
         "usage_tokens",
     )
 
-    def __init__(self, kind: RouteKind, collect_ids: bool = False, strip_ids: bool = False) -> None:
+    def __init__(
+        self,
+        kind: RouteKind,
+        collect_ids: bool = False,
+        strip_ids: bool = False,
+        ask_ids: bool = False,
+    ) -> None:
         self._chat = kind == "chat"
+        self.ask_ids = ask_ids  # the forwarder asks vLLM for them (``asking_ids``)
         self._collect = collect_ids
         self.strip_ids = strip_ids
         self._as_chat = False  # the continuation is a completions stream; the client's, chat

@@ -79,6 +79,7 @@ from gateway.request.lanes import (
 from gateway.request.migration import (
     IDS_FIELD,
     MIGRATES,
+    TOOLS_FIELD,
     Continuation,
     Diverged,
     Interrupted,
@@ -172,10 +173,14 @@ def _untracked(request: RoutedRequest, lane: LaneSettings) -> str | None:
 
 def _relay(request: RoutedRequest, lane: LaneSettings, body: bytes) -> Relay | None:
     """The relay of a stream that may migrate, else None. Its token ids are asked for (of vLLM)
-    unless the client named the field: then the client's choice stands, unblanked."""
+    unless the client named the field (then the client's choice stands, unblanked) or the
+    request has tools: it would continue from its text anyway (the tool-call parser), and
+    asked for ids vLLM sends the tokens its parser holds back as chunks of their own."""
     if _untracked(request, lane) is not None:
         return None
-    return Relay(request.route, collect_ids=True, strip_ids=IDS_FIELD not in body)
+    named = IDS_FIELD in body
+    ask = not named and TOOLS_FIELD not in body
+    return Relay(request.route, collect_ids=True, strip_ids=not named, ask_ids=ask)
 
 
 class Pipeline:

@@ -481,3 +481,19 @@ async def test_a_replayed_stream_is_the_uninterrupted_one_and_named(
             usage = [orjson.loads(e[6:])["usage"] for e in raw.split(b"\n\n") if b'"usage"' in e]
             assert usage[-1]["completion_tokens"] == 40
             assert raw.count(b'"role"') == 1
+
+
+async def test_a_chat_with_tools_continues_from_its_text_without_asking_for_ids(
+    gateway_at: GatewayFactory, counter: TokenCounter
+) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {**BODY, "tools": [tool], "tool_choice": "auto"}
+    async with two_sims(counter, drop_first=10) as (a, b):
+        whole = await stream(b.url, body)
+        async with gateway_at(config_for(a, b)) as (url, _):
+            with capture_logs() as logs:
+                raw = await stream(url, body)
+    migrated = [e for e in logs if e["event"] == "route.migrated"]
+    # Not asked: the first engine's chunks carried none, so the ids are not there at all.
+    assert [e["continued"] for e in migrated] == ["text:no_token_ids"]
+    assert text_of(raw) == text_of(whole)
