@@ -347,11 +347,15 @@ class MigrateSettings(_Frozen):
     deadline, an engine error event) goes on at another routable endpoint of the lane, with the
     text already relayed as the continuation's start, spliced into the same client stream; at
     most ``max_migrations`` times a request. Requests it cannot continue safely are named in
-    ``route.migration_refused`` and end as before, with an error event.
+    ``route.migration_refused`` and end as before, with an error event. An answer cut after at
+    most ``replay_max_tokens`` tokens (0: never) is replayed instead: sent again whole, its
+    first tokens checked against those relayed and dropped (exact on a deterministic engine,
+    for the cost of decoding them again).
     """
 
     enabled: bool = True
     max_migrations: int = Field(2, ge=0, le=16)
+    replay_max_tokens: int = Field(0, ge=0)
 
 
 class LendSettings(_Frozen):

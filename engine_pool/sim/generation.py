@@ -146,6 +146,7 @@ async def _prepare(
                 continuous_usage=continuous,
                 index=index,
                 first_word=text.first_word(kind, data, index),
+                prompt_ids=text.prompt_ids(kind, data, index, prompt_tokens),
             )
         )
     if kind == "responses" and echoed.get("store", True) is not False:

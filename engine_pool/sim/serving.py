@@ -66,6 +66,8 @@ class Generation:
     index: int = 0
     # Where the answer starts in ``wire.WORDS``: a function of its context (``text.py``).
     first_word: int = 0
+    # The prompt's token ids when the request asked for them (``return_token_ids``), else None.
+    prompt_ids: list[int] | None = None
 
 
 class Framer(Protocol):
@@ -90,20 +92,30 @@ class _OpenAIFramer:
         gen = self.gen
         if gen.route == "chat":
             usage = self._so_far(0)
-            return [wire.chat_role_chunk(gen.response_id, gen.created, gen.model, usage)]
+            return [
+                wire.chat_role_chunk(gen.response_id, gen.created, gen.model, usage, gen.prompt_ids)
+            ]
         return []
 
     def token(self, index: int, last: bool) -> bytes:
         gen = self.gen
         text = wire.output_text(gen.first_word + index, 1)
+        ids = None if gen.prompt_ids is None else wire.word_ids(gen.first_word + index, 1)
         finish = gen.finish_reason if last else None
         usage = self._so_far(index + 1)
         if gen.route == "chat":
             return wire.chat_content_chunk(
-                gen.response_id, gen.created, gen.model, text, finish, usage
+                gen.response_id, gen.created, gen.model, text, finish, usage, ids
             )
+        prompt_ids = gen.prompt_ids if index == 0 else None
         return wire.completion_chunk(
-            gen.response_id, gen.created, gen.model, text, finish, usage, gen.index
+            gen.response_id,
+            gen.created,
+            gen.model,
+            text,
+            finish,
+            usage,
+            (gen.index, prompt_ids, ids),
         )
 
     def error(self, message: str) -> list[bytes]:

@@ -11,14 +11,19 @@ Contract:
   successor. So the output is the same for the same (prompt, sampling), and a continuation
   of the first k tokens is tokens k.. of the uninterrupted answer.
 - ``first_word(kind, data, index)``: where the answer to prompt ``index`` of request body
-  ``data`` starts in ``WORDS`` (the ``start`` ``wire.output_text`` takes).
+  ``data`` starts in ``WORDS`` (the ``start`` ``wire.output_text`` takes). A token-id prompt
+  (completions) whose last id is a word's (``wire.WORD_IDS``) goes on with its successor: an
+  answer continued from its token ids (the prompt's, then the answer's) reads as the one
+  never cut, as on vLLM.
+- ``prompt_ids(kind, data, index, tokens)``: the prompt's token ids when the body asks for them
+  (``return_token_ids``): a token-id prompt's own, else ``tokens`` placeholders.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from engine_pool.sim.wire import WORDS
+from engine_pool.sim.wire import PROMPT_ID, WORD_IDS, WORDS
 
 
 def _seed(data: dict[str, Any]) -> int:
@@ -36,6 +41,26 @@ def _content(content: Any) -> str:
             if isinstance(part, dict) and isinstance(part.get("text"), str)
         )
     return ""
+
+
+def _token_ids(kind: str, data: dict[str, Any], index: int) -> list[int] | None:
+    """Prompt ``index``'s token ids, when the completions prompt is given as ids."""
+    prompt = data.get("prompt") if kind == "completions" else None
+    if not isinstance(prompt, list) or not prompt:
+        return None
+    if all(isinstance(i, int) for i in prompt):
+        return prompt if index == 0 else None
+    one = prompt[index] if index < len(prompt) else None
+    if isinstance(one, list) and all(isinstance(i, int) for i in one):
+        return one
+    return None
+
+
+def prompt_ids(kind: str, data: Any, index: int, tokens: int) -> list[int] | None:
+    if not isinstance(data, dict) or data.get("return_token_ids") is not True:
+        return None
+    ids = _token_ids(kind, data, index)
+    return list(ids) if ids is not None else [PROMPT_ID] * tokens
 
 
 def _tail(kind: str, data: dict[str, Any], index: int) -> str:
@@ -59,6 +84,10 @@ def _tail(kind: str, data: dict[str, Any], index: int) -> str:
 def first_word(kind: str, data: Any, index: int = 0) -> int:
     if not isinstance(data, dict):
         return 0
+    ids = _token_ids(kind, data, index)
+    if ids is not None:
+        last = ids[-1] if ids else None
+        return WORD_IDS.index(last) + 1 if last in WORD_IDS else _seed(data) % len(WORDS)
     tail = _tail(kind, data, index)
     for i, word in enumerate(WORDS):
         if tail.endswith(word):

@@ -6,7 +6,11 @@ Modelled on vLLM main (2026) ``vllm/entrypoints/openai/chat_completion/{protocol
 - stream chunks are ``chunk.model_dump_json(exclude_unset=True)``: only the fields the server
   set appear, in the model's field order. The first chat chunk carries the role and an empty
   content, plus ``prompt_token_ids: null`` and ``prompt_text: null`` (set explicitly by vLLM);
-  content chunks carry ``token_ids: null``; the last content chunk adds ``finish_reason`` and
+  content chunks carry ``token_ids: null``. Asked for the token ids (``return_token_ids: true``)
+  the first chunk carries the prompt's (chat: the chunk's ``prompt_token_ids``; completions: its
+  choice's) and each content chunk its token's: the sim's are ``WORD_IDS`` for its words and
+  ``PROMPT_ID`` placeholders for the prompt, as many as its tokens (a token-id prompt: its
+  own). The last content chunk adds ``finish_reason`` and
   ``stop_reason``. Nothing carries ``usage`` except the final usage chunk, which is dumped with
   ``exclude_none`` and has ``choices: []`` (older vLLM, <= 0.6, also sent ``"usage": null`` on
   every chunk when include_usage was set; current vLLM does not), unless the stream has
@@ -37,6 +41,14 @@ ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) 
 # Synthetic output: each word is followed by the next (cyclically); where an answer starts
 # depends on its context (text.py).
 WORDS = (" lorem", " ipsum", " dolor", " sit", " amet", " consectetur", " adipiscing", " elit")
+# Their token ids, and the id a text prompt's tokens are given (the sim does not encode it).
+WORD_IDS = tuple(range(1000, 1000 + len(WORDS)))
+PROMPT_ID = 1
+
+
+def word_ids(start: int, count: int) -> list[int]:
+    """Token ids of output tokens ``start .. start+count-1`` (``output_text``'s)."""
+    return [WORD_IDS[i % len(WORDS)] for i in range(start, start + count)]
 
 
 def random_id() -> str:
@@ -95,7 +107,11 @@ def _head(id_: str, object_: str, created: int, model: str) -> dict[str, Any]:
 
 
 def chat_role_chunk(
-    id_: str, created: int, model: str, usage_so_far: dict[str, int] | None = None
+    id_: str,
+    created: int,
+    model: str,
+    usage_so_far: dict[str, int] | None = None,
+    prompt_token_ids: list[int] | None = None,
 ) -> bytes:
     choice = {
         "index": 0,
@@ -107,7 +123,7 @@ def chat_role_chunk(
     body["choices"] = [choice]
     if usage_so_far is not None:
         body["usage"] = usage_so_far
-    body.update(prompt_token_ids=None, prompt_text=None)
+    body.update(prompt_token_ids=prompt_token_ids, prompt_text=None)
     return sse(body)
 
 
@@ -118,6 +134,7 @@ def chat_content_chunk(
     text: str,
     finish_reason: str | None,
     usage_so_far: dict[str, int] | None = None,
+    token_ids: list[int] | None = None,
 ) -> bytes:
     choice: dict[str, Any] = {
         "index": 0,
@@ -127,7 +144,7 @@ def chat_content_chunk(
     }
     if finish_reason is not None:
         choice["stop_reason"] = None
-    choice["token_ids"] = None
+    choice["token_ids"] = token_ids
     body = _head(id_, "chat.completion.chunk", created, model)
     body["choices"] = [choice]
     if usage_so_far is not None:
@@ -159,16 +176,19 @@ def completion_chunk(
     text: str,
     finish_reason: str | None,
     usage_so_far: dict[str, int] | None = None,
-    index: int = 0,
+    choice_of: tuple[int, list[int] | None, list[int] | None] = (0, None, None),
 ) -> bytes:
+    """A completions chunk; ``choice_of``: its prompt's index in a batch, that prompt's token
+    ids (on its first chunk) and the chunk's own, when asked for."""
+    index, prompt_token_ids, token_ids = choice_of
     choice = {
         "index": index,
         "text": text,
         "logprobs": None,
         "finish_reason": finish_reason,
         "stop_reason": None,
-        "prompt_token_ids": None,
-        "token_ids": None,
+        "prompt_token_ids": prompt_token_ids,
+        "token_ids": token_ids,
     }
     body = _head(id_, "text_completion", created, model)
     body["choices"] = [choice]

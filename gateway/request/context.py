@@ -55,6 +55,8 @@ class RequestContext:
     watch: Watch = field(init=False)
     relay: Relay | None = None
     sent: bytes = b""
+    # The engine path ``sent`` goes to when not the client's (a continuation from token ids).
+    sent_path: str | None = None
 
     @property
     def request_id(self) -> str:

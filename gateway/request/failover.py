@@ -42,6 +42,7 @@ from gateway.errors import EngineUnreachable
 from gateway.observe.log import Logger
 from gateway.observe.metrics import Metrics
 from gateway.request.admission import Admission, Held
+from gateway.request.migration import Continuation
 from gateway.settings import ClusterSettings, LaneSettings
 
 
@@ -135,11 +136,18 @@ class Failover:
         return True
 
     async def migrate(
-        self, request_id: str, held: Held, attempts: Attempts, reason: str, tokens_sent: int
-    ) -> bool:
+        self,
+        request_id: str,
+        held: Held,
+        attempts: Attempts,
+        reason: str,
+        tokens_sent: int,
+        continued: Callable[[str], Continuation],
+    ) -> Continuation | None:
         """Move a stream whose engine failed mid-answer to the next routable endpoint of its
-        lane, slot and all (gateway/request/migration.py continues the answer there): one
-        ``route.migrated`` event. False when no endpoint took it within the deadlines."""
+        lane, slot and all, and continue the answer there (``continued`` of its cluster,
+        gateway/request/migration.py): one ``route.migrated`` event, naming how it continued.
+        None when no endpoint took it within the deadlines."""
         old, lane = held.url, attempts.lane
         attempts.tried.add((held.cluster, held.url))
         attempts.fresh = False
@@ -148,7 +156,8 @@ class Failover:
             moved = await self._admission.move(held, lane, attempts.candidates, attempts.limit_of)
         if not moved:
             self.migration(lane.name, "failed")
-            return False
+            return None
+        following = continued(held.cluster)
         where = {"from": old, "to": held.url}
         self._log.info(
             "route.migrated",
@@ -156,10 +165,11 @@ class Failover:
             lane=lane.name,
             reason=reason,
             tokens_sent=tokens_sent,
+            continued=following.by,
             **where,
         )
         self.migration(lane.name, "migrated")
-        return True
+        return following
 
     def migration(self, lane: str, outcome: str) -> None:
         self._metrics.child(self._metrics.migrations, lane, outcome).inc()

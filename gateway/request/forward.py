@@ -26,7 +26,7 @@ from gateway.errors import EngineUnreachable, GatewayError, UpstreamError
 from gateway.observe.record import Recorder
 from gateway.request.context import RequestContext, Target
 from gateway.request.failover import Failover
-from gateway.request.migration import Interrupted
+from gateway.request.migration import Diverged, Interrupted, asking_ids
 from gateway.request.response_affinity import ResponseAffinity, response_id_of
 from gateway.upstream.proxy import Upstream, UpstreamResponse, response_headers, upstream_headers
 
@@ -102,10 +102,13 @@ class Forwarder:
         }
         if exact.bound is not None:
             ours["x-shapegate-prompt-tokens-bound"] = str(exact.bound)
-        url = grant.url.rstrip("/") + ctx.route.path
+        url = grant.url.rstrip("/") + (ctx.sent_path or ctx.route.path)
+        body = ctx.sent
+        if ctx.relay is not None and ctx.relay.ask_ids and target.cluster.kind == "vllm":
+            body = asking_ids(body)  # the exact context to continue from (migration.py)
         async with self.upstream.open(
             url,
-            ctx.sent,
+            body,
             headers,
             watch,
             exact.meanwhile,
@@ -171,6 +174,8 @@ class Forwarder:
                 if relay is not None and relay.failure:
                     failed = UpstreamError("engine sent an error event mid-stream")
                     raise Interrupted(failed, "engine_error")
+                if relay is not None and relay.diverged:
+                    raise Diverged(UpstreamError("the replay did not repeat the answer relayed"))
         except (UpstreamError, DeadlineHit) as exc:
             reason = _cut(exc) if relay is not None else None
             if reason is None:

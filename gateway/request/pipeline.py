@@ -76,7 +76,18 @@ from gateway.request.lanes import (
     no_lane_message,
     pin_to_cluster,
 )
-from gateway.request.migration import MIGRATES, Interrupted, Relay, cannot_migrate, continuation
+from gateway.request.migration import (
+    IDS_FIELD,
+    MIGRATES,
+    TOOLS_FIELD,
+    Continuation,
+    Diverged,
+    Interrupted,
+    Relay,
+    by_text,
+    cannot_migrate,
+    continuation,
+)
 from gateway.request.policy import Policy
 from gateway.request.prefix import NOTHING, Prefixes, Seen
 from gateway.request.response_affinity import MemoryAffinity, ResponseAffinity
@@ -158,6 +169,18 @@ def _untracked(request: RoutedRequest, lane: LaneSettings) -> str | None:
     if not request.stream:
         return "not_streamed"
     return None
+
+
+def _relay(request: RoutedRequest, lane: LaneSettings, body: bytes) -> Relay | None:
+    """The relay of a stream that may migrate, else None. Its token ids are asked for (of vLLM)
+    unless the client named the field (then the client's choice stands, unblanked) or the
+    request has tools: it would continue from its text anyway (the tool-call parser), and
+    asked for ids vLLM sends the tokens its parser holds back as chunks of their own."""
+    if _untracked(request, lane) is not None:
+        return None
+    named = IDS_FIELD in body
+    ask = not named and TOOLS_FIELD not in body
+    return Relay(request.route, collect_ids=True, strip_ids=not named, ask_ids=ask)
 
 
 class Pipeline:
@@ -289,7 +312,7 @@ class Pipeline:
             ctx.watch.left_s,
             order=order,
         )
-        ctx.relay = Relay(request.route) if _untracked(request, lane) is None else None
+        ctx.relay = _relay(request, lane, ctx.body)
         ctx.sent = ctx.body  # the original body, then a continuation after a migration
         # 5: the slot. Its token is ours, never the client's request id: two requests sharing an
         # id must not share (and free) one slot.
@@ -322,7 +345,7 @@ class Pipeline:
                             if ctx.relay is not None and ctx.relay.held and not out.finished:
                                 await out.body(ctx.relay.held, more=False)
                             raise cut.cause from None
-                        ctx.sent = following
+                        ctx.sent, ctx.sent_path = following.body, following.path
                         self.recorder.migrated(record, held.grant, cut.reason, cut.cause)
                         self.prefixes.sent(seen, held.url)
                     except GatewayError as exc:
@@ -346,7 +369,7 @@ class Pipeline:
 
     async def _migrate(
         self, ctx: RequestContext, cut: Interrupted, held: Held, attempts: Attempts
-    ) -> bytes | None:
+    ) -> Continuation | None:
         """Continue a stream cut mid-answer at another endpoint of its lane (its slot moves
         there): the continuation's body, or None when it cannot migrate (logged, counted)."""
         relay = ctx.relay
@@ -359,13 +382,33 @@ class Pipeline:
         if why is not None:
             self._refused_migration(ctx, why, cut.cause, so_far.tokens)
             return None
-        moved = await self.failover.migrate(
-            ctx.request_id, held, attempts, cut.reason, so_far.tokens
-        )
-        if not moved:
-            return None
-        relay.spliced(await ctx.exact.tokens(HEADER_COUNT_WAIT_S))
-        return continuation(ctx.request.route, data, so_far)
+        route, settings = ctx.request.route, ctx.policy.settings
+        replay = 0 if isinstance(cut, Diverged) else lane.migrate.replay_max_tokens
+
+        def continued(cluster: str) -> Continuation:
+            text = by_text(route, data, so_far, settings.cluster(cluster).kind)
+            return continuation(route, data, so_far, ctx.model.max_model_len, text, replay)
+
+        if isinstance(cut, Diverged):  # the same endpoint goes on, from the token ids
+            following = continued(held.cluster)
+            self.log.info(  # the replay's stream is cut; its slot stays
+                "route.replay_diverged",
+                request_id=ctx.request_id,
+                lane=lane.name,
+                endpoint=held.url,
+                tokens_sent=so_far.tokens,
+                continued=following.by,
+            )
+            self.failover.migration(lane.name, "replay_diverged")
+        else:
+            moved = await self.failover.migrate(
+                ctx.request_id, held, attempts, cut.reason, so_far.tokens, continued
+            )
+            if moved is None:
+                return None
+            following = moved
+        relay.spliced(await ctx.exact.tokens(HEADER_COUNT_WAIT_S), following.by)
+        return following
 
     def _refused_migration(
         self, ctx: RequestContext, why: str, exc: GatewayError, tokens_sent: int

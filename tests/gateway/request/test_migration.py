@@ -16,7 +16,14 @@ from structlog.testing import capture_logs
 
 from engine_pool.sim.server import SimServer, run_sim
 from gateway.count.tokens import TokenCounter
-from gateway.request.migration import Relay, SoFar, cannot_migrate, continuation
+from gateway.request.migration import (
+    Relay,
+    SoFar,
+    asking_ids,
+    by_text,
+    cannot_migrate,
+    continuation,
+)
 from gateway.tools.sim_support import RegistryCounter
 from tests.conftest import JSON, GatewayFactory, lanes_config
 from tests.support.prom import parse
@@ -72,7 +79,7 @@ def test_an_answer_with_a_tool_call_or_finished_is_not_migrated() -> None:
 
 def test_a_chat_continues_as_the_assistant_message_with_a_smaller_budget() -> None:
     data = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
-    body = orjson.loads(continuation("chat", data, SO_FAR))
+    body = orjson.loads(continuation("chat", data, SO_FAR, 100).body)
     assert body["messages"][-1] == {"role": "assistant", "content": " lorem ipsum"}
     assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
     assert body["max_tokens"] == 8
@@ -84,20 +91,169 @@ def test_a_chat_continues_as_the_assistant_message_with_a_smaller_budget() -> No
         "max_completion_tokens": 5,
         "min_tokens": 1,
     }
-    body = orjson.loads(continuation("chat", data, SO_FAR))
+    body = orjson.loads(continuation("chat", data, SO_FAR, 100).body)
     assert body["messages"] == [{"role": "assistant", "content": "Once lorem ipsum"}]
     assert body["max_completion_tokens"] == 3 and body["min_tokens"] == 0
     # Nothing relayed but the role: the request as it was.
     nothing = SoFar("", 0, True, False, None)
-    assert orjson.loads(continuation("chat", {"messages": [], "max_tokens": 4}, nothing)) == {
+    assert orjson.loads(
+        continuation("chat", {"messages": [], "max_tokens": 4}, nothing, 100).body
+    ) == {
         "messages": [],
         "max_tokens": 4,
     }
 
 
 def test_a_completion_continues_as_the_prompt_plus_its_text() -> None:
-    body = orjson.loads(continuation("completions", {"prompt": "The river"}, SO_FAR))
+    body = orjson.loads(continuation("completions", {"prompt": "The river"}, SO_FAR, 100).body)
     assert body == {"prompt": "The river lorem ipsum", "max_tokens": 14}  # vLLM's default 16
+
+
+IDS = SoFar(" lorem ipsum", 2, True, False, None, [7, 8, 9], [1000, 1001])
+
+
+def test_an_answer_continues_from_its_token_ids_as_a_completion_of_the_exact_context() -> None:
+    data = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_completion_tokens": 10,
+        "temperature": 0,
+        "tools": [],
+        "stream": True,
+        "min_tokens": 5,
+    }
+    following = continuation("chat", data, IDS, 100)
+    assert (following.path, following.by) == ("/v1/completions", "token_ids")
+    assert orjson.loads(following.body) == {
+        "model": "m",
+        "temperature": 0,
+        "stream": True,
+        "min_tokens": 3,
+        "prompt": [7, 8, 9, 1000, 1001],
+        "max_tokens": 8,
+    }
+    # No max_tokens: what vLLM's chat default would have left (the context's 5 of 100).
+    chat = {"messages": [], "stream": True}
+    assert orjson.loads(continuation("chat", chat, IDS, 100).body)["max_tokens"] == 95
+    # ... and unknown: from the text, said.
+    assert continuation("chat", chat, IDS, None).by == "text:max_model_len"
+    body = orjson.loads(continuation("completions", {"prompt": "x"}, IDS, 100).body)
+    assert body == {"prompt": [7, 8, 9, 1000, 1001], "max_tokens": 14}
+
+
+@pytest.mark.parametrize(
+    ("kind", "data", "so_far", "engine", "why"),
+    [
+        ("chat", {"messages": []}, IDS, "vllm", None),
+        ("chat", {"messages": []}, IDS, "sglang", "engine"),
+        ("chat", {"messages": []}, SO_FAR, "vllm", "no_token_ids"),
+        ("chat", {"messages": [], "tools": [{}]}, IDS, "vllm", "tools"),
+        ("chat", {"messages": [], "tools": [{}], "tool_choice": "none"}, IDS, "vllm", None),
+        ("completions", {"prompt": "x"}, IDS, "vllm", None),
+    ],
+)
+def test_what_continues_from_the_text_is_named(
+    kind: Any, data: dict[str, Any], so_far: SoFar, engine: str, why: str | None
+) -> None:
+    assert by_text(kind, data, so_far, engine) == why
+    if why is not None:
+        following = continuation(kind, data, so_far, 100, why)
+        assert (following.path, following.by) == (None, f"text:{why}")
+        assert orjson.loads(following.body)["messages"][-1]["content"] == " lorem ipsum"
+
+
+def test_the_token_ids_are_asked_for_first_so_a_clients_own_field_wins() -> None:
+    assert asking_ids(b' {"a":1}') == b' {"return_token_ids":true,"a":1}'
+    assert orjson.loads(asking_ids(b'{"return_token_ids":false}'))["return_token_ids"] is False
+
+
+def with_ids(text: str, ids: list[int] | None, prompt: list[int] | None = None) -> bytes:
+    """A chat chunk as vLLM 0.32 sends it when asked for the token ids."""
+    if prompt is not None:
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        return sse(
+            {"id": "chatcmpl-a", "created": 1, "choices": [choice], "prompt_token_ids": prompt}
+        )
+    choice = {"index": 0, "delta": {"content": text}, "finish_reason": None, "token_ids": ids}
+    return sse({"id": "chatcmpl-a", "created": 1, "choices": [choice]})
+
+
+def test_the_relay_collects_the_token_ids_and_blanks_them_unless_the_client_asked() -> None:
+    first = with_ids("", None, [7, 8, 9]) + with_ids(" lorem", [1000]) + with_ids(" ipsum", [1001])
+    relay = Relay("chat", collect_ids=True, strip_ids=True)
+    out = relay.feed(first)
+    assert b"[" not in out.replace(b'"choices":[', b"")  # no id list reaches the client
+    assert out.count(b'token_ids":null') == 3
+    assert relay.so_far() == IDS
+    mine = Relay("chat", collect_ids=True, strip_ids=False)
+    assert mine.feed(first) == first and mine.so_far() == IDS
+    # One event without its ids (hidden reasoning, an older vLLM): the text it is.
+    gap = Relay("chat", collect_ids=True, strip_ids=True)
+    gap.feed(first + with_ids(" dolor", None))
+    assert gap.so_far().ids is None
+
+
+def test_a_completion_continuing_a_chat_answer_is_reshaped_into_its_chunks() -> None:
+    relay = Relay("chat", collect_ids=True, strip_ids=True)
+    relay.feed(with_ids("", None, [7, 8]) + with_ids(" lorem", [1000]) + with_ids(" ipsum", [1001]))
+    relay.spliced(prompt_tokens=None, by="token_ids")
+    head = {"id": "cmpl-b", "object": "text_completion", "created": 9, "model": "m"}
+    choice = {
+        "index": 0,
+        "text": " dolor",
+        "logprobs": None,
+        "finish_reason": "length",
+        "stop_reason": None,
+        "prompt_token_ids": [7, 8, 1000, 1001],
+        "token_ids": [1002],
+    }
+    usage = {"prompt_tokens": 4, "total_tokens": 5, "completion_tokens": 1}
+    out = relay.feed(
+        sse({**head, "choices": [choice]})
+        + sse({**head, "choices": [], "usage": usage})
+        + b"data: [DONE]\n\n"
+    )
+    events = [orjson.loads(e[6:]) for e in out.split(b"\n\n") if e and e != b"data: [DONE]"]
+    assert events[0] == {
+        "id": "chatcmpl-a",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"content": " dolor"},
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+                "token_ids": None,
+            }
+        ],
+    }
+    # The prompt's tokens are the original prompt's (its ids' count), the answer's all three.
+    assert events[1]["usage"] == {"prompt_tokens": 2, "total_tokens": 5, "completion_tokens": 3}
+    assert relay.so_far().ids == [1000, 1001, 1002]
+
+
+def test_an_answer_cut_early_enough_is_replayed_and_its_first_tokens_checked() -> None:
+    data = {"messages": [], "max_tokens": 10, "stream": True}
+    assert continuation("chat", data, IDS, 100, None, 1) == continuation("chat", data, IDS, 100)
+    replay = continuation("chat", data, IDS, 100, None, 2)
+    assert (orjson.loads(replay.body), replay.path, replay.by) == (data, None, "replay")
+    assert continuation("chat", data, IDS, 100, "tools", 3).by == "text:tools"
+    first = with_ids("", None, [7, 8, 9]) + with_ids(" lorem", [1000]) + with_ids(" ipsum", [1001])
+    for later, diverged in (([1000, 1001, 1002], False), ([1000, 1005, 1002], True)):
+        relay = Relay("chat", collect_ids=True, strip_ids=True)
+        relay.feed(first)
+        relay.spliced(None, "replay")
+        again = with_ids("", None, [7, 8, 9]) + b"".join(
+            with_ids(w, [i]) for w, i in zip((" lorem", " ipsum", " dolor"), later, strict=True)
+        )
+        out = relay.feed(again)
+        assert relay.diverged is diverged
+        # Repeated: dropped; then the rest spliced. Diverged: nothing from that point on.
+        assert out == (b"" if diverged else with_ids(" dolor", None))
+        assert relay.so_far().text == (" lorem ipsum" if diverged else " lorem ipsum dolor")
 
 
 def test_the_relay_passes_whole_events_and_holds_back_an_error() -> None:
@@ -196,6 +352,7 @@ async def test_a_cut_stream_migrates_by_default_and_not_when_disabled(
             if enabled:
                 assert raw.endswith(b"data: [DONE]\n\n") and b'"error"' not in raw
                 assert text_of(raw) == whole
+                assert events["route.migrated"]["continued"] == "token_ids"
                 assert events["route.migrated"]["reason"] == "connection_lost"
                 assert events["route.migrated"]["tokens_sent"] == 9  # the role is chunk 1
                 assert events["route.finished"]["migrations"] == 1
@@ -253,3 +410,90 @@ async def test_a_stream_that_cannot_migrate_ends_as_before_with_its_reason_logge
     refused = [e for e in logs if e["event"] == "route.migration_refused"]
     assert [e["reason"] for e in refused] == [reason]
     assert not [e for e in logs if e["event"] == "route.migrated"]
+
+
+def token_ids_of(raw: bytes) -> tuple[list[Any], list[int]]:
+    """The prompt token ids (every event's that carries them) and the answer's, in order."""
+    prompts: list[Any] = []
+    ids: list[int] = []
+    for block in raw.split(b"\n\n"):
+        if block.startswith(b"data: {"):
+            event = orjson.loads(block[6:])
+            choices = event.get("choices") or [{}]
+            for where in (event, choices[0]):
+                if where.get("prompt_token_ids") is not None:
+                    prompts.append(where["prompt_token_ids"])
+            ids += choices[0].get("token_ids") or []
+    return prompts, ids
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", BODY),
+        ("/v1/completions", {"model": "qwen3.6", "prompt": "hi", "max_tokens": 40, "stream": True}),
+    ],
+)
+@pytest.mark.parametrize("client_asks", [None, True, False])
+async def test_a_migrated_stream_continues_from_its_token_ids_in_the_clients_shape(
+    gateway_at: GatewayFactory,
+    counter: TokenCounter,
+    path: str,
+    body: dict[str, Any],
+    client_asks: bool | None,
+) -> None:
+    """From the ids unless the client turned them off (then from the text, named); the ids
+    reach the client only when it asked, then all of them, the prompt's once."""
+    if client_asks is not None:
+        body = {**body, "return_token_ids": client_asks}
+    async with two_sims(counter, drop_first=10) as (a, b):
+        whole = await stream(b.url, body, path)
+        async with gateway_at(config_for(a, b)) as (url, _):
+            with capture_logs() as logs:
+                raw = await stream(url, body, path)
+    migrated = [e for e in logs if e["event"] == "route.migrated"]
+    assert [e["continued"] for e in migrated] == [
+        "text:no_token_ids" if client_asks is False else "token_ids"
+    ]
+    assert raw.endswith(b"data: [DONE]\n\n") and b'"error"' not in raw
+    assert text_of(raw) == text_of(whole)
+    objects = {orjson.loads(e[6:])["object"] for e in raw.split(b"\n\n") if e[6:7] == b"{"}
+    assert objects == {"chat.completion.chunk" if "chat" in path else "text_completion"}
+    assert token_ids_of(raw) == token_ids_of(whole)
+    if client_asks is not True:
+        assert token_ids_of(raw) == ([], [])
+
+
+async def test_a_replayed_stream_is_the_uninterrupted_one_and_named(
+    gateway_at: GatewayFactory, counter: TokenCounter
+) -> None:
+    body = {**BODY, "stream_options": {"include_usage": True}}
+    async with two_sims(counter, drop_first=10) as (a, b):
+        whole = await stream(b.url, body)
+        for replay_max_tokens, continued in ((9, "replay"), (8, "token_ids")):
+            config = config_for(a, b, replay_max_tokens=replay_max_tokens)
+            async with gateway_at(config) as (url, _):
+                with capture_logs() as logs:
+                    raw = await stream(url, body)
+            migrated = [e for e in logs if e["event"] == "route.migrated"]
+            assert [(e["continued"], e["tokens_sent"]) for e in migrated] == [(continued, 9)]
+            assert text_of(raw) == text_of(whole) and b'"error"' not in raw
+            usage = [orjson.loads(e[6:])["usage"] for e in raw.split(b"\n\n") if b'"usage"' in e]
+            assert usage[-1]["completion_tokens"] == 40
+            assert raw.count(b'"role"') == 1
+
+
+async def test_a_chat_with_tools_continues_from_its_text_without_asking_for_ids(
+    gateway_at: GatewayFactory, counter: TokenCounter
+) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {**BODY, "tools": [tool], "tool_choice": "auto"}
+    async with two_sims(counter, drop_first=10) as (a, b):
+        whole = await stream(b.url, body)
+        async with gateway_at(config_for(a, b)) as (url, _):
+            with capture_logs() as logs:
+                raw = await stream(url, body)
+    migrated = [e for e in logs if e["event"] == "route.migrated"]
+    # Not asked: the first engine's chunks carried none, so the ids are not there at all.
+    assert [e["continued"] for e in migrated] == ["text:no_token_ids"]
+    assert text_of(raw) == text_of(whole)
