@@ -434,6 +434,10 @@ class LaneSettings(_Frozen):
     # How the endpoint chain (engine_pool/chain.py) weighs its scorers: free slots and the
     # share of the prompt an endpoint is believed to hold cached (prefix: 0 is off).
     weights: WeightSettings = WeightSettings()
+    # Wait in the lane's queue for a full endpoint that holds part of the prompt rather than
+    # take one with room whose prefill ahead of the first token is more than this many tokens
+    # larger (engine_pool/chain.py ``_hold``); None: never wait, take any endpoint with room.
+    prefix_hold_tokens: int | None = Field(None, ge=0)
     # Lend this lane's idle engines to other lanes' short requests (gateway/request/borrowing.py).
     lend: LendSettings | None = None
 

@@ -32,6 +32,7 @@ import orjson
 import structlog
 
 from engine_pool.kv_events import EngineBlocks, KvEventsReader, Step
+from engine_pool.prefill_ledger import PrefillLedger
 from engine_pool.prefix_index import Digest, PrefixIndex, chained_hashes, token_bytes
 from gateway.observe.metrics import Metrics
 from gateway.protocols.openai import ChatPrompt, Prompt
@@ -76,6 +77,8 @@ class Prefixes:
         self._tokens_of = tokens_of
         # Endpoint URL -> the blocks its engine reports holding (prefix_index.source kv_events).
         self.engines: dict[str, EngineBlocks] = {}
+        # The prefill sent to each endpoint and not yet done (engine_pool/prefill_ledger.py).
+        self.ledger = PrefillLedger()
 
     def look_for(self, prompt: Prompt, lane: LaneSettings, model: str = "") -> Seen:
         """``look``, for a lane that weighs prefix overlap; nothing for one that does not."""
@@ -102,6 +105,16 @@ class Prefixes:
             held[url] = blocks.blocks
         cached = {url: n * block_tokens for url, n in matched.items() if n}
         return Seen(hashes, len(token_ids), cached, held)
+
+    def sending(self, seen: Seen, key: str, url: str) -> Callable[[], None]:
+        """Request ``key`` goes to ``url``: its prompt less the prefix the endpoint is believed
+        to hold is pending there until ``prefilled(key)`` (the call returned); then ``sent``."""
+        self.ledger.add(key, url, seen.tokens - seen.cached.get(url, 0))
+        self.sent(seen, url)
+        return lambda: self.ledger.done(key)
+
+    def prefilled(self, key: str) -> None:
+        self.ledger.done(key)
 
     def sent(self, seen: Seen, url: str) -> None:
         if not seen.hashes or url in self.engines:
