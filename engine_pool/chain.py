@@ -37,14 +37,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from engine_pool.cluster import EngineView
-from engine_pool.scorers import fits_context, load, prefix, routable
+from engine_pool.scorers import fits_context, load, prefix, routable, work
 from engine_pool.scorers.ask import Ask
 
 Filter = Callable[[EngineView, Ask], bool]
 Scorer = Callable[[Sequence[EngineView], Ask], list[float]]
 
 FILTERS: tuple[Filter, ...] = (routable.keep, fits_context.keep)
-SCORERS: dict[str, Scorer] = {"load": load.score, "prefix": prefix.score}
+SCORERS: dict[str, Scorer] = {"load": load.score, "prefix": prefix.score, "work": work.score}
 LEAST_LOADED: dict[str, float] = {"load": 1.0}
 # A new prefix's home: among endpoints at most this much busier (share of slots) than the least.
 NEW_HOME_SLACK = 0.5

@@ -384,9 +384,10 @@ class WeightSettings(_Frozen):
 
     load: float = Field(1.0, ge=0)
     prefix: float = Field(0.0, ge=0)
+    work: float = Field(0.0, ge=0)
 
     def as_map(self) -> dict[str, float]:
-        return {"load": self.load, "prefix": self.prefix}
+        return {"load": self.load, "prefix": self.prefix, "work": self.work}
 
 
 class PrefixIndexSettings(_Frozen):

@@ -81,3 +81,22 @@ def test_prefix_hold_tokens_waits_for_a_full_home_unless_it_is_busy_prefilling()
     assert order(ask({"a": 300_000}), 0) == ["a", "b"]
     assert order(ask({"a": 500}, cached={}), 0) == ["b", "a"]
     assert order(ask({"a": 500}), None) == ["a", "b"]
+
+
+def test_the_work_scorer_weighs_the_prefill_ahead_not_the_requests_in_flight() -> None:
+    """Home a holds 90% of a 30k-token prompt and is busy (3 of 4 slots) with cached
+    follow-ups: 1,808 tokens pending; b is idle. By work alone a scores 1 (4,808 tokens ahead,
+    plus the 8,192-token floor) and b 0.34 (13,000 / 38,192): a stays first. With a 300k-token
+    prefill pending on a, b goes first."""
+    views = [view("a", 3), view("b", 0)]
+    work = {"load": 0.0, "prefix": 0.0, "work": 1.0}
+
+    def ask(pending: int) -> Ask:
+        return Ask(
+            tokens=30_000, cached={"a": 27_000}, limit_of=lambda v: 4, pending={"a": pending}
+        )
+
+    ranked = rank(views, ask(1_808), work)
+    assert [(r.view.url, r.score) for r in ranked] == [("a", 1.0), ("b", 0.340385)]
+    assert urls(views, ask(1_808), {"load": 1.0, "prefix": 0.0})[0] == "b"  # by slots alone
+    assert urls(views, ask(300_000), work)[0] == "b"

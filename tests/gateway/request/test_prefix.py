@@ -9,6 +9,7 @@ import random
 from typing import Any
 
 import httpx
+import pytest
 from structlog.testing import capture_logs
 
 from gateway.observe.metrics import Metrics
@@ -66,8 +67,13 @@ def _homes_and_loads(engines: list[FakeEngine]) -> tuple[dict[int, float], list[
     return homes, loads
 
 
+@pytest.mark.parametrize(
+    "weights",
+    [{"load": 1.0, "prefix": 1.0}, {"load": 1.0, "prefix": 1.0, "work": 1.0}],
+    ids=["load-prefix", "load-prefix-work"],
+)
 async def test_agents_keep_to_their_home_endpoint_under_concurrency_without_a_hotspot(
-    gateway_at: Any,
+    gateway_at: Any, weights: dict[str, float]
 ) -> None:
     engines = [FakeEngine() for _ in range(4)]
     async with (
@@ -78,7 +84,7 @@ async def test_agents_keep_to_their_home_endpoint_under_concurrency_without_a_ho
     ):
         config = lanes_config([a, b, c, d], [a])
         config["lanes"][0]["slots"] = {"lane": 64, "per_endpoint": 8}
-        config["lanes"][0]["weights"] = {"load": 1.0, "prefix": 1.0}
+        config["lanes"][0]["weights"] = weights
         async with gateway_at(config) as (url, _):
             await _agents(url, seed=7)
     homes, loads = _homes_and_loads(engines)
