@@ -380,7 +380,10 @@ class WeightSettings(_Frozen):
     ``load`` scores the share of an endpoint's slots still free, ``prefix`` the share of the
     prompt it is believed to hold cached (engine_pool/prefix_index.py). With both 1, a request
     leaves the endpoint holding 80% of its prompt only for one whose used share of slots is 0.8
-    lower; ``prefix: 0`` (the default) is plain least-loaded."""
+    lower; ``prefix: 0`` (the default) is plain least-loaded. ``work`` scores how little
+    prefill stands before the request's first token on the endpoint (engine_pool/scorers/
+    work.py: what the gateway sent it and has not seen answered, plus the request's uncached
+    part); 0 (the default) is off."""
 
     load: float = Field(1.0, ge=0)
     prefix: float = Field(0.0, ge=0)

@@ -81,8 +81,10 @@ class Prefixes:
         self.ledger = PrefillLedger()
 
     def look_for(self, prompt: Prompt, lane: LaneSettings, model: str = "") -> Seen:
-        """``look``, for a lane that weighs prefix overlap; nothing for one that does not."""
-        return self.look(prompt, model) if lane.weights.prefix else NOTHING
+        """``look``, for a lane that weighs prefix overlap or prefill work, or holds for a home;
+        nothing for one that does none of these."""
+        weighs = lane.weights.prefix or lane.weights.work or lane.prefix_hold_tokens is not None
+        return self.look(prompt, model) if weighs else NOTHING
 
     def look(self, prompt: Prompt, model: str = "") -> Seen:
         if self.engines and self._tokens_of is not None:

@@ -38,8 +38,11 @@ picks the endpoint order:
 - ``affinity``: the previous picker (a rendezvous hash of the prefix name puts its home first)
   followed by the previous admission's re-sort by in-flight count (a stable sort: home first
   only on a tie);
-- ``chain``: the live chain (engine_pool/chain.py) with the lane's ``weights`` and the
-  gateway's approximate index (engine_pool/prefix_index.py) fed by where it sent each prefix;
+- ``chain``: the live chain (engine_pool/chain.py) with the lane's ``weights`` and
+  ``prefix_hold_tokens``, the gateway's approximate index (engine_pool/prefix_index.py) fed by
+  where it sent each prefix, and its prefill ledger (the uncached tokens it believed it sent
+  each endpoint, until their first token); it sees its lane's full endpoints, as the live
+  chain does, and the store takes the first with room;
 - ``cache-aware``: SGLang Model Gateway's ``cache_aware`` policy with its defaults, on the same
   approximate record: when the loads are imbalanced (max - min > 64 and max > 1.5 x min) the
   least loaded; else the endpoint with the longest match if it covers more than 30% of the
