@@ -199,3 +199,35 @@ async def test_a_request_waits_for_its_full_home_with_prefix_hold_tokens(
     assert third == second
     second, third = await _third_turn_endpoint(gateway_at, None)
     assert third != second
+
+
+async def test_a_streamed_answers_first_chunk_ends_its_pending_prefill(gateway_at: Any) -> None:
+    """The prefill ledger forgets a request at its answer's first chunk, not its end. Turn 1
+    brings a long new tail (about 500 uncached tokens) to the home and then streams slowly;
+    turn 2 comes once turn 1's first chunk is back: the home has nothing left to prefill, so
+    with ``prefix_hold_tokens: 0`` turn 2 waits for it rather than prefill the whole system
+    prompt (about 250 tokens) on the idle endpoint."""
+    engines = [FakeEngine() for _ in range(2)]
+    async with serve_asgi(engines[0]) as a, serve_asgi(engines[1]) as b:
+        config = lanes_config([a, b], [a])
+        config["lanes"][0]["slots"] = {"lane": 2, "per_endpoint": 1}
+        config["lanes"][0]["weights"] = {"load": 1.0, "prefix": 1.0}
+        config["lanes"][0]["prefix_hold_tokens"] = 0
+        config["prefix_index"] = {"block_tokens": 8}
+        async with gateway_at(config) as (url, _), httpx.AsyncClient(timeout=10) as client:
+            chat = url + "/v1/chat/completions"
+            with capture_logs() as logs:
+                assert (await client.post(chat, json=_body(3, 0, 0.0))).status_code == 200
+                long = _body(3, 1, 0.0)
+                long["messages"][1]["content"] = "a long new question " * 100
+                long["stream"] = True
+                long["fake"] = {"chunks": 4, "gap": 0.3}
+                async with client.stream("POST", chat, json=long) as streamed:
+                    chunks = streamed.aiter_raw()
+                    assert (await anext(chunks)).startswith(b"data:")
+                    third = await client.post(chat, json=_body(3, 2, 0.0))
+                    assert third.status_code == 200
+                    async for _ in chunks:
+                        pass
+    decisions = [e["endpoint"] for e in logs if e["event"] == "route.decision"]
+    assert decisions[0] == decisions[1] == decisions[2], decisions
