@@ -61,7 +61,7 @@ from gateway.observe.log import Logger, swallowed
 from gateway.observe.metrics import Metrics
 from gateway.observe.record import Record, Recorder, Routed
 from gateway.protocols.multipart import parse_multipart
-from gateway.protocols.openai import ChatPrompt, Prompt, RoutedRequest
+from gateway.protocols.openai import Prompt, RoutedRequest
 from gateway.protocols.routes import EngineRoute
 from gateway.request.admission import Admission, Held, Want
 from gateway.request.borrowing import Loan, loans_for
@@ -191,14 +191,9 @@ class Pipeline:
         # A candidate policy deciding beside this one (POST /admin/shadow); off by default.
         self.shadow = ShadowLive(pool, self.metrics, self.log, self.prefixes)
 
-    def _tokens_of(self, model: str, prompt: Prompt) -> list[int]:
+    def _tokens_of(self, model: str, prompt: Prompt) -> Sequence[int]:
         """The prompt's token ids as the engine gets them (prefix_index.source kv_events)."""
-        counter = self.policy.counter
-        if isinstance(prompt, ChatPrompt):
-            return counter.encode(model, counter.render_chat(model, prompt))
-        if prompt.token_ids:
-            return list(prompt.token_ids[0])
-        return counter.encode(model, prompt.texts[0]) if prompt.texts else []
+        return self.policy.counter.prompt_ids(model, prompt)
 
     async def handle(self, route: EngineRoute, scope: Scope, receive: Receive, send: Send) -> None:
         policy = self.policy

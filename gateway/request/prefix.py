@@ -25,7 +25,7 @@ approximate record. ``readers`` builds one reader per static endpoint of those c
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import orjson
@@ -41,7 +41,7 @@ from gateway.settings import LaneSettings, PrefixIndexSettings, Settings
 log = structlog.get_logger("shapegate.prefix")
 
 # The prompt's token ids as the engine will see them, for a model.
-TokensOf = Callable[[str, Prompt], list[int]]
+TokensOf = Callable[[str, Prompt], Sequence[int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +97,7 @@ class Prefixes:
         cached = {url: blocks * block_tokens for url, blocks in matched.items()}
         return Seen(hashes, -(-len(data) // per_token), cached, self.index.held())
 
-    def _look_tokens(self, token_ids: list[int]) -> Seen:
+    def _look_tokens(self, token_ids: Sequence[int]) -> Seen:
         block_tokens = self.settings.block_tokens
         hashes = tuple(chained_hashes(token_bytes(token_ids), block_tokens * 4))
         matched = self.index.match(hashes)
