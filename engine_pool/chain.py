@@ -19,6 +19,11 @@
    least used share of slots goes first (homes spread by what they hold, as SGLang Model
    Gateway's cache_aware places a new prefix on its smallest tree, but never on a busy one).
 
+5. With the lane's ``prefix_hold_tokens`` set, a request waits for a full endpoint holding part
+   of its prompt rather than take one with room whose prefill ahead of its first token (the
+   prefills pending there, ``Ask.pending``, plus its own uncached part) is more than that many
+   tokens larger: those endpoints are dropped (``_hold``), so it waits in its lane's queue.
+
 The slot store takes the first endpoint of this order with room and never re-sorts it
 (gateway/request/admission.py). How overlap and load are weighed: with both weights 1, a
 request whose prompt is 80% cached on endpoint A stays on A until A's used share of its slots
@@ -32,14 +37,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from engine_pool.cluster import EngineView
-from engine_pool.scorers import fits_context, load, prefix, routable
+from engine_pool.scorers import fits_context, load, prefix, routable, work
 from engine_pool.scorers.ask import Ask
 
 Filter = Callable[[EngineView, Ask], bool]
 Scorer = Callable[[Sequence[EngineView], Ask], list[float]]
 
 FILTERS: tuple[Filter, ...] = (routable.keep, fits_context.keep)
-SCORERS: dict[str, Scorer] = {"load": load.score, "prefix": prefix.score}
+SCORERS: dict[str, Scorer] = {"load": load.score, "prefix": prefix.score, "work": work.score}
 LEAST_LOADED: dict[str, float] = {"load": 1.0}
 # A new prefix's home: among endpoints at most this much busier (share of slots) than the least.
 NEW_HOME_SLACK = 0.5
@@ -55,7 +60,10 @@ class Ranked:
 
 
 def rank(
-    views: Sequence[EngineView], ask: Ask, weights: Mapping[str, float] = LEAST_LOADED
+    views: Sequence[EngineView],
+    ask: Ask,
+    weights: Mapping[str, float] = LEAST_LOADED,
+    hold_tokens: int | None = None,
 ) -> list[Ranked]:
     kept = [v for v in views if all(keep(v, ask) for keep in FILTERS)]
     totals = [0.0] * len(kept)
@@ -78,7 +86,26 @@ def rank(
     )
     if weights.get("prefix") and held and not any(r.cached_tokens for r in ranked):
         return _new_home(ranked, ask)
+    if hold_tokens is not None:
+        return _hold(ranked, ask, hold_tokens)
     return ranked
+
+
+def _hold(ranked: list[Ranked], ask: Ask, hold_tokens: int) -> list[Ranked]:
+    """Wait for a full endpoint holding part of the prompt rather than take one with room whose
+    prefill ahead of the first token (``Ask.work``: its pending prefills plus this request's
+    uncached part) is more than ``hold_tokens`` larger: the endpoints with room that would cost
+    more are dropped, so the slot store finds none free and the request waits in its lane's
+    queue for the full one. An endpoint busy prefilling other prompts has that work counted,
+    so a home that will not free soon is not waited for."""
+    if ask.limit_of is None:
+        return ranked
+    limit_of = ask.limit_of
+    full = {r.view.url for r in ranked if r.cached_tokens and r.view.in_flight >= limit_of(r.view)}
+    if not full:
+        return ranked
+    floor = min(ask.work(r.view) for r in ranked if r.view.url in full) + hold_tokens
+    return [r for r in ranked if r.view.url in full or ask.work(r.view) <= floor]
 
 
 def _new_home(ranked: list[Ranked], ask: Ask) -> list[Ranked]:

@@ -384,13 +384,17 @@ class WeightSettings(_Frozen):
     ``load`` scores the share of an endpoint's slots still free, ``prefix`` the share of the
     prompt it is believed to hold cached (engine_pool/prefix_index.py). With both 1, a request
     leaves the endpoint holding 80% of its prompt only for one whose used share of slots is 0.8
-    lower; ``prefix: 0`` (the default) is plain least-loaded."""
+    lower; ``prefix: 0`` (the default) is plain least-loaded. ``work`` scores how little
+    prefill stands before the request's first token on the endpoint (engine_pool/scorers/
+    work.py: what the gateway sent it and has not seen answered, plus the request's uncached
+    part); 0 (the default) is off."""
 
     load: float = Field(1.0, ge=0)
     prefix: float = Field(0.0, ge=0)
+    work: float = Field(0.0, ge=0)
 
     def as_map(self) -> dict[str, float]:
-        return {"load": self.load, "prefix": self.prefix}
+        return {"load": self.load, "prefix": self.prefix, "work": self.work}
 
 
 class PrefixIndexSettings(_Frozen):
@@ -438,6 +442,10 @@ class LaneSettings(_Frozen):
     # How the endpoint chain (engine_pool/chain.py) weighs its scorers: free slots and the
     # share of the prompt an endpoint is believed to hold cached (prefix: 0 is off).
     weights: WeightSettings = WeightSettings()
+    # Wait in the lane's queue for a full endpoint that holds part of the prompt rather than
+    # take one with room whose prefill ahead of the first token is more than this many tokens
+    # larger (engine_pool/chain.py ``_hold``); None: never wait, take any endpoint with room.
+    prefix_hold_tokens: int | None = Field(None, ge=0)
     # Lend this lane's idle engines to other lanes' short requests (gateway/request/borrowing.py).
     lend: LendSettings | None = None
 

@@ -21,3 +21,16 @@ class Ask:
     # new home of a prefix (homes spread by what they hold, not by the URL).
     held: Mapping[str, int] = field(default_factory=dict)
     limit_of: Callable[[EngineView], int] | None = None
+    # Prompt tokens each endpoint (by URL) still has to prefill for the requests the gateway
+    # sent it whose first token has not come back, less what it was believed to hold of them:
+    # the prefill work queued ahead of this request there (engine_pool/prefill_ledger.py).
+    pending: Mapping[str, int] = field(default_factory=dict)
+
+    def uncached(self, view: EngineView) -> int:
+        """Prompt tokens this request would prefill on ``view``: all but its cached prefix."""
+        return max(0, self.tokens - self.cached.get(view.url, 0))
+
+    def work(self, view: EngineView) -> int:
+        """The prefill ahead of this request's first token on ``view``, in tokens: what the
+        endpoint has pending, plus this request's own uncached part."""
+        return self.pending.get(view.url, 0) + self.uncached(view)

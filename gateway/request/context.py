@@ -15,6 +15,7 @@ once, by that step, and only read after it (README "Request lifecycle"):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.core.count import TokenCount
@@ -57,6 +58,9 @@ class RequestContext:
     sent: bytes = b""
     # The engine path ``sent`` goes to when not the client's (a continuation from token ids).
     sent_path: str | None = None
+    # Step 7: called at the answer's first chunk (the engine has prefilled the prompt): the
+    # prefill ledger (engine_pool/prefill_ledger.py) forgets the request's pending tokens.
+    prefilled: Callable[[], None] = lambda: None
 
     @property
     def request_id(self) -> str:

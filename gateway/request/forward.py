@@ -155,6 +155,8 @@ class Forwarder:
         learning = request.route == "responses"
         try:
             async for received in response.chunks(ctx.watch):
+                if not events and not tail:  # this attempt's first chunk: prefilled
+                    ctx.prefilled()
                 self.recorder.chunk(record, time.monotonic())
                 if not out.started:
                     await out.start(200, response_headers(response.headers, ours), streaming=True)

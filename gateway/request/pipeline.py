@@ -61,7 +61,7 @@ from gateway.observe.log import Logger, swallowed
 from gateway.observe.metrics import Metrics
 from gateway.observe.record import Record, Recorder, Routed
 from gateway.protocols.multipart import parse_multipart
-from gateway.protocols.openai import ChatPrompt, Prompt, RoutedRequest
+from gateway.protocols.openai import Prompt, RoutedRequest
 from gateway.protocols.routes import EngineRoute
 from gateway.request.admission import Admission, Held, Want
 from gateway.request.borrowing import Loan, loans_for
@@ -214,14 +214,9 @@ class Pipeline:
         # A candidate policy deciding beside this one (POST /admin/shadow); off by default.
         self.shadow = ShadowLive(pool, self.metrics, self.log, self.prefixes)
 
-    def _tokens_of(self, model: str, prompt: Prompt) -> list[int]:
+    def _tokens_of(self, model: str, prompt: Prompt) -> Sequence[int]:
         """The prompt's token ids as the engine gets them (prefix_index.source kv_events)."""
-        counter = self.policy.counter
-        if isinstance(prompt, ChatPrompt):
-            return counter.encode(model, counter.render_chat(model, prompt))
-        if prompt.token_ids:
-            return list(prompt.token_ids[0])
-        return counter.encode(model, prompt.texts[0]) if prompt.texts else []
+        return self.policy.counter.prompt_ids(model, prompt)
 
     async def handle(self, route: EngineRoute, scope: Scope, receive: Receive, send: Send) -> None:
         policy = self.policy
@@ -316,9 +311,10 @@ class Pipeline:
         ctx.sent = ctx.body  # the original body, then a continuation after a migration
         # 5: the slot. Its token is ours, never the client's request id: two requests sharing an
         # id must not share (and free) one slot.
-        async with self.admission.slot(lane, candidates, new_id(), limit_of, ctx.want) as held:
+        token = new_id()
+        async with self.admission.slot(lane, candidates, token, limit_of, ctx.want) as held:
             self.recorder.admitted(record, held.grant, chosen.get(held.url))
-            self.prefixes.sent(seen, held.url)
+            ctx.prefilled = self.prefixes.sending(seen, token, held.url)
             try:
                 while True:
                     target = Target(
@@ -338,7 +334,7 @@ class Pipeline:
                         ):
                             raise
                         self.recorder.moved(record, held.grant, exc.reason)
-                        self.prefixes.sent(seen, held.url)
+                        self.prefixes.sending(seen, token, held.url)
                     except Interrupted as cut:
                         following = await self._migrate(ctx, cut, held, attempts)
                         if following is None:  # ends as before, the engine's error event too
@@ -347,13 +343,14 @@ class Pipeline:
                             raise cut.cause from None
                         ctx.sent, ctx.sent_path = following.body, following.path
                         self.recorder.migrated(record, held.grant, cut.reason, cut.cause)
-                        self.prefixes.sent(seen, held.url)
+                        self.prefixes.sending(seen, token, held.url)
                     except GatewayError as exc:
                         # The answer began and cannot migrate: said in the log, ended as before.
                         if record.status == 200 and (why := _untracked(request, lane)):
                             self._refused_migration(ctx, why, exc, 0)
                         raise
             finally:
+                self.prefixes.prefilled(token)
                 record.prompt_tokens = ctx.exact.settle()
                 if ctx.exact.error is not None:
                     swallowed(
@@ -483,14 +480,21 @@ class Pipeline:
             else self.prefixes.look_for(ctx.request.prompt, lane, ctx.model.name)
         )
         weights = lane.weights.as_map()
-        ask = Ask(tokens=seen.tokens, cached=seen.cached, held=seen.held, limit_of=limit_of)
+        ask = Ask(
+            tokens=seen.tokens,
+            cached=seen.cached,
+            held=seen.held,
+            limit_of=limit_of,
+            pending=self.prefixes.ledger.pending,
+        )
+        hold = lane.prefix_hold_tokens
         chosen: dict[str, Ranked] = {}
 
         def order(views: Sequence[EngineView]) -> list[EngineView]:
             return [r.view for r in rank(views, ask, weights)]
 
         def candidates() -> Sequence[EngineView]:
-            ranked = [r for c in serving for r in rank(views_of(c), ask, weights)]
+            ranked = [r for c in serving for r in rank(views_of(c), ask, weights, hold)]
             if pinned is not None:
                 ranked = [r for r in ranked if r.view.url == pinned]
             chosen.clear()

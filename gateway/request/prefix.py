@@ -25,13 +25,14 @@ approximate record. ``readers`` builds one reader per static endpoint of those c
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import orjson
 import structlog
 
 from engine_pool.kv_events import EngineBlocks, KvEventsReader, Step
+from engine_pool.prefill_ledger import PrefillLedger
 from engine_pool.prefix_index import Digest, PrefixIndex, chained_hashes, token_bytes
 from gateway.observe.metrics import Metrics
 from gateway.protocols.openai import ChatPrompt, Prompt
@@ -40,7 +41,7 @@ from gateway.settings import LaneSettings, PrefixIndexSettings, Settings
 log = structlog.get_logger("shapegate.prefix")
 
 # The prompt's token ids as the engine will see them, for a model.
-TokensOf = Callable[[str, Prompt], list[int]]
+TokensOf = Callable[[str, Prompt], Sequence[int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +77,14 @@ class Prefixes:
         self._tokens_of = tokens_of
         # Endpoint URL -> the blocks its engine reports holding (prefix_index.source kv_events).
         self.engines: dict[str, EngineBlocks] = {}
+        # The prefill sent to each endpoint and not yet done (engine_pool/prefill_ledger.py).
+        self.ledger = PrefillLedger()
 
     def look_for(self, prompt: Prompt, lane: LaneSettings, model: str = "") -> Seen:
-        """``look``, for a lane that weighs prefix overlap; nothing for one that does not."""
-        return self.look(prompt, model) if lane.weights.prefix else NOTHING
+        """``look``, for a lane that weighs prefix overlap or prefill work, or holds for a home;
+        nothing for one that does none of these."""
+        weighs = lane.weights.prefix or lane.weights.work or lane.prefix_hold_tokens is not None
+        return self.look(prompt, model) if weighs else NOTHING
 
     def look(self, prompt: Prompt, model: str = "") -> Seen:
         if self.engines and self._tokens_of is not None:
@@ -92,7 +97,7 @@ class Prefixes:
         cached = {url: blocks * block_tokens for url, blocks in matched.items()}
         return Seen(hashes, -(-len(data) // per_token), cached, self.index.held())
 
-    def _look_tokens(self, token_ids: list[int]) -> Seen:
+    def _look_tokens(self, token_ids: Sequence[int]) -> Seen:
         block_tokens = self.settings.block_tokens
         hashes = tuple(chained_hashes(token_bytes(token_ids), block_tokens * 4))
         matched = self.index.match(hashes)
@@ -102,6 +107,16 @@ class Prefixes:
             held[url] = blocks.blocks
         cached = {url: n * block_tokens for url, n in matched.items() if n}
         return Seen(hashes, len(token_ids), cached, held)
+
+    def sending(self, seen: Seen, key: str, url: str) -> Callable[[], None]:
+        """Request ``key`` goes to ``url``: its prompt less the prefix the endpoint is believed
+        to hold is pending there until ``prefilled(key)`` (the call returned); then ``sent``."""
+        self.ledger.add(key, url, seen.tokens - seen.cached.get(url, 0))
+        self.sent(seen, url)
+        return lambda: self.ledger.done(key)
+
+    def prefilled(self, key: str) -> None:
+        self.ledger.done(key)
 
     def sent(self, seen: Seen, url: str) -> None:
         if not seen.hashes or url in self.engines:

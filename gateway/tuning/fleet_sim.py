@@ -38,8 +38,11 @@ picks the endpoint order:
 - ``affinity``: the previous picker (a rendezvous hash of the prefix name puts its home first)
   followed by the previous admission's re-sort by in-flight count (a stable sort: home first
   only on a tie);
-- ``chain``: the live chain (engine_pool/chain.py) with the lane's ``weights`` and the
-  gateway's approximate index (engine_pool/prefix_index.py) fed by where it sent each prefix;
+- ``chain``: the live chain (engine_pool/chain.py) with the lane's ``weights`` and
+  ``prefix_hold_tokens``, the gateway's approximate index (engine_pool/prefix_index.py) fed by
+  where it sent each prefix, and its prefill ledger (the uncached tokens it believed it sent
+  each endpoint, until their first token); it sees its lane's full endpoints, as the live
+  chain does, and the store takes the first with room;
 - ``cache-aware``: SGLang Model Gateway's ``cache_aware`` policy with its defaults, on the same
   approximate record: when the loads are imbalanced (max - min > 64 and max > 1.5 x min) the
   least loaded; else the endpoint with the longest match if it covers more than 30% of the
@@ -180,6 +183,9 @@ class _Ticket:
     loans: tuple[Loan, ...]
     # The prompt's block keys (PrefixSim, a record with a known prefix), as ints.
     blocks: tuple[int, ...] = ()
+    # Prompt tokens the router believed its endpoint had to prefill (PrefixSim), pending on
+    # that endpoint until the first token comes back.
+    uncached: int = 0
 
 
 class FleetSim:
@@ -214,6 +220,9 @@ class FleetSim:
         self._occupancy: list[tuple[float, str, int]] = []
         self._tickets: dict[str, tuple[_Ticket, _Engine]] = {}
         # cluster -> the lane owning it, for clusters of lanes that lend.
+        # Prompt tokens each endpoint has pending to prefill, as the router believes (the
+        # gateway's prefill ledger): added at admission, removed at the first token.
+        self.pending: dict[str, int] = {}
         self._lender_of = {
             c: lane for lane in settings.lanes if lane.lend is not None for c in lane.clusters
         }
@@ -351,29 +360,47 @@ class FleetSim:
         return EndpointUse(owners, len(engine.borrowers), engine.reserved_by is not None)
 
     def _candidates(self, ticket: _Ticket, now: float) -> list[tuple[_Engine, Loan | None]]:
-        """Endpoints with room for the ticket, least loaded first: its own lane's, then (mixed
-        in by load) the idle endpoints of lanes that lend to it."""
+        """Endpoints with room for the ticket in the router's order: its own lane's, then (mixed
+        in by load) the idle endpoints of lanes that lend to it. The chain also sees its own
+        lane's full endpoints, as the live chain does (the slot store skips them)."""
         offers: dict[tuple[str, str], tuple[_Engine, Loan | None]] = {}
+        full: set[str] = set()
+        sees_full = self.prefix is not None and self.prefix.router in ("chain", "oracle")
         for cluster in ticket.clusters:
             for e in self.engines[cluster]:
                 owner = self._lender_of.get(cluster)
                 rule = owner.lend if owner is not None else None
                 mine = e.reserved_by in (None, ticket.key)
                 waited = now - e.reserved_at if e.reserved_by == ticket.key else 0.0
-                if self._use(e).owners < ticket.lane.slots.per_endpoint and (
-                    rule is None or (mine and owner_may_enter(rule, self._use(e), waited))
-                ):
-                    offers[(e.cluster, e.url)] = (e, None)
+                if rule is not None and not (mine and owner_may_enter(rule, self._use(e), waited)):
+                    continue
+                if self._use(e).owners >= ticket.lane.slots.per_endpoint:
+                    if not sees_full:
+                        continue
+                    full.add(e.url)
+                offers[(e.cluster, e.url)] = (e, None)
         for loan in ticket.loans:
             for cluster in loan.clusters:
                 for e in self.engines[cluster]:
-                    if borrow_room(loan.rule, self._use(e)) > 0:
-                        offers.setdefault((e.cluster, e.url), (e, loan))
+                    if borrow_room(loan.rule, self._use(e)) > 0 and (
+                        (e.cluster, e.url) not in offers or e.url in full
+                    ):
+                        offers[(e.cluster, e.url)] = (e, loan)
+                        full.discard(e.url)
         views = [
             EngineView(e.cluster, e.url, EngineState.UP, len(e.running), e.scraped_waiting)
             for e, _ in offers.values()
         ]
-        return [offers[(v.cluster, v.url)] for v in self._order(ticket, views)]
+        ordered = self._order(ticket, views)
+        return [offers[(v.cluster, v.url)] for v in ordered if v.url not in full]
+
+    def _believed(self, ticket: _Ticket) -> dict[str, int]:
+        """Blocks of the ticket's prompt each endpoint is believed to hold, by the router in
+        play: every engine's real cache for the oracle, the gateway's index otherwise."""
+        if self.prefix is not None and self.prefix.router == "oracle":
+            cache = {e.url: e.scheduler.cache for c in ticket.clusters for e in self.engines[c]}
+            return {url: c.peek(ticket.blocks) for url, c in cache.items() if c is not None}
+        return self.index.match(ticket.blocks)
 
     def _order(self, ticket: _Ticket, views: list[EngineView]) -> list[EngineView]:
         """The endpoint order of the router in play (the module's docstring)."""
@@ -388,18 +415,18 @@ class FleetSim:
             return sorted(ordered, key=lambda v: v.in_flight)
         if router == "cache-aware":
             return self._cache_aware(ticket, views)
-        if router == "oracle":
-            cache = {e.url: e.scheduler.cache for c in ticket.clusters for e in self.engines[c]}
-            held = {url: c.peek(ticket.blocks) for url, c in cache.items() if c is not None}
-        else:
-            held = self.index.match(ticket.blocks)
+        held = self._believed(ticket)
         ask = chain.Ask(
             tokens=ticket.record.prompt_tokens,
             cached={url: n * self._block for url, n in held.items()},
             limit_of=lambda v: ticket.lane.slots.per_endpoint,
             held={v.url: self.index.held_by(v.url) for v in views},
+            pending=self.pending,
         )
-        return [r.view for r in chain.rank(views, ask, ticket.lane.weights.as_map())]
+        ranked = chain.rank(
+            views, ask, ticket.lane.weights.as_map(), ticket.lane.prefix_hold_tokens
+        )
+        return [r.view for r in ranked]
 
     def _cache_aware(self, ticket: _Ticket, views: list[EngineView]) -> list[EngineView]:
         least = order_endpoints(views)
@@ -458,6 +485,9 @@ class FleetSim:
             engine, loan = candidates[0]
             record = ticket.record
             if ticket.blocks and self.prefix is not None:
+                believed = self._believed(ticket).get(engine.url, 0) * self._block
+                ticket.uncached = max(0, record.prompt_tokens - believed)
+                self.pending[engine.url] = self.pending.get(engine.url, 0) + ticket.uncached
                 self.index.record(ticket.blocks, engine.url)
             if record.prompt_tokens + record.output_tokens > self._max_len[engine.cluster]:
                 # The engine answers 400 (context length exceeded), as vLLM does.
@@ -486,6 +516,9 @@ class FleetSim:
         assert step is not None
         for key in step.first_tokens:
             self._open[key].first_token = now + self.live.relay()
+            ticket, _ = self._tickets[key]
+            if ticket.uncached:
+                self.pending[engine.url] -= ticket.uncached
         for key in step.finished:
             # In flight until the relay of its last token ends, as the live gateway holds it.
             self._push(now + self.live.relay(), "release", key)

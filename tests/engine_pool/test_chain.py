@@ -60,3 +60,43 @@ def test_a_prefix_held_nowhere_makes_its_home_where_least_is_held_unless_that_is
     assert urls(views, ask, {"load": 1.0, "prefix": 0.0})[0] == "a"
     cached = Ask(tokens=1000, cached={"a": 100}, held=held, limit_of=lambda v: 8)
     assert urls(views, cached)[0] == "a"  # a prompt held somewhere is not a new home
+
+
+def test_prefix_hold_tokens_waits_for_a_full_home_unless_it_is_busy_prefilling() -> None:
+    """Home a is full (4 of 4) and holds 90% of the prompt; b has room and holds none. With
+    ``hold_tokens`` 0, b is dropped while its prefill ahead (pending + 1,000) exceeds a's
+    (pending + 100): the request waits for a. A home with a 300k-token prefill pending is not
+    waited for; neither is one with no prefix of the prompt; without the knob b stays."""
+    views = [view("a", 4), view("b", 1)]
+
+    def ask(pending: dict[str, int], cached: dict[str, int] | None = None) -> Ask:
+        cached = {"a": 900} if cached is None else cached
+        return Ask(tokens=1000, cached=cached, limit_of=lambda v: 4, pending=pending)
+
+    def order(a: Ask, hold: int | None) -> list[str]:
+        return [r.view.url for r in rank(views, a, BOTH, hold)]
+
+    assert order(ask({"a": 500}), 0) == ["a"]
+    assert order(ask({"a": 500}), 2000) == ["a", "b"]  # b's extra prefill within the hold
+    assert order(ask({"a": 300_000}), 0) == ["a", "b"]
+    assert order(ask({"a": 500}, cached={}), 0) == ["b", "a"]
+    assert order(ask({"a": 500}), None) == ["a", "b"]
+
+
+def test_the_work_scorer_weighs_the_prefill_ahead_not_the_requests_in_flight() -> None:
+    """Home a holds 90% of a 30k-token prompt and is busy (3 of 4 slots) with cached
+    follow-ups: 1,808 tokens pending; b is idle. By work alone a scores 1 (4,808 tokens ahead,
+    plus the 8,192-token floor) and b 0.34 (13,000 / 38,192): a stays first. With a 300k-token
+    prefill pending on a, b goes first."""
+    views = [view("a", 3), view("b", 0)]
+    work = {"load": 0.0, "prefix": 0.0, "work": 1.0}
+
+    def ask(pending: int) -> Ask:
+        return Ask(
+            tokens=30_000, cached={"a": 27_000}, limit_of=lambda v: 4, pending={"a": pending}
+        )
+
+    ranked = rank(views, ask(1_808), work)
+    assert [(r.view.url, r.score) for r in ranked] == [("a", 1.0), ("b", 0.340385)]
+    assert urls(views, ask(1_808), {"load": 1.0, "prefix": 0.0})[0] == "b"  # by slots alone
+    assert urls(views, ask(300_000), work)[0] == "b"

@@ -449,3 +449,39 @@ def test_a_local_model_folder_loads_with_its_template(
         assert count.tokens == len(counter.encode(MODEL, rendered))  # gigatoken agrees with HF
     finally:
         local.close()
+
+
+@pytest.fixture(scope="module")
+def by_template() -> Iterator[TokenCounter]:
+    counter = TokenCounter.for_models([qwen("hf", "hf"), qwen("chatml"), qwen("none", "none")])
+    yield counter
+    counter.close()
+
+
+def test_prompt_ids_are_the_rendered_prompts_ids_and_a_repeated_piece_is_encoded_once(
+    by_template: TokenCounter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prefix index's exact hashes (kv_events) take the prompt's ids from its pieces: the
+    same ids as encoding the whole rendered text (every template; special-token strings and
+    non-ASCII text inside messages), and a document asked again is not encoded again."""
+    document = "Le café déjà vu, naïve <|im_end|> coöperation. " * 400
+    prompts = [
+        chat({"role": "system", "content": document}, user("first question?")),
+        chat(user("hello"), {"role": "assistant", "content": "hi <|im_start|>"}, user("more")),
+    ]
+    for model in ("hf", "chatml", "none"):
+        for prompt in prompts:
+            whole = by_template.encode(model, by_template.render_chat(model, prompt))
+            assert list(by_template.prompt_ids(model, prompt)) == whole, model
+    assert list(by_template.prompt_ids("hf", CompletionPrompt(texts=(document, "x")))) == (
+        by_template.encode("hf", document)
+    )
+    assert by_template.prompt_ids("hf", CompletionPrompt(token_ids=((5, 6),))) == (5, 6)
+    encoded: list[int] = []
+    encoder = by_template._model("hf").vocab.encoder
+    real = encoder.encode
+    monkeypatch.setattr(encoder, "encode", lambda text: encoded.append(len(text)) or real(text))
+    again = chat({"role": "system", "content": document}, user("a second question?"))
+    ids = by_template.prompt_ids("hf", again)
+    assert list(ids) == by_template.encode("hf", by_template.render_chat("hf", again))
+    assert encoded[0] < 100  # only the new question's piece was encoded for prompt_ids

@@ -9,6 +9,7 @@ import random
 from typing import Any
 
 import httpx
+import pytest
 from structlog.testing import capture_logs
 
 from gateway.observe.metrics import Metrics
@@ -66,8 +67,13 @@ def _homes_and_loads(engines: list[FakeEngine]) -> tuple[dict[int, float], list[
     return homes, loads
 
 
+@pytest.mark.parametrize(
+    "weights",
+    [{"load": 1.0, "prefix": 1.0}, {"load": 1.0, "prefix": 1.0, "work": 1.0}],
+    ids=["load-prefix", "load-prefix-work"],
+)
 async def test_agents_keep_to_their_home_endpoint_under_concurrency_without_a_hotspot(
-    gateway_at: Any,
+    gateway_at: Any, weights: dict[str, float]
 ) -> None:
     engines = [FakeEngine() for _ in range(4)]
     async with (
@@ -78,7 +84,7 @@ async def test_agents_keep_to_their_home_endpoint_under_concurrency_without_a_ho
     ):
         config = lanes_config([a, b, c, d], [a])
         config["lanes"][0]["slots"] = {"lane": 64, "per_endpoint": 8}
-        config["lanes"][0]["weights"] = {"load": 1.0, "prefix": 1.0}
+        config["lanes"][0]["weights"] = weights
         async with gateway_at(config) as (url, _):
             await _agents(url, seed=7)
     homes, loads = _homes_and_loads(engines)
@@ -159,3 +165,69 @@ async def test_route_decision_carries_the_chosen_endpoints_score_and_cached_toke
     # The system prompt (about 1,000 bytes, 4 a token) in whole blocks of 8 tokens.
     assert 200 <= second["cached_tokens"] <= 260
     assert second["score"] > 2.0 * 0.8
+
+
+async def _third_turn_endpoint(gateway_at: Any, hold: int | None) -> tuple[str, str]:
+    """Agent 3's first turn makes its home; its second holds the home's only slot for 0.5 s;
+    its third comes meanwhile: the endpoints of the second and the third."""
+    engines = [FakeEngine() for _ in range(2)]
+    async with serve_asgi(engines[0]) as a, serve_asgi(engines[1]) as b:
+        config = lanes_config([a, b], [a])
+        config["lanes"][0]["slots"] = {"lane": 2, "per_endpoint": 1}
+        config["lanes"][0]["weights"] = {"load": 1.0, "prefix": 1.0}
+        config["lanes"][0]["prefix_hold_tokens"] = hold
+        config["prefix_index"] = {"block_tokens": 8}
+        async with gateway_at(config) as (url, _), httpx.AsyncClient(timeout=10) as client:
+            with capture_logs() as logs:
+                chat = url + "/v1/chat/completions"
+                assert (await client.post(chat, json=_body(3, 0, 0.0))).status_code == 200
+                second = asyncio.create_task(client.post(chat, json=_body(3, 1, 0.5)))
+                await asyncio.sleep(0.15)
+                third = await client.post(chat, json=_body(3, 2, 0.0))
+                assert third.status_code == 200 and (await second).status_code == 200
+    decisions = [e for e in logs if e["event"] == "route.decision"]
+    return decisions[1]["endpoint"], decisions[2]["endpoint"]
+
+
+async def test_a_request_waits_for_its_full_home_with_prefix_hold_tokens(
+    gateway_at: Any,
+) -> None:
+    """``prefix_hold_tokens: 0``: the home is full but has only the second turn's short tail to
+    prefill (the prefill ledger), the idle endpoint would prefill the whole system prompt: the
+    third turn waits for the home. Without the knob it takes the idle endpoint at once."""
+    second, third = await _third_turn_endpoint(gateway_at, 0)
+    assert third == second
+    second, third = await _third_turn_endpoint(gateway_at, None)
+    assert third != second
+
+
+async def test_a_streamed_answers_first_chunk_ends_its_pending_prefill(gateway_at: Any) -> None:
+    """The prefill ledger forgets a request at its answer's first chunk, not its end. Turn 1
+    brings a long new tail (about 500 uncached tokens) to the home and then streams slowly;
+    turn 2 comes once turn 1's first chunk is back: the home has nothing left to prefill, so
+    with ``prefix_hold_tokens: 0`` turn 2 waits for it rather than prefill the whole system
+    prompt (about 250 tokens) on the idle endpoint."""
+    engines = [FakeEngine() for _ in range(2)]
+    async with serve_asgi(engines[0]) as a, serve_asgi(engines[1]) as b:
+        config = lanes_config([a, b], [a])
+        config["lanes"][0]["slots"] = {"lane": 2, "per_endpoint": 1}
+        config["lanes"][0]["weights"] = {"load": 1.0, "prefix": 1.0}
+        config["lanes"][0]["prefix_hold_tokens"] = 0
+        config["prefix_index"] = {"block_tokens": 8}
+        async with gateway_at(config) as (url, _), httpx.AsyncClient(timeout=10) as client:
+            chat = url + "/v1/chat/completions"
+            with capture_logs() as logs:
+                assert (await client.post(chat, json=_body(3, 0, 0.0))).status_code == 200
+                long = _body(3, 1, 0.0)
+                long["messages"][1]["content"] = "a long new question " * 100
+                long["stream"] = True
+                long["fake"] = {"chunks": 4, "gap": 0.3}
+                async with client.stream("POST", chat, json=long) as streamed:
+                    chunks = streamed.aiter_raw()
+                    assert (await anext(chunks)).startswith(b"data:")
+                    third = await client.post(chat, json=_body(3, 2, 0.0))
+                    assert third.status_code == 200
+                    async for _ in chunks:
+                        pass
+    decisions = [e["endpoint"] for e in logs if e["event"] == "route.decision"]
+    assert decisions[0] == decisions[1] == decisions[2], decisions

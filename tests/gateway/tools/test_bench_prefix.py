@@ -27,4 +27,7 @@ def test_bench_prefix_smoke_plays_every_router_and_times_the_lookup(
     assert rows["chain"]["hit_rate"] > rows["least-loaded"]["hit_rate"]
     assert rows["chain"]["small_ttft_p90_s"] < rows["least-loaded"]["small_ttft_p90_s"]
     assert result["lookup_200k_tokens"]["block_16_ms"] > 0
+    ids = result["prompt_ids"]
+    assert 150_000 < ids["tokens"] < 250_000
+    assert ids["cached_pieces_ms"] > 0 and ids["encode_whole_ms"] > 0
     assert len(result["targets"]) == 5
