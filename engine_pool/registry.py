@@ -35,13 +35,19 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-
-import anyio
+from typing import Protocol
 
 from engine_pool.capability import Capability
 from engine_pool.cluster import Cluster, Engine, EngineState, EngineView
 from engine_pool.latency import Latency, LatencyBook
 from engine_pool.outlier import judge_failure, ramp
+
+
+class Cancellable(Protocol):
+    """What ``track`` cancels when its endpoint is marked down: a cancel scope (anyio's, or
+    the gateway's own on asyncio's cancellation)."""
+
+    def cancel(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +79,7 @@ class EnginePool:
             for c in self.clusters.values()
             for url in c.endpoints
         }
-        self._scopes: dict[tuple[str, str], set[anyio.CancelScope]] = {
+        self._scopes: dict[tuple[str, str], set[Cancellable]] = {
             key: set() for key in self._engines
         }
         self._retired: dict[tuple[str, str], Engine] = {}
@@ -337,7 +343,7 @@ class EnginePool:
         return changed
 
     @contextmanager
-    def track(self, cluster: str, url: str, scope: anyio.CancelScope) -> Iterator[Engine]:
+    def track(self, cluster: str, url: str, scope: Cancellable) -> Iterator[Engine]:
         engine = self._engines.get((cluster, url)) or self._retired[(cluster, url)]
         scopes = self._scopes[(cluster, url)]
         engine.in_flight += 1

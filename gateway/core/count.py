@@ -24,6 +24,21 @@ class TokenCount:
     # The largest single sequence of a batch (None: one sequence, ``tokens`` itself).
     largest: int | None = None
 
+    def without_plan(self) -> TokenCount:
+        """The count without its plan (a record never holds text); ``dataclasses.replace``'s
+        result, built directly (it looks up the fields each call: one a request)."""
+        if self.plan is None:
+            return self
+        return TokenCount(
+            self.tokens,
+            self.method,
+            self.tokenizer,
+            self.prompt_bytes,
+            self.seconds,
+            None,
+            self.largest,
+        )
+
     @property
     def exact(self) -> int | None:
         return None if self.method == "bound" else self.tokens

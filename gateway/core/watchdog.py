@@ -21,8 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
-import anyio
-
+from gateway.core.cancel import CancelScope
 from gateway.errors import UpstreamTimeout
 from gateway.settings import TimeoutSettings
 
@@ -78,7 +77,8 @@ class Watch:
         left_s = self.deadlines.total_s - (time.monotonic() - self._started)
         hit: Phase = kind if phase_s <= left_s else "total"
         seconds = min(phase_s, left_s)
-        with anyio.move_on_after(max(seconds, 0.0)) as scope:
+        # asyncio's own cancellation (gateway/core/cancel.py), not anyio's: one a request.
+        with CancelScope(deadline_s=max(seconds, 0.0)) as scope:
             yield
         if scope.cancelled_caught:
             raise DeadlineHit(hit, self._limit(hit))

@@ -69,6 +69,8 @@ USAGE_KEY = b'"usage"'
 USAGE_LOOKBACK = 4
 # A usage object is a few hundred bytes; past this, what follows the key is not one.
 USAGE_MAX_BYTES = 4096
+# Closing braces tried by a parse before ``_object_after`` matches braces byte by byte.
+FAST_TRIES = 4
 
 
 def _object_after(payload: bytes, at: int) -> dict[str, object] | None:
@@ -80,6 +82,22 @@ def _object_after(payload: bytes, at: int) -> dict[str, object] | None:
         start += 1
     if start >= len(payload) or payload[start] != ord("{"):
         return None
+    limit = min(len(payload), start + USAGE_MAX_BYTES)
+    # The object ends at one of the next closing braces: the first slice up to one that parses
+    # is the object the brace matching below finds (a JSON object ends where its braces close,
+    # so no shorter slice parses, and no longer one does). A usage object of a few fields and a
+    # details object or two ends at its first or third brace: a parse or three instead of a
+    # Python loop over every byte (a twentieth of a small request's CPU).
+    end = start
+    for _ in range(FAST_TRIES):
+        end = payload.find(b"}", end + 1, limit)
+        if end < 0:
+            return None  # no brace closes within the bound: the loop below finds none either
+        try:
+            found = orjson.loads(payload[start : end + 1])
+        except orjson.JSONDecodeError:
+            continue
+        return found if isinstance(found, dict) else None
     depth, quoted, escaped = 0, False, False
     for i in range(start, min(len(payload), start + USAGE_MAX_BYTES)):
         byte = payload[i]

@@ -7,6 +7,7 @@
 - A cap on the bytes of the request line and headers (``server.max_header_bytes``): 431.
 - Malformed requests (a CR or LF inside a header, a bad request line) are answered 400 in the
   OpenAI error shape rather than uvicorn's plain text.
+- A response's head is written with its first body bytes, in one write (``CoalescedCycle``).
 - HTTP/1.0 clients never get ``Transfer-Encoding: chunked`` (RFC 9112 section 6.1: they cannot
   read it). uvicorn's httptools protocol adds chunked framing to every response without a
   Content-Length, whatever the request's version; for a 1.0 request a response without one (a
@@ -66,6 +67,77 @@ class Http10Cycle(RequestResponseCycle):
                 self.on_response()
             return
         await super().send(message)
+
+
+class _Gathered:
+    """The transport as a cycle's ``send`` sees it while the response head is held back: writes
+    are gathered, ``flush`` writes them as one."""
+
+    __slots__ = ("parts", "real")
+
+    def __init__(self, real: asyncio.Transport) -> None:
+        self.real = real
+        self.parts: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.parts.append(data)
+
+    def flush(self) -> None:
+        if self.parts:
+            data, self.parts = b"".join(self.parts), []
+            if not self.real.is_closing():
+                self.real.write(data)
+
+    def close(self) -> None:
+        self.flush()
+        self.real.close()
+
+    def is_closing(self) -> bool:
+        return self.real.is_closing()
+
+
+class CoalescedCycle(RequestResponseCycle):
+    """An HTTP/1.1 request/response cycle whose response head goes out with the first body
+    bytes, in one write (one ``send`` system call, one segment on the wire) instead of two:
+    the gateway's answers send their head and body back to back (a whole JSON answer, or an
+    SSE stream's first chunk). The head is never held past the event loop's current turn: a
+    body that does not follow at once (an app that sends its head, then waits) finds it sent.
+    uvicorn builds both exactly as before (``send`` runs unchanged against ``_Gathered``)."""
+
+    _held: _Gathered | None = None
+    _flush_handle: asyncio.Handle | None = None
+
+    async def send(self, message: Any) -> None:
+        real = self.transport
+        held = self._held
+        if held is None:
+            if message["type"] != "http.response.start" or self.response_started:
+                await super().send(message)
+                return
+            held = _Gathered(real)
+            self.transport = held  # type: ignore[assignment]
+            try:
+                await super().send(message)
+            finally:
+                self.transport = real
+            if held.parts:
+                self._held = held
+                self._flush_handle = asyncio.get_running_loop().call_soon(self._flush)
+            return
+        self.transport = held  # type: ignore[assignment]
+        try:
+            await super().send(message)
+        finally:
+            self.transport = real
+            self._flush()
+
+    def _flush(self) -> None:
+        held, self._held = self._held, None
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        if held is not None:
+            held.flush()
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -128,9 +200,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._refused:
             return
         super().on_headers_complete()
-        if self.scope.get("http_version") == "1.0" and type(self.cycle) is RequestResponseCycle:
-            # The cycle's task has not run yet; the subclass only changes how it sends.
-            self.cycle.__class__ = Http10Cycle
+        if type(self.cycle) is RequestResponseCycle:
+            # The cycle's task has not run yet; the subclasses only change how it sends.
+            http10 = self.scope.get("http_version") == "1.0"
+            self.cycle.__class__ = Http10Cycle if http10 else CoalescedCycle
 
     def on_body(self, body: bytes) -> None:
         if not self._refused:

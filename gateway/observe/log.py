@@ -34,8 +34,13 @@ _LEVELS = {
 }
 
 
-def _dumps(obj: Any, default: Any = None) -> str:
-    return orjson.dumps(obj, default=default or str).decode()
+def _fallback(obj: Any) -> Any:
+    """What JSONRenderer's default writes for a value orjson cannot: ``__structlog__()``, else
+    its repr."""
+    try:
+        return obj.__structlog__()
+    except AttributeError:
+        return repr(obj)
 
 
 class UtcStamper:
@@ -61,6 +66,27 @@ class UtcStamper:
         return event
 
 
+class JsonLine:
+    """The JSON processor chain in one call: the context's bound fields, ``level``,
+    ``timestamp`` (``UtcStamper``) and the line rendered by orjson. structlog's chain of four
+    processors cost two calls and a dict lookup more per step, on two events a request."""
+
+    __slots__ = ("_stamp",)
+
+    def __init__(self) -> None:
+        self._stamp = UtcStamper()
+
+    def __call__(self, logger: Any, method: str, event: MutableMapping[str, Any]) -> str:
+        structlog.contextvars.merge_contextvars(logger, method, event)
+        event["level"] = _LEVEL_NAMES.get(method, method)
+        self._stamp(logger, method, event)
+        return orjson.dumps(event, default=_fallback).decode()
+
+
+# structlog's add_log_level: the method's name, "warn" and "exception" aside.
+_LEVEL_NAMES = {"warn": "warning", "exception": "error"}
+
+
 def configure_logging(
     level: str = "info", json_output: bool = True, *, cache: bool = False
 ) -> None:
@@ -69,18 +95,18 @@ def configure_logging(
     ``cache=True`` (``shapegate serve``: configured once per process) lets each logger keep
     what it assembled on first use instead of binding a new one at every event, two of them per
     request; tests reconfigure between cases and keep the default."""
-    renderer: Any = (
-        structlog.processors.JSONRenderer(serializer=_dumps)
+    processors: list[Any] = (
+        [JsonLine()]
         if json_output
-        else structlog.dev.ConsoleRenderer(colors=False)
-    )
-    structlog.configure(
-        processors=[
+        else [
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             UtcStamper(),
-            renderer,
-        ],
+            structlog.dev.ConsoleRenderer(colors=False),
+        ]
+    )
+    structlog.configure(
+        processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
         logger_factory=structlog.WriteLoggerFactory(file=sys.stdout),
         cache_logger_on_first_use=cache,

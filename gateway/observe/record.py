@@ -72,7 +72,12 @@ class Routed:
 
     @classmethod
     def of(
-        cls, request: RoutedRequest, count: TokenCount, decision: Decision, healthy: dict[str, bool]
+        cls,
+        request: RoutedRequest,
+        count: TokenCount,
+        decision: Decision,
+        healthy: dict[str, bool],
+        priority: str | None = None,
     ) -> Routed:
         lane = decision.lane
         candidates = (*lane.clusters, *lane.emergency_clusters) if lane else ()
@@ -82,11 +87,12 @@ class Routed:
             body_bytes=request.body_bytes,
             max_tokens=request.max_tokens,
             # Without the plan a bound keeps for the exact count: a record never holds text.
-            count=replace(count, plan=None) if count.plan is not None else count,
+            count=count.without_plan(),
             lane=decision.lane_name,
             reason=decision.reason,
             cluster_health={c: healthy.get(c, True) for c in candidates},
             route=request.route,
+            priority=priority,
         )
 
     # The names log_fields() gives, for a record refused before its lane was decided.

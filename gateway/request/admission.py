@@ -188,7 +188,7 @@ class Admission:
             held = Held(await self._acquire(lane, candidates, token, limit_of, want))
         finally:
             # Granted, refused, timed out or cancelled: a reservation never outlives the wait.
-            if any(holder == token for holder, _, _ in self._reserved.values()):
+            if self._reserved and any(holder == token for holder, _, _ in self._reserved.values()):
                 await self._unreserve(token, lane.name)
         lender = held.grant.lender
         m = self._metrics
@@ -197,11 +197,16 @@ class Admission:
             self._metrics.borrowed.labels(lane=held.lane, lender=lender).inc()
             self._metrics.borrowers_in_flight.labels(lane=held.lane, lender=lender).inc()
             self.borrowing[(held.lane, lender)] = self.borrowing.get((held.lane, lender), 0) + 1
+        # Only a shared store has a lease to renew: an in-process store's hold is empty, and its
+        # context (two generator context managers a request) is skipped.
+        leased = self.store.shared
         try:
-            await held._stack.enter_async_context(self.store.hold(held.token, held.keys))
+            if leased:
+                await held._stack.enter_async_context(self.store.hold(held.token, held.keys))
             yield held
         finally:
-            await held._stack.aclose()
+            if leased:
+                await held._stack.aclose()
             m.child(m.slots_in_use, held.lane, held.cluster).dec()
             await self._release(held.token, held.keys, lane=held.lane)
             if lender is not None:
@@ -340,6 +345,8 @@ class Admission:
         return queue[next_waiter(waiting, time.monotonic(), starvation)]
 
     async def _unreserve(self, token: str, lane: str) -> None:
+        if not self._reserved:  # the common case: no lending lane's waiter reserved anything
+            return
         for key, (holder, _, reserved) in list(self._reserved.items()):
             if holder == token:
                 del self._reserved[key]

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import time
 
-import anyio
-
 from engine_pool.registry import EnginePool
+from gateway.core.cancel import CancelScope
 from gateway.core.decision import Grant
 from gateway.core.watchdog import DeadlineHit
 from gateway.count.usage import TAIL_MAX, EngineUsage, engine_usage, sse_events, trim_tail
@@ -66,8 +65,9 @@ class Forwarder:
         (or drained past its deadline) cancels it: ``EngineUnreachable`` before the answer,
         ``Interrupted`` after it for a relayed stream (it migrates), else ``UpstreamError``."""
         grant = target.grant
+        # asyncio's own cancellation (gateway/core/cancel.py): nothing inside is shielded.
         with (
-            anyio.CancelScope() as engine_down,
+            CancelScope() as engine_down,
             self.pool.track(grant.cluster, grant.url, engine_down) as engine,
         ):
             await self._forward(ctx, target)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -33,6 +32,7 @@ from engine_pool.chain import Ask, Ranked, rank
 from engine_pool.cluster import EngineView
 from engine_pool.picker import order_endpoints
 from engine_pool.registry import EnginePool
+from gateway.core.cancel import CancelScope
 from gateway.core.count import TokenCount
 from gateway.core.decision import Decision
 from gateway.core.exchange import (
@@ -238,7 +238,11 @@ class Pipeline:
                 policy.settings.server.body_timeout_s,
             )
             ctx = RequestContext(policy, route, scope, out, record, body)
-            with anyio.CancelScope() as cancel_on_disconnect:
+            # A slot in a shared store is released under a shield (admission.py), which only
+            # anyio's scope respects; an in-process store's release never awaits, and asyncio's
+            # own cancellation (gateway/core/cancel.py) costs a fraction of anyio's.
+            shielded = self.admission.store.shared
+            with anyio.CancelScope() if shielded else CancelScope() as cancel_on_disconnect:
                 # A plain task, not an anyio task group: the group's spawn, its cancel (anyio
                 # formats the task's repr into every cancel reason) and its exit were among the
                 # largest per-request costs in the overhead benchmark's profile.
@@ -442,8 +446,8 @@ class Pipeline:
         ctx.count = count
         ctx.decision, ctx.pinned = await self._pin(ctx, decision)
         ctx.want = self._want(ctx)
-        routed = Routed.of(ctx.request, count, ctx.decision, healthy)
-        self.recorder.decided(ctx.record, replace(routed, priority=ctx.want.priority))
+        routed = Routed.of(ctx.request, count, ctx.decision, healthy, ctx.want.priority)
+        self.recorder.decided(ctx.record, routed)
         # Shown to the shadow policy if one runs, with the health map this decision used.
         self.shadow.observe(ctx.record, ctx.request, route.multipart, ctx.scope, healthy)
         lane = ctx.decision.lane

@@ -65,6 +65,9 @@ class SlotStore(Protocol):
     async def aclose(self) -> None: ...
 
 
+_NONE: frozenset[str] = frozenset()  # no holder (not a new empty set at every look)
+
+
 class MemorySlotStore:
     """Slots of one gateway process. Every method is atomic: none awaits while it holds state."""
 
@@ -74,9 +77,11 @@ class MemorySlotStore:
         self._held: dict[str, set[str]] = {}
 
     def _room(self, limit: Limit, token: str) -> bool:
-        holders = self._held.get(limit.key, set())
-        if any(self._held.get(guard, set()) - {token} for guard in limit.guards):
-            return False
+        held = self._held
+        holders = held.get(limit.key, _NONE)
+        for guard in limit.guards:
+            if held.get(guard, _NONE) - {token}:
+                return False
         return token in holders or len(holders) < limit.limit
 
     async def try_acquire(self, token: str, lane: Limit, candidates: Sequence[Limit]) -> int | None:

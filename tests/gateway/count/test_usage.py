@@ -249,3 +249,26 @@ async def test_a_congested_counter_never_holds_the_headers_past_the_wait(
     late = ExactCount(CongestedCounter(exact, 5.0), bound)  # type: ignore[arg-type]
     late.meanwhile()
     assert late.settle() is None and late.error is None  # abandoned, never a bound as tokens
+
+
+def test_the_usage_parse_agrees_with_brace_matching_on_awkward_objects() -> None:
+    # The fast read parses up to a closing brace; each of these needs more than one try
+    # (nested objects, braces inside strings) or the byte loop (more closing braces than tries).
+    deep = b'{"a":' * 5 + b"1" + b"}" * 5
+    cases = {
+        b'{"usage": {"prompt_tokens": 7, "completion_tokens": 3}}': EngineUsage(7, 3),
+        b'{"usage":{"prompt_tokens":7,"details":{"x":{"y":1}},"completion_tokens":3}}': (
+            EngineUsage(7, 3)
+        ),
+        b'{"usage":{"note":"a } and a \\" { inside","prompt_tokens":7,"completion_tokens":3}}': (
+            EngineUsage(7, 3)
+        ),
+        b'{"usage":{"z":' + deep + b',"prompt_tokens":7,"completion_tokens":3}}': (
+            EngineUsage(7, 3)
+        ),
+        b'{"usage":{"prompt_tokens":7,"completion_tokens":3': EngineUsage(None, None),
+        b'{"usage":{"prompt_tokens":x}}': EngineUsage(None, None),
+        b'{"usage": null}': EngineUsage(None, None),
+    }
+    for payload, expected in cases.items():
+        assert engine_usage(payload) == expected, payload
