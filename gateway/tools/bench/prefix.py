@@ -10,8 +10,9 @@ removed), every engine holding a prefix cache (a block LRU of its KV size, block
 ``least-loaded``, ``affinity`` (the previous rendezvous home re-sorted by in-flight count),
 ``cache-aware`` (smg's ``cache_aware`` with its default thresholds, on the same approximate
 record), ``chain`` (the live chain over the gateway's approximate index and prefill ledger:
-``lanes[].weights`` load 1, prefix 1, and in the fast lane work 1; the heavy lane with
-``prefix_hold_tokens: 0``) and ``oracle`` (the chain told every engine's real cache).
+``lanes[].weights`` load 1 and prefix 2 in the fast lane, load 1 and prefix 1 with
+``prefix_hold_tokens: 0`` in the heavy lane) and ``oracle`` (the chain told every engine's
+real cache).
 
 Reported per seed and router: small-request (fast lane) TTFT p90, repeated-document monster
 completion p50 and mean, and the prefix hit rate (prompt tokens found cached / all prompt
@@ -64,9 +65,10 @@ def policy() -> Settings:
     for lane in raw["lanes"]:
         lane.pop("lend", None)
         lane["weights"] = {"load": 1.0, "prefix": 1.0}
-    # The fast lane also weighs the prefill ahead of the first token (engine_pool/scorers/
-    # work.py); a document's follow-up waits for its full home rather than re-read it elsewhere.
-    raw["lanes"][0]["weights"]["work"] = 1.0
+    # 64 slots an endpoint: the fast lane keeps an agent home until its home is 2x the prefix
+    # share busier (in practice until it is full), as cache_aware does; a document's follow-up
+    # waits for its full home rather than re-read the document elsewhere.
+    raw["lanes"][0]["weights"]["prefix"] = 2.0
     raw["lanes"][1]["prefix_hold_tokens"] = 0
     raw["prefix_index"] = {"block_tokens": 64}
     return parse_settings(raw, {})

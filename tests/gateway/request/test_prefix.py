@@ -69,8 +69,12 @@ def _homes_and_loads(engines: list[FakeEngine]) -> tuple[dict[int, float], list[
 
 @pytest.mark.parametrize(
     "weights",
-    [{"load": 1.0, "prefix": 1.0}, {"load": 1.0, "prefix": 1.0, "work": 1.0}],
-    ids=["load-prefix", "load-prefix-work"],
+    [
+        {"load": 1.0, "prefix": 1.0},
+        {"load": 1.0, "prefix": 2.0},
+        {"load": 1.0, "prefix": 1.0, "work": 1.0},
+    ],
+    ids=["load-prefix", "prefix-2", "load-prefix-work"],
 )
 async def test_agents_keep_to_their_home_endpoint_under_concurrency_without_a_hotspot(
     gateway_at: Any, weights: dict[str, float]
