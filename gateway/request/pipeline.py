@@ -449,7 +449,9 @@ class Pipeline:
         routed = Routed.of(ctx.request, count, ctx.decision, healthy, ctx.want.priority)
         self.recorder.decided(ctx.record, routed)
         # Shown to the shadow policy if one runs, with the health map this decision used.
-        self.shadow.observe(ctx.record, ctx.request, route.multipart, ctx.scope, healthy)
+        self.shadow.observe(
+            ctx.record, ctx.request, route.multipart, ctx.scope, healthy, ctx.model.name
+        )
         lane = ctx.decision.lane
         if lane is None:
             raise PromptTooLong(

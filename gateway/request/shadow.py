@@ -84,8 +84,9 @@ class ShadowPolicy:
     version: int
     served: Mapping[str, frozenset[str]]
     limits: Mapping[tuple[str, str], int]
-    # Every name and alias -> the model's name; whether a lane weighs prefix overlap (then the
-    # live request's prefix is looked up in the index for it).
+    # Every name and alias -> the model's name; whether a lane weighs prefix overlap or prefill
+    # work, or holds for a home (then the live request's prefix is looked up in the index for
+    # it, as ``Prefixes.look_for`` does for an active lane).
     model_names: Mapping[str, str] = field(default_factory=dict)
     weighs_prefix: bool = False
     clusters: tuple[str, ...] = ()
@@ -113,7 +114,10 @@ class ShadowPolicy:
                 for model in settings.models
                 for name in (model.name, *model.aliases)
             },
-            any(lane.weights.prefix for lane in lanes),
+            any(
+                lane.weights.prefix or lane.weights.work or lane.prefix_hold_tokens is not None
+                for lane in lanes
+            ),
             tuple(c.name for c in settings.clusters),
             min(
                 [
@@ -145,6 +149,9 @@ class Seen(NamedTuple):
     # The class ``class_of`` gave the active decision, when the shadow's classes are the active
     # ones (the same function of the same inputs: taken, not computed again).
     priority: str | None = None
+    # The prefill each endpoint had pending at the decision (engine_pool/prefill_ledger.py), for
+    # a shadow lane that weighs work or holds for a home.
+    pending: Mapping[str, int] = {}
 
 
 class ShadowDecision(NamedTuple):
@@ -196,14 +203,21 @@ def decide(policy: ShadowPolicy, seen: Seen) -> ShadowDecision:
     need = seen.longest + 1
     if refusal([v for views in serving.values() for v in views], need) is not None:
         return ShadowDecision(name, reason, priority, None, None, "context_too_small")
-    prefix = seen.prefix if lane.weights.prefix else NOTHING
+    weighs = lane.weights.prefix or lane.weights.work or lane.prefix_hold_tokens is not None
+    prefix = seen.prefix if weighs else NOTHING
     weights = lane.weights.as_map()
     for cluster, views in serving.items():
         limit = policy.limits.get((name, cluster), lane.slots.per_endpoint)
         ask = Ask(
-            tokens=prefix.tokens, cached=prefix.cached, held=prefix.held, limit_of=_fixed(limit)
+            tokens=prefix.tokens,
+            cached=prefix.cached,
+            held=prefix.held,
+            limit_of=_fixed(limit),
+            pending=seen.pending,
         )
-        for ranked in rank(holding(views, need), ask, weights):
+        # With the lane's hold, an endpoint with room that would prefill more than the full
+        # home is dropped: the request would wait, as the active chain's does.
+        for ranked in rank(holding(views, need), ask, weights, lane.prefix_hold_tokens):
             if _room(ranked.view, limit):
                 return ShadowDecision(name, reason, priority, ranked.view.url, None, None)
     lender = _lender(policy, lane, seen, model) if reason == "in_range" else None

@@ -40,7 +40,7 @@ from engine_pool.registry import EnginePool
 from gateway.core.exchange import Scope, header
 from gateway.observe.log import Logger, swallowed
 from gateway.observe.metrics import Metrics
-from gateway.observe.record import Record, Routed
+from gateway.observe.record import Record
 from gateway.protocols.openai import RoutedRequest
 from gateway.request.classes import bearer_digest
 from gateway.request.prefix import NOTHING, Prefixes
@@ -61,6 +61,7 @@ class _Pending(NamedTuple):
     class_header: str | None
     prefix: PrefixSeen
     priority: str | None
+    pending: Mapping[str, int]
 
 
 class _LiveViews(Mapping[str, Sequence[EngineView]]):
@@ -85,6 +86,7 @@ class _LiveViews(Mapping[str, Sequence[EngineView]]):
 # Kept from ``observe`` to ``finished``: the policy, and either the decision already made or
 # what a decision waiting for the exact count needs.
 _Kept = tuple[ShadowPolicy, ShadowDecision | None, _Pending | None]
+_NONE_PENDING: Mapping[str, int] = {}
 
 
 class ShadowLive:
@@ -121,22 +123,47 @@ class ShadowLive:
         multipart: bool,
         scope: Scope,
         healthy: Mapping[str, bool],
+        model: str = "",
     ) -> None:
+        """``model``: the live request's model by its name (the tokenizer the prefix index's
+        exact hashes are made with, kv_events mode)."""
         policy = self.policy
         if policy is None or record.routed is None:
             return
         try:
             routed = record.routed
             count = routed.count
-            if multipart or count.exact is not None or count.tokens < policy.exact_above:
-                # The figure is final for this policy (exact, or a bound that can only mean
-                # its lowest lane and no loan's budget): decide now, from the live snapshot.
-                now = self._inputs(policy, request, routed, multipart, scope, healthy, self._live)
-                seen = Seen(count.tokens, count.longest, True, request.model, *now)
+            # The figure is final for this policy when exact, or a bound that can only mean its
+            # lowest lane and no loan's budget: decide now, from the live snapshot; else decide
+            # on the exact count, at the end, from the views as they were now.
+            final = multipart or count.exact is not None or count.tokens < policy.exact_above
+            prefix, pending = NOTHING, _NONE_PENDING
+            if not multipart and policy.weighs_prefix and self.prefixes is not None:
+                prefix = self.prefixes.look(request.prompt, model)
+                pending = dict(self.prefixes.ledger.pending)  # as it is now, not at the end
+            if policy.classes_as_active:
+                digest = asked = None
+            else:
+                auth = header(scope, b"authorization")
+                digest = bearer_digest(auth) if auth is not None else None
+                given = header(scope, policy.settings.classes.header.encode())
+                asked = given.decode("latin-1") if given is not None else None
+            kept = _Pending(
+                request.max_tokens,
+                multipart,
+                # The pipeline's own map, made for this request and never changed after.
+                healthy,
+                self._live if final else {c: self.pool.views(c) for c in policy.clusters},
+                digest,
+                asked,
+                prefix,
+                routed.priority if policy.classes_as_active else None,
+                pending,
+            )
+            if final:
+                seen = Seen(count.tokens, count.longest, True, request.model, *kept)
                 self._kept[id(record)] = (policy, decide(policy, seen), None)
-            else:  # a bound past this policy's threshold: decide on the exact count, at the end
-                views = {c: self.pool.views(c) for c in policy.clusters}
-                kept = self._inputs(policy, request, routed, multipart, scope, healthy, views)
+            else:
                 self._kept[id(record)] = (policy, None, kept)
         except Exception as exc:  # noqa: BLE001 - the shadow never fails a live request
             swallowed(
@@ -147,38 +174,6 @@ class ShadowLive:
                 decision="not_compared",
                 request_id=record.request_id,
             )
-
-    def _inputs(
-        self,
-        policy: ShadowPolicy,
-        request: RoutedRequest,
-        routed: Routed,
-        multipart: bool,
-        scope: Scope,
-        healthy: Mapping[str, bool],
-        views: Mapping[str, Sequence[EngineView]],
-    ) -> _Pending:
-        prefix = NOTHING
-        if not multipart and policy.weighs_prefix and self.prefixes is not None:
-            prefix = self.prefixes.look(request.prompt)
-        if policy.classes_as_active:
-            digest = asked = None
-        else:
-            auth = header(scope, b"authorization")
-            digest = bearer_digest(auth) if auth is not None else None
-            given = header(scope, policy.settings.classes.header.encode())
-            asked = given.decode("latin-1") if given is not None else None
-        return _Pending(
-            request.max_tokens,
-            multipart,
-            # The pipeline's own map, made for this request and never changed after.
-            healthy,
-            views,
-            digest,
-            asked,
-            prefix,
-            routed.priority if policy.classes_as_active else None,
-        )
 
     def finished(self, record: Record) -> None:
         if not self._kept:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine_pool.cluster import EngineState, EngineView
+from gateway.request.prefix import Seen as PrefixSeen
 from gateway.request.shadow import (
     Seen,
     ShadowPolicy,
@@ -145,3 +146,32 @@ def test_reports_of_several_workers_merge_into_one() -> None:
     ]
     trace = window_trace(merged["window"])
     assert [(r.t, r.prompt_tokens) for r in trace] == [(0.0, 20000), (0.5, 9000)]
+
+
+def test_a_shadow_lane_that_holds_for_its_home_would_wait_as_the_active_chain_does() -> None:
+    """A heavy lane holding for the endpoint with the document cached (``prefix_hold_tokens``):
+    with that home full and the other endpoint free but cold, the shadow picks no endpoint (the
+    request would wait in the queue); without the hold it takes the cold one."""
+    document = PrefixSeen(
+        hashes=(1, 2), tokens=200_000, cached={"http://h1": 199_936}, held={"http://h1": 2}
+    )
+    full_home = views({"http://h1": 4})  # the heavy lane's 4 slots an endpoint, all taken
+    asked = seen(200_000, views=full_home, prefix=document)
+    weighs = {"weights": {"load": 1, "prefix": 1}}
+    holding_lane = decide(policy(lane1={**weighs, "prefix_hold_tokens": 0}), asked)
+    assert (holding_lane.lane, holding_lane.endpoint, holding_lane.rejected) == (
+        "heavy",
+        None,
+        None,
+    )
+    assert holding_lane.verdict == "wait"
+    assert decide(policy(lane1=weighs), asked).endpoint == "http://h2"
+    # Work already pending on the home (another document being prefilled there) is counted:
+    # the cold endpoint is then no worse, and the hold does not wait.
+    busy_home = seen(200_000, views=full_home, prefix=document, pending={"http://h1": 300_000})
+    assert decide(policy(lane1={**weighs, "prefix_hold_tokens": 0}), busy_home).endpoint == (
+        "http://h2"
+    )
+    # The policy looks prefixes up for a lane that only holds, as the active pipeline does.
+    assert policy(lane1={"prefix_hold_tokens": 0}).weighs_prefix
+    assert not policy().weighs_prefix

@@ -253,3 +253,32 @@ async def test_the_predicted_effect_replays_the_live_window_under_both_policies(
     heavy_peak = effect["shadow"]["peak_slots"]["heavy"]
     assert heavy_peak["peak"] > effect["active"]["peak_slots"]["heavy"]["peak"]
     assert bad.status_code == 400
+
+
+async def test_a_shadow_weighing_prefixes_decides_with_the_engines_kv_events_too(
+    gateway_at: Any,
+) -> None:
+    """With ``prefix_index.source: kv_events`` the index hashes the prompt's token ids, made
+    with the request's model: the shadow looks the prefix up with that model too (it once
+    looked it up with none, and every observation failed as not compared). Its home-holding
+    lane is looked up as well."""
+    fast, heavy = FakeEngine(), FakeEngine()
+    async with serve_asgi(fast) as fast_url, serve_asgi(heavy) as heavy_url:
+        active = config(fast_url, heavy_url, ACTIVE_AT)
+        active["clusters"][0]["kv_events"] = {"port": 1, "replay_port": 2}  # nothing publishes
+        active["prefix_index"] = {"source": "kv_events"}
+        candidate = config(fast_url, heavy_url, SHADOW_AT)
+        candidate["clusters"][0]["kv_events"] = {"port": 1, "replay_port": 2}
+        candidate["prefix_index"] = {"source": "kv_events"}
+        candidate["lanes"][0]["weights"] = {"load": 1, "prefix": 1}
+        candidate["lanes"][1]["prefix_hold_tokens"] = 0
+        async with gateway_at(active) as (url, _), httpx.AsyncClient(timeout=30) as client:
+            await start_shadow(client, url, candidate)
+            await send_all(client, url)
+            report = (await client.get(url + "/admin/shadow")).json()
+            metrics = (await client.get(url + "/metrics")).text
+    assert report["compared"] == len(WORDS)
+    assert parse(metrics).value("shapegate_swallowed_errors_total", where="shadow.observe") in (
+        None,
+        0,
+    )
