@@ -135,7 +135,6 @@ class _Template:
     send: Connection
     recv: Connection
     control: socket.socket
-    lock: threading.Lock
 
 
 def _launch(
@@ -202,7 +201,7 @@ def _start_template(recipe: Callable[[], Encoder], warm_chars: int) -> _Template
         warm_ms=round(warm_ms, 1),
         load_s=round(time.monotonic() - started, 2),
     )
-    return _Template(process, send, recv, ours, threading.Lock())
+    return _Template(process, send, recv, ours)
 
 
 def _fork(template: _Template, warm_chars: int) -> _Child:
@@ -215,11 +214,11 @@ def _fork(template: _Template, warm_chars: int) -> _Child:
     _widen(to_child)
     _widen(from_child)
     try:
-        with template.lock:
-            sendfds(template.control, [child_reads, child_writes])
-            if not template.recv.poll(READY_TIMEOUT_S):
-                raise EncoderFailed(f"tokenizer template did not fork within {READY_TIMEOUT_S:g}s")
-            status, pid = template.recv.recv()
+        # One fork at a time: the caller holds ChildEncoder._spawning (or is its constructor).
+        sendfds(template.control, [child_reads, child_writes])
+        if not template.recv.poll(READY_TIMEOUT_S):
+            raise EncoderFailed(f"tokenizer template did not fork within {READY_TIMEOUT_S:g}s")
+        status, pid = template.recv.recv()
         if status != "forked":
             raise EncoderFailed(f"tokenizer template answered {status!r}")
     except (EOFError, OSError, EncoderFailed) as exc:

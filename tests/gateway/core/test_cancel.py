@@ -46,8 +46,8 @@ async def test_the_deadline_cancels_the_body_and_an_early_exit_disarms_it() -> N
     assert not early.cancelled_caught and not early.cancel_called
 
 
-async def test_a_cancellation_from_outside_passes_through() -> None:
-    scope = CancelScope()
+async def sleeping_in(scope: CancelScope) -> asyncio.Task[None]:
+    """A task asleep inside ``scope`` (started: its first await reached)."""
 
     async def body() -> None:
         with scope:
@@ -55,6 +55,12 @@ async def test_a_cancellation_from_outside_passes_through() -> None:
 
     task = asyncio.get_running_loop().create_task(body())
     await asyncio.sleep(0)
+    return task
+
+
+async def test_a_cancellation_from_outside_passes_through() -> None:
+    scope = CancelScope()
+    task = await sleeping_in(scope)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -63,13 +69,7 @@ async def test_a_cancellation_from_outside_passes_through() -> None:
 
 async def test_its_own_cancel_and_one_from_outside_together_propagate() -> None:
     scope = CancelScope()
-
-    async def body() -> None:
-        with scope:
-            await asyncio.sleep(10)
-
-    task = asyncio.get_running_loop().create_task(body())
-    await asyncio.sleep(0)
+    task = await sleeping_in(scope)
     scope.cancel()
     task.cancel()  # e.g. the server's shutdown: not the scope's to swallow
     with pytest.raises(asyncio.CancelledError):
