@@ -27,8 +27,8 @@ from gateway.observe.record import Record
 from gateway.protocols.openai import RoutedRequest
 from gateway.protocols.routes import EngineRoute
 from gateway.request.admission import Want
-from gateway.request.migration import Relay
 from gateway.request.policy import Policy
+from gateway.request.relay import Relay
 from gateway.settings import ClusterSettings, LaneSettings, ModelSettings
 
 

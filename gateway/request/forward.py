@@ -8,8 +8,9 @@ An endpoint marked down (or drained past its deadline) cancels the attempt: ``En
 before the answer began (the pipeline fails over), ``Interrupted`` after it for a stream relayed
 for migration (the pipeline migrates it, gateway/request/migration.py), else ``UpstreamError``.
 A non-streamed answer is relayed whole with its length; a stream, chunk by chunk (whole events
-through the ``Relay`` of a stream that may migrate). The engine's usage, the TTFT and the
-outcome go to the request's record; a Responses answer's id is remembered for its follow-ups.
+through the ``Relay`` of a stream that may migrate, gateway/request/relay.py). The engine's usage,
+the TTFT and the outcome go to the request's record; a Responses answer's id is remembered for
+its follow-ups.
 """
 
 from __future__ import annotations

@@ -83,13 +83,13 @@ from gateway.request.migration import (
     Continuation,
     Diverged,
     Interrupted,
-    Relay,
     by_text,
     cannot_migrate,
     continuation,
 )
 from gateway.request.policy import Policy
 from gateway.request.prefix import NOTHING, Prefixes, Seen
+from gateway.request.relay import Relay
 from gateway.request.response_affinity import MemoryAffinity, ResponseAffinity
 from gateway.request.shadow_live import ShadowLive
 from gateway.settings import LaneSettings, ModelSettings, Settings
