@@ -29,7 +29,7 @@ from gateway.count.tokens import TokenCounter
 from gateway.edge.peers import Peers
 from gateway.observe.log import Logger, get_logger
 from gateway.observe.metrics import Metrics
-from gateway.observe.record import Recorder
+from gateway.observe.recorder import Recorder
 from gateway.observe.tracing import Tracing
 from gateway.request.admission import Admission
 from gateway.request.auth import ClientAuth

@@ -350,7 +350,7 @@ class Metrics:
 
         # Not a Prometheus metric: the swallowed errors and watchdog events the ops dashboard
         # lists. It hangs here because everything that reports those events already holds this
-        # object. (The per-lane rolling window belongs to gateway/observe/record.py's Recorder.)
+        # object. (The per-lane rolling window belongs to gateway/observe/recorder.py's Recorder.)
         self.events = EventRing()
 
         self._children: dict[tuple[int, tuple[str, ...]], MetricWrapperBase] = {}

@@ -5,7 +5,7 @@ is each lane doing right now" without a Prometheus server next to the gateway.
 
 Contract:
 - ``RollingWindow.observe(lane, outcome, ttft_s, duration_s)`` takes one finished request
-  (gateway/observe/record.py's ``Recorder`` calls it once, as the request finishes): it counts the
+  (gateway/observe/recorder.py's ``Recorder`` calls it once, as the request finishes): it counts the
   request in its lane's current time bucket by outcome, and adds its TTFT and duration when
   given (the recorder gives them for requests that were admitted).
 - ``gauge(lane, slots_in_use, queue_depth)`` samples the lane's gauges into the current bucket

@@ -23,7 +23,7 @@ from gateway.core.decision import Grant
 from gateway.core.watchdog import DeadlineHit
 from gateway.count.usage import TAIL_MAX, EngineUsage, engine_usage, sse_events, trim_tail
 from gateway.errors import EngineUnreachable, GatewayError, UpstreamError
-from gateway.observe.record import Recorder
+from gateway.observe.recorder import Recorder
 from gateway.request.context import RequestContext, Target
 from gateway.request.failover import Failover
 from gateway.request.migration import Diverged, Interrupted, asking_ids

@@ -14,7 +14,7 @@ outcome:
     cancelled          cancelled from outside (the server stopped) before it could finish
 
 Every request gets one ``route.decision`` (or ``route.rejected``) and one ``route.finished``;
-step 9 (record) is gateway/observe/record.py's ``Recorder``, which this file calls at each step.
+step 9 (record) is gateway/observe/recorder.py's ``Recorder``, which this file calls at each step.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ from gateway.errors import (
 )
 from gateway.observe.log import Logger, swallowed
 from gateway.observe.metrics import Metrics
-from gateway.observe.record import Record, Recorder, Routed
+from gateway.observe.record import Record, Routed
+from gateway.observe.recorder import Recorder
 from gateway.protocols.multipart import parse_multipart
 from gateway.protocols.openai import Prompt, RoutedRequest
 from gateway.protocols.routes import EngineRoute

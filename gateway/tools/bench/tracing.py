@@ -1,6 +1,6 @@
 """``shapegate bench tracing``: the CPU a request's trace costs, against the same request untraced.
 
-What is timed: the recorder's whole per-request path (gateway/observe/record.py), as the pipeline
+What is timed: the recorder's whole per-request path (gateway/observe/recorder.py), as the pipeline
 calls it for a routed request (received, decided, admitted, the attempt's trace headers, three
 chunks, finished: two log lines to /dev/null, the metrics, the ring, the rolling window),
 ``--requests`` times, with process CPU time (``time.process_time``: every thread, so the batch
@@ -35,7 +35,8 @@ from gateway.core.count import TokenCount
 from gateway.core.decision import Grant
 from gateway.extras import optional
 from gateway.observe.metrics import Metrics
-from gateway.observe.record import Record, Recorder, Routed
+from gateway.observe.record import Record, Routed
+from gateway.observe.recorder import Recorder
 from gateway.observe.tracing import EXTRA, Tracing
 from gateway.settings import TracingSettings
 from gateway.tools.bench.harness import machine, machine_line, write_json
