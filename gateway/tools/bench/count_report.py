@@ -1,5 +1,5 @@
-"""The report of ``shapegate bench count`` (count.py): its targets and its table, from the
-result it writes to ``count.json``."""
+"""The report of ``shapegate bench count`` (count.py): its targets, its table and its README
+section, from the result it writes to ``count.json``."""
 
 from __future__ import annotations
 
@@ -121,4 +121,77 @@ def _by_backend_lines(result: dict[str, Any]) -> list[str]:
             f"plain install counter ({plain['tokenizer']}): loaded in {plain['load_s']} s, "
             f"+{plain['rss_mb_added']} MB RSS"
         )
+    return lines
+
+
+def readme_lines(
+    r: dict[str, Any], machine_text: str, smoke: list[str], verdicts: list[str]
+) -> list[str]:
+    """The README's section (``shapegate bench readme``)."""
+    lines = [
+        "### Token counting (`shapegate bench count`)",
+        "",
+        f"Machine: {machine_text}; one core. Tokenizer {r['tokenizer']}; the baseline is "
+        "Hugging Face `tokenizers` on the same rendered prompts in the same run (counts must "
+        "agree).",
+        *smoke,
+        "",
+        "| size | tokens | decide p50 ms (how) | exact p50 ms | cached p50 ms | HF p50 ms "
+        "| x faster than HF |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for q in r["requests"]:
+        hf = q.get("hf", {}).get("p50_ms")
+        lines.append(
+            f"| {q['size']} | {q['tokens']} | {q['decide']['p50_ms']:.3f} "
+            f"({', '.join(q['decide_methods'])}) | {q['exact']['p50_ms']:.3f} "
+            f"| {q['cache']['p50_ms']:.3f} | {'-' if hf is None else f'{hf:.1f}'} "
+            f"| {q.get('speedup_decide_vs_hf', '-')} |"
+        )
+    lines += _by_backend_readme(r)
+    rss = r["rss_mb"]
+    lines += [
+        "",
+        f"RSS with the tokenizers loaded: {rss['after_load']} MB.",
+        "",
+        *verdicts,
+        "",
+    ]
+    return lines
+
+
+def _by_backend_readme(r: dict[str, Any]) -> list[str]:
+    """What a plain install (tiktoken, no ``[gigatoken]`` extra) gives up, from the same run."""
+    plain = r.get("plain_install")
+    if plain is None or "exact_by_backend" not in r["requests"][0]:
+        return []  # count.json predates the plain install's figures
+    if plain["backend"] is None:
+        return ["", f"The plain install's tiktoken path: absent ({plain['absent']})."]
+
+    def cell(figures: dict[str, Any] | None) -> str:
+        return "absent" if figures is None else f"{figures['p50_ms']:.3f} (x{figures['x_hf']})"
+
+    lines = [
+        "",
+        "Exact count of the same prompts by backend, p50 ms (x: HF p50 over it, same run). "
+        "`gigatoken` needs the `[gigatoken]` extra; a plain `pip install shapegate` counts with "
+        "`tiktoken` on ranks rewritten from the tokenizer.json (counts equal HF's).",
+        "",
+        "| size | tokens | gigatoken | tiktoken (plain install) | HF |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for q in r["requests"]:
+        by = q["exact_by_backend"]
+        lines.append(
+            f"| {q['size']} | {q['tokens']} | {cell(by['gigatoken'])} | {cell(by['tiktoken'])} "
+            f"| {q['hf']['p50_ms']:.1f} |"
+        )
+    for cores, stall in plain["loop_stall"].items():
+        lines += [
+            "",
+            f"Plain install, {cores.replace('_', ' ')}, a {stall['prompt_chars']}-character count "
+            f"through `count()`: {stall['worker_thread']['count_ms']} ms, a 1 ms ticker late by "
+            f"at most {stall['worker_thread']['max_tick_late_ms']} ms (inline: "
+            f"{stall['inline']['max_tick_late_ms']} ms).",
+        ]
     return lines

@@ -6,7 +6,8 @@ everything between the lines ``<!-- bench:start -->`` and ``<!-- bench:end -->``
 README (default ``README.md``) with tables built from them: the machine each ran on (CPU,
 cores, load average at start), the figures, each target met or missed, and links to the PNG
 plots (relative to the README). The figures are never typed by hand; ``--check`` exits 1
-when the section is out of date.
+when the section is out of date. A suite with a report module of its own writes its section
+there (count_report.py, monsters_report.py); the other suites' tables are here.
 """
 
 from __future__ import annotations
@@ -172,73 +173,9 @@ def _overhead(r: dict[str, Any], plots: Path) -> list[str]:
 
 
 def _count(r: dict[str, Any], plots: Path) -> list[str]:
-    lines = [
-        "### Token counting (`shapegate bench count`)",
-        "",
-        f"Machine: {_machine(r)}; one core. Tokenizer {r['tokenizer']}; the baseline is "
-        "Hugging Face `tokenizers` on the same rendered prompts in the same run (counts must "
-        "agree).",
-        *_smoke(r),
-        "",
-        "| size | tokens | decide p50 ms (how) | exact p50 ms | cached p50 ms | HF p50 ms "
-        "| x faster than HF |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for q in r["requests"]:
-        hf = q.get("hf", {}).get("p50_ms")
-        lines.append(
-            f"| {q['size']} | {q['tokens']} | {q['decide']['p50_ms']:.3f} "
-            f"({', '.join(q['decide_methods'])}) | {q['exact']['p50_ms']:.3f} "
-            f"| {q['cache']['p50_ms']:.3f} | {'-' if hf is None else f'{hf:.1f}'} "
-            f"| {q.get('speedup_decide_vs_hf', '-')} |"
-        )
-    lines += _count_by_backend(r)
-    rss = r["rss_mb"]
-    lines += [
-        "",
-        f"RSS with the tokenizers loaded: {rss['after_load']} MB.",
-        "",
-        *_targets(r),
-        "",
-    ]
-    return lines
+    from gateway.tools.bench.count_report import readme_lines
 
-
-def _count_by_backend(r: dict[str, Any]) -> list[str]:
-    """What a plain install (tiktoken, no ``[gigatoken]`` extra) gives up, from the same run."""
-    plain = r.get("plain_install")
-    if plain is None or "exact_by_backend" not in r["requests"][0]:
-        return []  # count.json predates the plain install's figures
-    if plain["backend"] is None:
-        return ["", f"The plain install's tiktoken path: absent ({plain['absent']})."]
-
-    def cell(figures: dict[str, Any] | None) -> str:
-        return "absent" if figures is None else f"{figures['p50_ms']:.3f} (x{figures['x_hf']})"
-
-    lines = [
-        "",
-        "Exact count of the same prompts by backend, p50 ms (x: HF p50 over it, same run). "
-        "`gigatoken` needs the `[gigatoken]` extra; a plain `pip install shapegate` counts with "
-        "`tiktoken` on ranks rewritten from the tokenizer.json (counts equal HF's).",
-        "",
-        "| size | tokens | gigatoken | tiktoken (plain install) | HF |",
-        "| --- | ---: | ---: | ---: | ---: |",
-    ]
-    for q in r["requests"]:
-        by = q["exact_by_backend"]
-        lines.append(
-            f"| {q['size']} | {q['tokens']} | {cell(by['gigatoken'])} | {cell(by['tiktoken'])} "
-            f"| {q['hf']['p50_ms']:.1f} |"
-        )
-    for cores, stall in plain["loop_stall"].items():
-        lines += [
-            "",
-            f"Plain install, {cores.replace('_', ' ')}, a {stall['prompt_chars']}-character count "
-            f"through `count()`: {stall['worker_thread']['count_ms']} ms, a 1 ms ticker late by "
-            f"at most {stall['worker_thread']['max_tick_late_ms']} ms (inline: "
-            f"{stall['inline']['max_tick_late_ms']} ms).",
-        ]
-    return lines
+    return readme_lines(r, _machine(r), _smoke(r), _targets(r))
 
 
 def _borrow(r: dict[str, Any], plots: Path) -> list[str]:
