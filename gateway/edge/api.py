@@ -48,13 +48,13 @@ from gateway.core.exchange import Receive, Scope, Send, header, read_body, requi
 from gateway.core.slots import endpoint_key, lane_key
 from gateway.edge.admin.merge import merge_admin_state, merge_metrics
 from gateway.edge.admin.routes import add_dashboard_routes
+from gateway.edge.admin.state import borrowing_state
 from gateway.edge.peers import worker_only
 from gateway.edge.reload import reload_policy
 from gateway.edge.services import Gateway
 from gateway.edge.shadow_routes import add_shadow_routes
 from gateway.errors import GatewayError, Unauthorized, anthropic_error_body, error_body
 from gateway.protocols.routes import ENGINE_ROUTES, EngineRoute
-from gateway.request.admission import borrowing_state
 from gateway.settings import ConfigError
 from gateway.upstream.readiness import endpoint_health, lane_states
 

@@ -61,7 +61,15 @@ from gateway.core.slots import Limit, borrow_key, endpoint_key, lane_key, reserv
 from gateway.errors import Overloaded, QueueTimeout
 from gateway.observe.log import Logger, swallowed
 from gateway.observe.metrics import Metrics
-from gateway.request.borrowing import EndpointUse, Loan, borrow_room, owner_may_enter, to_reserve
+from gateway.request.borrowing import (
+    EndpointUse,
+    Loan,
+    Offer,
+    borrow_room,
+    merge_loans,
+    owner_may_enter,
+    to_reserve,
+)
 from gateway.request.classes import DrainMeter, class_lane_limit, next_waiter, retry_after_s
 from gateway.settings import ClassSettings, LaneSettings
 from gateway.slots.store import SlotStore
@@ -71,8 +79,6 @@ LOCAL_POLL_S = 0.25
 
 
 LimitOf = Callable[[EngineView], int]
-# An endpoint the store may take: its view, its slot limit, and the lender when it is lent.
-Offer = tuple[EngineView, Limit, str | None]
 NO_CLASSES = ClassSettings()
 
 
@@ -491,48 +497,3 @@ class Admission:
     def oldest_wait_s(self, lane: str) -> float:
         queue = self._queues.get(lane)
         return time.monotonic() - queue[0].since if queue else 0.0
-
-
-def merge_loans(own: Sequence[Offer], lent: Sequence[Offer]) -> list[Offer]:
-    """The own endpoints in the chain's order, exactly as given (engine_pool/chain.py ranked
-    them: load and prefix overlap; never re-sorted here), with each lent endpoint placed
-    before the first own endpoint that has more requests in flight (an idle lender's engine is
-    tried before a busy own one; own first on a tie)."""
-    out: list[Offer] = []
-    waiting = sorted(lent, key=lambda offer: offer[0].in_flight)
-    for offer in own:
-        while waiting and waiting[0][0].in_flight < offer[0].in_flight:
-            out.append(waiting.pop(0))
-        out.append(offer)
-    return out + waiting
-
-
-def borrowing_state(admission: Admission, lane: LaneSettings) -> dict[str, object]:
-    """A lane's borrowing as admin state and the dashboard show it: whom it lends to and on
-    what terms, what it borrows now (by lender), what others borrow from it, and its endpoints
-    reserved for its own waiting requests."""
-    rule = lane.lend
-    return {
-        "lends": None
-        if rule is None
-        else {
-            "to": list(rule.to),
-            "max_prompt_tokens": rule.max_prompt_tokens,
-            "max_tokens": rule.max_tokens,
-            "per_endpoint": rule.per_endpoint,
-            "max_drain_s": rule.max_drain_s,
-        },
-        "borrowing": {
-            lender: n for (name, lender), n in admission.borrowing.items() if name == lane.name
-        },
-        "lent": {
-            borrower: n
-            for (borrower, lender), n in admission.borrowing.items()
-            if lender == lane.name
-        },
-        "reserved_endpoints": {
-            key: waited
-            for key, waited in admission.reserved().items()
-            if any(key.startswith(f"ep:{c}:") for c in lane.clusters)
-        },
-    }

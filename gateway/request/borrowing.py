@@ -17,6 +17,8 @@ lanes named there. The rules, each one function below:
   engine queues it behind them, and the wait is bounded whatever a borrower does).
 - ``to_reserve(uses)``: the lender's queue head that could enter nowhere because borrowers hold
   the endpoints reserves the one with the fewest borrowers; no new borrower enters it.
+- ``merge_loans(own, lent)``: where the lent endpoints go among a request's own, which stay in
+  the endpoint chain's order: each before the first own endpoint with more requests in flight.
 
 Borrowing is decided when a slot is granted, never earlier: a borrower waits in its own lane's
 queue, so one that is still queued when the lender reserves the endpoint simply is no longer
@@ -29,9 +31,13 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from engine_pool.cluster import EngineView
+from gateway.core.slots import Limit
 from gateway.settings import LaneSettings, LendSettings
 
 K = TypeVar("K", bound=Hashable)
+# An endpoint the store may take: its view, its slot limit, and the lender when it is lent.
+Offer = tuple[EngineView, Limit, str | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +102,20 @@ def to_reserve(uses: Mapping[K, EndpointUse], owner_limit: int) -> K | None:
         if use.borrowers > 0 and use.owners < owner_limit
     ]
     return min(blocked)[2] if blocked else None
+
+
+def merge_loans(own: Sequence[Offer], lent: Sequence[Offer]) -> list[Offer]:
+    """The own endpoints in the chain's order, exactly as given (engine_pool/chain.py ranked
+    them: load and prefix overlap; never re-sorted here), with each lent endpoint placed
+    before the first own endpoint that has more requests in flight (an idle lender's engine is
+    tried before a busy own one; own first on a tie)."""
+    out: list[Offer] = []
+    waiting = sorted(lent, key=lambda offer: offer[0].in_flight)
+    for offer in own:
+        while waiting and waiting[0][0].in_flight < offer[0].in_flight:
+            out.append(waiting.pop(0))
+        out.append(offer)
+    return out + waiting
 
 
 def explain(lane: LaneSettings) -> list[str]:

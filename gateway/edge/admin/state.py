@@ -7,6 +7,8 @@ Contract:
   health state, evidence, load and in-flight; the newest decisions; swallowed errors and
   watchdog events (the ring's details and the Prometheus counters' totals, which also count
   what never reached the ring). It samples the lanes' gauges into the rolling window.
+- ``borrowing_state(admission, lane)`` is a lane's borrowing (whom it lends to, what it borrows
+  and lends now, its reserved endpoints), in this state and in ``/admin/state``.
 - A shared slot store that cannot answer does not break the page: slot counts become ``null``
   and the failure is reported once per outage through ``swallowed``.
 - ``StateCache.get()`` rebuilds at most once per ``min_interval_s`` and hands every caller in
@@ -29,11 +31,12 @@ from prometheus_client import Metric
 from gateway.core.slots import endpoint_key, lane_key
 from gateway.errors import GatewayError
 from gateway.observe.log import swallowed
-from gateway.request.admission import borrowing_state
 
 if TYPE_CHECKING:
     from gateway.edge.services import Gateway
     from gateway.observe.record import Record
+    from gateway.request.admission import Admission
+    from gateway.settings import LaneSettings
 
 MAX_DECISIONS = 500
 MAX_TEXT = 120
@@ -120,6 +123,37 @@ async def _slots(gateway: Gateway, watch: StoreWatch) -> dict[str, int] | None:
 
 def _sample(gateway: Gateway, name: str, **labels: str) -> float | None:
     return gateway.metrics.registry.get_sample_value(name, labels)
+
+
+def borrowing_state(admission: Admission, lane: LaneSettings) -> dict[str, object]:
+    """A lane's borrowing as admin state and the dashboard show it: whom it lends to and on
+    what terms, what it borrows now (by lender), what others borrow from it, and its endpoints
+    reserved for its own waiting requests."""
+    rule = lane.lend
+    return {
+        "lends": None
+        if rule is None
+        else {
+            "to": list(rule.to),
+            "max_prompt_tokens": rule.max_prompt_tokens,
+            "max_tokens": rule.max_tokens,
+            "per_endpoint": rule.per_endpoint,
+            "max_drain_s": rule.max_drain_s,
+        },
+        "borrowing": {
+            lender: n for (name, lender), n in admission.borrowing.items() if name == lane.name
+        },
+        "lent": {
+            borrower: n
+            for (borrower, lender), n in admission.borrowing.items()
+            if lender == lane.name
+        },
+        "reserved_endpoints": {
+            key: waited
+            for key, waited in admission.reserved().items()
+            if any(key.startswith(f"ep:{c}:") for c in lane.clusters)
+        },
+    }
 
 
 async def build_state(gateway: Gateway, watch: StoreWatch | None = None) -> dict[str, Any]:

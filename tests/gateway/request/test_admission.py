@@ -9,7 +9,7 @@ from gateway.core.slots import Limit
 from gateway.errors import Overloaded, QueueTimeout
 from gateway.observe.log import get_logger
 from gateway.observe.metrics import Metrics
-from gateway.request.admission import Admission, Offer, merge_loans
+from gateway.request.admission import Admission
 from gateway.settings import LaneSettings
 from gateway.slots.store import MemorySlotStore
 from tests.support.waiting import wait_for
@@ -163,15 +163,3 @@ async def test_down_endpoints_are_not_candidates_and_per_endpoint_limits_hold() 
         with pytest.raises(QueueTimeout):
             async with adm.slot(spec, lambda: VIEWS, "c"):
                 pass
-
-
-def test_the_chains_order_is_kept_and_lent_endpoints_go_before_busier_own_ones() -> None:
-    def offer(url: str, in_flight: int, lender: str | None = None) -> Offer:
-        return (EngineView("c", url, EngineState.UP, in_flight), Limit(url, 8), lender)
-
-    # The chain put a (busier, holding the prefix) before b: admission keeps that order.
-    own = [offer("a", 5), offer("b", 1)]
-    assert [o[0].url for o in merge_loans(own, [])] == ["a", "b"]
-    lent = [offer("x", 3, "heavy"), offer("y", 0, "heavy")]
-    assert [o[0].url for o in merge_loans(own, lent)] == ["y", "x", "a", "b"]
-    assert [o[0].url for o in merge_loans([offer("a", 0)], [offer("y", 0, "h")])] == ["a", "y"]

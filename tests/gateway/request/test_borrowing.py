@@ -9,12 +9,16 @@ from typing import Any
 import pytest
 import yaml
 
+from engine_pool.cluster import EngineState, EngineView
+from gateway.core.slots import Limit
 from gateway.observe.trace import TraceRecord
 from gateway.request.borrowing import (
     EndpointUse,
+    Offer,
     borrow_room,
     explain,
     loans_for,
+    merge_loans,
     owner_may_enter,
     short_enough,
     to_reserve,
@@ -73,6 +77,18 @@ def test_a_blocked_owner_reserves_the_endpoint_with_fewest_borrowers() -> None:
     assert to_reserve(uses, owner_limit=4) == "b"
     # Full of owners, nothing to drain: reserving would stop lending for nothing.
     assert to_reserve({"c": uses["c"]}, owner_limit=4) is None
+
+
+def test_the_chains_order_is_kept_and_lent_endpoints_go_before_busier_own_ones() -> None:
+    def offer(url: str, in_flight: int, lender: str | None = None) -> Offer:
+        return (EngineView("c", url, EngineState.UP, in_flight), Limit(url, 8), lender)
+
+    # The chain put a (busier, holding the prefix) before b: admission keeps that order.
+    own = [offer("a", 5), offer("b", 1)]
+    assert [o[0].url for o in merge_loans(own, [])] == ["a", "b"]
+    lent = [offer("x", 3, "heavy"), offer("y", 0, "heavy")]
+    assert [o[0].url for o in merge_loans(own, lent)] == ["y", "x", "a", "b"]
+    assert [o[0].url for o in merge_loans([offer("a", 0)], [offer("y", 0, "h")])] == ["a", "y"]
 
 
 @pytest.mark.parametrize(
