@@ -1,5 +1,6 @@
 """gateway/lifetime.py: a retired resource closes once, after its last user left (InUse); the
-heap start-up freed goes back to the system (trim_heap)."""
+heap start-up freed goes back to the system (trim_heap); a process can refuse transparent huge
+pages (no_huge_pages)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.lifetime import InUse, in_thread, trim_heap
+from gateway.lifetime import InUse, in_thread, no_huge_pages, trim_heap
 
 
 def test_retire_closes_at_once_when_unused_and_only_once() -> None:
@@ -63,3 +64,24 @@ def test_trim_heap_gives_freed_memory_back_to_the_system() -> None:
     assert trim_heap()
     assert freed - rss_mb() > 100, "the freed blocks are still resident"
     assert len(last) == 50_000
+
+
+@pytest.mark.skipif(
+    "THP_enabled" not in (Path("/proc/self/status").read_text() if Path("/proc").exists() else ""),
+    reason="Linux with transparent huge pages only",
+)
+def test_no_huge_pages_holds_for_the_process_and_its_forks() -> None:
+    """Set in a fork (as a counting child does), so this test process keeps its own setting."""
+    ours = Path("/proc/self/status").read_text().split("THP_enabled:")[1].split()[0]
+    pid = os.fork()
+    if pid == 0:
+        ok = no_huge_pages()
+        status = Path("/proc/self/status").read_text()
+        grandchild = os.fork()
+        if grandchild == 0:
+            os._exit(0 if "THP_enabled:\t0" in Path("/proc/self/status").read_text() else 2)
+        _, inherited = os.waitpid(grandchild, 0)
+        os._exit(0 if ok and "THP_enabled:\t0" in status and inherited == 0 else 1)
+    _, code = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(code) == 0
+    assert f"THP_enabled:\t{ours}" in Path("/proc/self/status").read_text()

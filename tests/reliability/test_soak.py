@@ -34,7 +34,7 @@ async def test_a_short_soak_leaks_nothing(counter: TokenCounter, tmp_path: Path)
     assert result["invariant_violations"] == []
     assert result["invariant_checks"] >= 150  # every 100 ms, give or take a slow answer
     assert result["gateway_exit_code"] == 0
-    assert result["memory"]["growth_mb"] < soak.FLAT_MB
+    assert result["memory_pss"]["growth_mb"] < soak.FLAT_MB
     assert result["passed"]
 
     # It was a soak worth the name: traffic in both lanes, resets, faults of several kinds.

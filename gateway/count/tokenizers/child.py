@@ -12,7 +12,11 @@ memory, which worker.py's bound watches.
 
 Safe to fork: the template is single-threaded but for numpy's BLAS pool (which registers its own
 fork handlers); gigatoken's parallel pool, which a fork would leave without threads, is never
-touched (every count passes ``parallel=False``, encoders.py).
+touched (every count passes ``parallel=False``, encoders.py). A counting child refuses
+transparent huge pages for what it allocates from then on (``lifetime.no_huge_pages``; the
+template's stay shared as they are): gigatoken's pre-token cache doubles its table as new words
+arrive, and faulting each new table in 2 MiB pages made those counts 3-5x slower (measured
+there).
 
 The recipes (``gigatoken_from_json``, ``gigatoken_from_tiktoken``) are built in the gateway and
 called here: picklable, and the 13 MB of a tokenizer.json never parsed in the gateway.
@@ -36,7 +40,7 @@ from multiprocessing.reduction import recvfds
 from typing import Any
 
 from gateway.count.tokenizers.encoders import Encoder, GigatokenEncoder
-from gateway.lifetime import hold_heap, trim_heap
+from gateway.lifetime import hold_heap, no_huge_pages, trim_heap
 
 # Freed heap a child keeps mapped for the next monster (lifetime.hold_heap); its RSS, which
 # the bound watches, includes it.
@@ -129,6 +133,7 @@ def _serve_template(inbox: Connection, outbox: Connection, control: socket.socke
         pid = os.fork()
         if pid == 0:  # the counting child: only its own two pipe ends
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            no_huge_pages()  # the cache table's doublings: lifetime.no_huge_pages
             control.close()
             inbox.close()
             outbox.close()

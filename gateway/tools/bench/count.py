@@ -18,7 +18,9 @@ cache flatters the exact path):
 - ``loop stall``: the longest delay of a 1 ms asyncio ticker while a 300k-token count runs
   through ``count()`` (worker thread, GIL released) and inline on the loop; for the plain
   install's tiktoken too (``plain_install.loop_stall``, one core).
-- RSS after the demo tokenizers load (before the HF baseline loads), and the calibration report:
+- memory after the demo tokenizers load (before the HF baseline loads): PSS of this process and
+  its tokenizer template and counting child (``tree_pss_mb``: the pages the template shares
+  with its child counted once, which RSS summed would count twice), and the calibration report:
   characters and bytes per token for prose, code and JSON on every shipped vocabulary.
 Targets (from issue 3) are checked and printed; ``--smoke`` scales sizes and thresholds by 0.1 and
 runs a few iterations, for the test suite: its figures say nothing about the targets.
@@ -56,7 +58,7 @@ from gateway.tools.bench.count_baselines import (
     stats,
 )
 from gateway.tools.bench.count_report import table, targets
-from gateway.tools.bench.harness import package_version, tree_rss_mb
+from gateway.tools.bench.harness import package_version, tree_pss_mb
 
 SIZES = (("3k", 3_000, 300), ("32k", 32_000, 40), ("300k", 300_000, 15))
 # Requests decided before the timed ones: a running gateway's tokenizer is warm (gigatoken keeps
@@ -121,8 +123,8 @@ def _settings(path: str | None) -> Settings:
     return load_settings(resolve_policy("configs/demo.yaml"))
 
 
-def _rss_mb() -> float:
-    return tree_rss_mb()  # this process and the tokenizer child
+def _pss_mb() -> float:
+    return tree_pss_mb()  # this process, the tokenizer template and its counting child
 
 
 def _body(model: str, text: str) -> bytes:
@@ -160,11 +162,11 @@ def _measure(settings: Settings, *, smoke: bool, all_cpus: set[int] | None) -> d
             name=templated, tokenizer=spec.model_copy(update={"chat_template": "hf"})
         )
         settings = settings.model_copy(update={"models": (*settings.models, own)})
-    rss_start = _rss_mb()
+    pss_start = _pss_mb()
     loaded = time.perf_counter()
     counter = TokenCounter.from_settings(settings)
     load_s = time.perf_counter() - loaded
-    rss_loaded = _rss_mb()
+    pss_loaded = _pss_mb()
     corpus = Corpus.load(code_chars=3_000_000 if smoke else 12_000_000)
     seed = iter(range(1, 1_000_000))
     chars_per_token = _chars_per_token(counter, model, corpus)
@@ -191,7 +193,7 @@ def _measure(settings: Settings, *, smoke: bool, all_cpus: set[int] | None) -> d
         )
         _set_affinity(pinned)
     gc.collect()
-    # The benchmark's own texts are not the gateway's: take them off the process's RSS.
+    # The benchmark's own texts are not the gateway's: take them off the process's memory.
     bench_texts = (
         sys.getsizeof(corpus.prose)
         + sys.getsizeof(corpus.code)
@@ -202,7 +204,7 @@ def _measure(settings: Settings, *, smoke: bool, all_cpus: set[int] | None) -> d
             for m in p.messages
         )
     )
-    rss_counted = _rss_mb() - bench_texts / 2**20
+    pss_counted = _pss_mb() - bench_texts / 2**20
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     plain = plain_install(
         settings,
@@ -226,12 +228,12 @@ def _measure(settings: Settings, *, smoke: bool, all_cpus: set[int] | None) -> d
         },
         "python": platform.python_version(),
         "load_s": round(load_s, 3),
-        "rss_mb": {
-            "before_load": round(rss_start, 1),
-            "after_load": round(rss_loaded, 1),
-            "after_counting_less_bench_texts": round(rss_counted, 1),
-            "peak_before_hf": round(peak, 1),
+        "pss_mb": {
+            "before_load": round(pss_start, 1),
+            "after_load": round(pss_loaded, 1),
+            "after_counting_less_bench_texts": round(pss_counted, 1),
         },
+        "peak_rss_mb_before_hf": round(peak, 1),  # this process alone (getrusage)
         "requests": [{k: v for k, v in r.items() if not k.startswith("_")} for r in requests],
         "loop_stall": stall,
         "plain_install": plain,

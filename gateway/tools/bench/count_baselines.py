@@ -19,7 +19,7 @@ from gateway.count.tokenizers.vocab import Vocabulary
 from gateway.count.tokens import TokenCounter
 from gateway.settings import ConfigError, Settings, TokenizerSettings
 from gateway.tools.bench.corpus import KINDS, Corpus
-from gateway.tools.bench.harness import tree_rss_mb
+from gateway.tools.bench.harness import tree_pss_mb
 
 HF_RUNS = {"3k": 20, "32k": 5, "300k": 2}
 
@@ -55,14 +55,14 @@ def plain_install(
     forced = first.model_copy(
         update={"tokenizer": first.tokenizer.model_copy(update={"backend": "tiktoken"})}
     )
-    rss_before = tree_rss_mb()
+    pss_before = tree_pss_mb()
     started = time.perf_counter()
     try:
         counter = TokenCounter.from_settings(settings.model_copy(update={"models": (forced,)}))
     except ConfigError as exc:
         return {"backend": None, "absent": str(exc)}
     load_s = time.perf_counter() - started
-    rss_added = tree_rss_mb() - rss_before
+    pss_added = tree_pss_mb() - pss_before
     try:
         for request in requests:
             times, counts = [], []
@@ -84,7 +84,7 @@ def plain_install(
         "backend": backend_of(tokenizer),
         "tokenizer": tokenizer,
         "load_s": round(load_s, 3),
-        "rss_mb_added": round(rss_added, 1),
+        "pss_mb_added": round(pss_added, 1),
         "loop_stall": stall,
     }
 

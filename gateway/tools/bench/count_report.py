@@ -10,7 +10,7 @@ from gateway.tools.bench.harness import machine_line, with_targets
 
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     by = {r["size"]: r for r in result["requests"]}
-    rss = result["rss_mb"]
+    pss = result["pss_mb"]
     rows = [
         (
             "3k decided by the bound (no tokenizer), p50 ms",
@@ -21,8 +21,8 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         ("32k decided exactly, p50 ms", by["32k"]["decide"]["p50_ms"], 3.0, True),
         ("300k decided exactly, p50 ms", by["300k"]["decide"]["p50_ms"], 15.0, True),
         (
-            "RSS with the demo tokenizers loaded, MB",
-            rss["after_load"],
+            "PSS with the demo tokenizers loaded, MB",
+            pss["after_load"],
             300.0,
             True,
         ),
@@ -49,8 +49,8 @@ def table(result: dict[str, Any]) -> str:
         f"{' (SMOKE: sizes x0.1, figures not meaningful)' if result['smoke'] else ''}",
         machine_line(result["machine"]),
         f"exact_above={result['exact_above']}  load={result['load_s']}s  "
-        f"rss after load={result['rss_mb']['after_load']} MB, after counting "
-        f"{result['rss_mb']['after_counting_less_bench_texts']} MB"
+        f"pss after load={result['pss_mb']['after_load']} MB, after counting "
+        f"{result['pss_mb']['after_counting_less_bench_texts']} MB"
         + (
             " (gigatoken's pre-token cache grows with every new word it sees, in a child "
             "replaced past its bound)"
@@ -119,7 +119,7 @@ def _by_backend_lines(result: dict[str, Any]) -> list[str]:
     if plain["backend"] is not None:
         lines.append(
             f"plain install counter ({plain['tokenizer']}): loaded in {plain['load_s']} s, "
-            f"+{plain['rss_mb_added']} MB RSS"
+            f"+{plain['pss_mb_added']} MB PSS"
         )
     return lines
 
@@ -149,10 +149,10 @@ def readme_lines(
             f"| {q.get('speedup_decide_vs_hf', '-')} |"
         )
     lines += _by_backend_readme(r)
-    rss = r["rss_mb"]
     lines += [
         "",
-        f"RSS with the tokenizers loaded: {rss['after_load']} MB.",
+        f"PSS with the tokenizers loaded (the process, the tokenizer template and its counting "
+        f"child; a page they share counted once): {r['pss_mb']['after_load']} MB.",
         "",
         *verdicts,
         "",

@@ -2,9 +2,10 @@
 
 - ``machine()``: CPU model, cores, load average now, Python; every suite's JSON carries it.
 - ``Child``: a process started with ``sys.executable``, optionally pinned to CPUs, stdout to a
-  file; ``cpu_s()`` and ``rss_mb()`` read ``/proc/PID/stat`` and ``/proc/PID/statm`` (the
-  whole process, every thread; RSS with its descendants: the tokenizer processes);
-  ``tree_pss_mb`` counts the pages they share once; ``stop()`` sends
+  file; ``cpu_s()`` reads ``/proc/PID/stat`` (the whole process, every thread) and
+  ``pss_mb()`` the proportional set sizes of the process and its descendants (the tokenizer
+  template and counting children: ``tree_pss_mb``, a page they share counted once;
+  ``tree_rss_mb`` counts it in each, ~155 MB too many with the template); ``stop()`` sends
   SIGINT, then kills after a grace period.
 - ``start_upstream(folder, cpus, chunks)``: the fixed fast upstream (``upstream.py``).
 - ``start_smg(upstream_port, folder, cpus)``: SGLang's Rust model gateway (PyPI ``smg``, the
@@ -173,11 +174,11 @@ class Child:
             fields = stat.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    def rss_mb(self) -> float:
-        """Resident memory of the process and its descendants (the gateway's tokenizer template
-        and counting children included; a page the template shares with a child copy-on-write
-        counts in each: ``tree_pss_mb`` counts it once)."""
-        return tree_rss_mb(self.pid)
+    def pss_mb(self) -> float:
+        """Memory of the process and its descendants (the gateway's tokenizer template and
+        counting children included), a page the template shares with a child copy-on-write
+        counted once (``tree_pss_mb``)."""
+        return tree_pss_mb(self.pid)
 
     def alive(self) -> bool:
         return self.process.poll() is None

@@ -1,23 +1,26 @@
-"""``shapegate bench memory``: the gateway's resident memory, idle, under traffic and attacked.
+"""``shapegate bench memory``: the gateway's memory, idle, under traffic and attacked.
 
 Set-up as ``overhead`` (``harness``): a real gateway in front of the fixed fast upstream, the
-open-loop generator in this process. Resident memory (of the gateway process, every thread,
-plus its children: the tokenizer child) is read:
+open-loop generator in this process. Memory is the proportional set size (PSS) of the gateway
+process (every thread) plus its children's (the tokenizer template and its counting child): a
+page the template shares with its child copy-on-write is counted once (resident memory summed
+over them would count it in each: ~155 MB more than used). It is read:
 
-1. ``imports``: a Python process that only imported the gateway (``gateway.edge.app``): the floor.
+1. ``imports``: a Python process that only imported the gateway (``gateway.edge.app``): the floor
+   (its PSS, which alone is its resident memory but for the shared libraries' pages).
 2. ``idle``: the gateway ready (tokenizers loaded at start-up, boot probe passed), no traffic.
 3. ``traffic``: after every block of 10,000 requests (``--requests``, 100,000 by default; JSON
    and SSE blocks alternate) at ``--rate`` requests/s. The decision ring, metric children and
-   caches are bounded, so RSS must level off: ``growth`` is the last sample minus the one after
+   caches are bounded, so memory must level off: ``growth`` is the last sample minus the one after
    the first fifth of the requests (allocator warm-up excluded). Flat means growth within
    ``FLAT_MB``.
 4. ``adversarial``: ``--adversarial`` requests (5,000: about 190 MB) of unique random text above
    the exact-count threshold, random CJK then base64, so every one is tokenized and nothing
-   repeats, at 100 requests/s; the peak RSS of each tenth is kept (sampled every 0.1 s).
+   repeats, at 100 requests/s; the peak PSS of each tenth is kept (sampled every 0.1 s).
    gigatoken 0.10.0 caches every new piece of text it encodes without a bound (+3 MB per MB of
    CJK, +5 per MB of base64); the gateway counts in a child process replaced past
-   ``counting.max_encoder_rss_mb``, so RSS saw-tooths under that bound. Bounded means the peak
-   over the second half of the text is no higher than over the first half.
+   ``counting.max_encoder_rss_mb`` (its resident memory), so memory saw-tooths. Bounded means
+   the peak over the second half of the text is no higher than over the first half.
 ``--smoke`` sends 2,000 requests and 10 adversarial ones of each kind.
 """
 
@@ -59,10 +62,10 @@ ADVERSARIAL_RATE = 100  # requests/s: each is an exact count of ~40 kB (a few ms
 
 
 def register(suites: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = suites.add_parser("memory", help="gateway RSS idle, after traffic, under attack")
+    parser = suites.add_parser("memory", help="gateway PSS idle, after traffic, under attack")
     parser.add_argument("--out", default="bench-results", help="folder for memory.json/png")
     parser.add_argument(
-        "--requests", type=int, default=100_000, help="requests sent while RSS is sampled"
+        "--requests", type=int, default=100_000, help="requests sent while PSS is sampled"
     )
     parser.add_argument("--rate", type=int, default=800, help="requests/s while filling")
     parser.add_argument(
@@ -85,11 +88,11 @@ def run(args: argparse.Namespace) -> int:
     return publish(args.out, "memory", result, table(result), lambda png: plot(result, png))
 
 
-def _imports_rss_mb() -> float:
+def _imports_pss_mb() -> float:
     code = (
         "import gateway.edge.app, gateway.edge.server\n"
-        "print(next(int(l.split()[1]) for l in open('/proc/self/status') "
-        "if l.startswith('VmRSS:')) / 1024)"
+        "print(next(int(l.split()[1]) for l in open('/proc/self/smaps_rollup') "
+        "if l.startswith('Pss:')) / 1024)"
     )
     done = subprocess.run(  # noqa: S603 - our own interpreter
         [sys.executable, "-c", code], capture_output=True, check=True, timeout=120
@@ -123,7 +126,7 @@ def measure(
     *, requests: int, block: int, rate: int, adversarial: int, smoke: bool, pin: bool
 ) -> dict[str, Any]:
     info = machine()
-    imports = _imports_rss_mb()
+    imports = _imports_pss_mb()
     with gateway_rig(pin) as rig, asyncio.Runner(loop_factory=new_event_loop()) as runner:
         result = runner.run(
             _measure(rig.gateway, rig.gateway_port, requests, block, rate, adversarial)
@@ -132,7 +135,7 @@ def measure(
         suite="memory",
         smoke=smoke,
         machine=info,
-        imports_rss_mb=imports,
+        imports_pss_mb=imports,
         tokenizer_package={name: package_version(name) for name in ("gigatoken", "tokenizers")},
     )
     result["targets"] = targets(result)
@@ -143,8 +146,8 @@ async def _measure(
     gateway: Child, port: int, requests: int, block: int, rate: int, adversarial: int
 ) -> dict[str, Any]:
     await asyncio.sleep(1.0)
-    idle = round(gateway.rss_mb(), 1)
-    curve = [{"requests": 0, "rss_mb": idle}]
+    idle = round(gateway.pss_mb(), 1)
+    curve = [{"requests": 0, "pss_mb": idle}]
     sent = errors = 0
     started = time.perf_counter()
     shapes = list(BODIES)
@@ -154,16 +157,16 @@ async def _measure(
         run = await open_loop("127.0.0.1", port, PATH, BODIES[shape], rate, n / rate)
         sent += run.sent
         errors += run.errors
-        curve.append({"requests": sent, "rss_mb": round(gateway.rss_mb(), 1)})
+        curve.append({"requests": sent, "pss_mb": round(gateway.pss_mb(), 1)})
     fill_s = time.perf_counter() - started
     warm = next(p for p in curve if p["requests"] >= requests // 5)
-    growth = round(curve[-1]["rss_mb"] - warm["rss_mb"], 1)
+    growth = round(curve[-1]["pss_mb"] - warm["pss_mb"], 1)
 
     np = optional("numpy")
     rng = np.random.default_rng(9)
     attacks = []
     for kind in ("cjk", "base64"):
-        before = gateway.rss_mb()
+        before = gateway.pss_mb()
         text_mb = 0.0
         failed = 0
         points = []
@@ -186,11 +189,11 @@ async def _measure(
             points.append(
                 {
                     "text_mb": round(text_mb, 2),
-                    "rss_mb": round(gateway.rss_mb(), 1),
-                    "peak_rss_mb": round(peak, 1),
+                    "pss_mb": round(gateway.pss_mb(), 1),
+                    "peak_pss_mb": round(peak, 1),
                 }
             )
-        grown = gateway.rss_mb() - before
+        grown = gateway.pss_mb() - before
         attacks.append(
             {
                 "kind": kind,
@@ -198,14 +201,14 @@ async def _measure(
                 "errors": failed,
                 "prompt_bytes_each": ADVERSARIAL_BYTES,
                 "text_mb": round(text_mb, 2),
-                "rss_before_mb": round(before, 1),
-                "rss_growth_mb": round(grown, 1),
-                "rss_mb_per_text_mb": round(grown / text_mb, 2) if text_mb else None,
-                "peak_rss_mb": max(p["peak_rss_mb"] for p in points),
+                "pss_before_mb": round(before, 1),
+                "pss_growth_mb": round(grown, 1),
+                "pss_mb_per_text_mb": round(grown / text_mb, 2) if text_mb else None,
+                "peak_pss_mb": max(p["peak_pss_mb"] for p in points),
                 # peak over the second half of the text minus the first half's: ~0 when bounded
-                "rss_growth_second_half_mb": round(
-                    max(p["peak_rss_mb"] for p in points[len(points) // 2 :])
-                    - max(p["peak_rss_mb"] for p in points[: len(points) // 2]),
+                "pss_growth_second_half_mb": round(
+                    max(p["peak_pss_mb"] for p in points[len(points) // 2 :])
+                    - max(p["peak_pss_mb"] for p in points[: len(points) // 2]),
                     1,
                 )
                 if len(points) >= 2
@@ -214,7 +217,7 @@ async def _measure(
             }
         )
     return {
-        "idle_rss_mb": idle,
+        "idle_pss_mb": idle,
         "requests": sent,
         "errors": errors,
         "rate": rate,
@@ -224,18 +227,18 @@ async def _measure(
         "warm_point": warm,
         "flat_within_mb": FLAT_MB,
         "adversarial": attacks,
-        "final_rss_mb": round(gateway.rss_mb(), 1),
+        "final_pss_mb": round(gateway.pss_mb(), 1),
     }
 
 
 async def _with_peak(gateway: Child, work: Any) -> tuple[Any, float]:
-    """Await ``work`` while sampling the gateway's RSS every 0.1 s; its result and the peak."""
-    peak = gateway.rss_mb()
+    """Await ``work`` while sampling the gateway's PSS every 0.1 s; its result and the peak."""
+    peak = gateway.pss_mb()
 
     async def sample() -> None:
         nonlocal peak
         while True:
-            peak = max(peak, gateway.rss_mb())
+            peak = max(peak, gateway.pss_mb())
             await asyncio.sleep(0.1)
 
     sampler = asyncio.get_running_loop().create_task(sample())
@@ -243,13 +246,13 @@ async def _with_peak(gateway: Child, work: Any) -> tuple[Any, float]:
         result = await work
     finally:
         sampler.cancel()
-    return result, max(peak, gateway.rss_mb())
+    return result, max(peak, gateway.pss_mb())
 
 
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     return [
         {
-            "target": f"RSS growth from {result['warm_point']['requests']} to "
+            "target": f"PSS growth from {result['warm_point']['requests']} to "
             f"{result['requests']} requests, MB",
             "value": result["growth_after_warmup_mb"],
             "limit": FLAT_MB,
@@ -257,12 +260,12 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         },
         *(
             {
-                "target": f"adversarial {a['kind']}: peak RSS over the second half of "
+                "target": f"adversarial {a['kind']}: peak PSS over the second half of "
                 f"{a['text_mb']} MB of unique text minus the first half's, MB (bounded: ~0)",
-                "value": a["rss_growth_second_half_mb"],
+                "value": a["pss_growth_second_half_mb"],
                 "limit": FLAT_MB,
-                "met": a["rss_growth_second_half_mb"] is not None
-                and a["rss_growth_second_half_mb"] <= FLAT_MB
+                "met": a["pss_growth_second_half_mb"] is not None
+                and a["pss_growth_second_half_mb"] <= FLAT_MB
                 and a["errors"] == 0,
             }
             for a in result["adversarial"]
@@ -276,11 +279,11 @@ def table(result: dict[str, Any]) -> str:
         machine_line(result["machine"]),
         f"tokenizer packages: {result['tokenizer_package']}",
         "",
-        f"python + gateway imports only   {result['imports_rss_mb']:8.1f} MB",
-        f"gateway idle, tokenizers loaded {result['idle_rss_mb']:8.1f} MB",
+        f"python + gateway imports only   {result['imports_pss_mb']:8.1f} MB",
+        f"gateway idle, tokenizers loaded {result['idle_pss_mb']:8.1f} MB",
     ]
     for point in result["curve"][1:]:
-        lines.append(f"after {point['requests']:>7} requests         {point['rss_mb']:8.1f} MB")
+        lines.append(f"after {point['requests']:>7} requests         {point['pss_mb']:8.1f} MB")
     lines.append(
         f"growth after warm-up ({result['warm_point']['requests']} -> {result['requests']} "
         f"requests, {result['errors']} errors, {result['rate']} requests/s): "
@@ -290,9 +293,9 @@ def table(result: dict[str, Any]) -> str:
     for a in result["adversarial"]:
         lines.append(
             f"adversarial {a['kind']:>6}: {a['requests']} requests of {a['prompt_bytes_each']} "
-            f"bytes of unique text ({a['text_mb']} MB): RSS {a['rss_growth_mb']:+.1f} MB, "
-            f"{a['rss_mb_per_text_mb']} MB per MB, peak {a['peak_rss_mb']} MB, second half's "
-            f"peak {_signed(a['rss_growth_second_half_mb'])} MB over the first's "
+            f"bytes of unique text ({a['text_mb']} MB): PSS {a['pss_growth_mb']:+.1f} MB, "
+            f"{a['pss_mb_per_text_mb']} MB per MB, peak {a['peak_pss_mb']} MB, second half's "
+            f"peak {_signed(a['pss_growth_second_half_mb'])} MB over the first's "
             f"({a['errors']} errors)"
         )
     return with_targets(lines, result["targets"])
@@ -301,22 +304,22 @@ def table(result: dict[str, Any]) -> str:
 def plot(result: dict[str, Any], path: Path) -> None:
     fig, (ax_fill, ax_attack) = side_by_side(12, 4.2)
     curve = result["curve"]
-    ax_fill.plot([p["requests"] for p in curve], [p["rss_mb"] for p in curve], marker="o")
-    ax_fill.axhline(result["imports_rss_mb"], color="grey", linestyle=":", label="imports only")
+    ax_fill.plot([p["requests"] for p in curve], [p["pss_mb"] for p in curve], marker="o")
+    ax_fill.axhline(result["imports_pss_mb"], color="grey", linestyle=":", label="imports only")
     ax_fill.set_xlabel("requests served")
-    ax_fill.set_ylabel("gateway RSS, MB")
+    ax_fill.set_ylabel("gateway PSS (with its children), MB")
     ax_fill.set_title("resident memory under ordinary traffic")
     ax_fill.set_ylim(bottom=0)
     ax_fill.legend(fontsize=8)
     for a in result["adversarial"]:
         ax_attack.plot(
             [0.0] + [p["text_mb"] for p in a["curve"]],
-            [0.0] + [p["rss_mb"] - a["rss_before_mb"] for p in a["curve"]],
+            [0.0] + [p["pss_mb"] - a["pss_before_mb"] for p in a["curve"]],
             marker="o",
             label=a["kind"],
         )
     ax_attack.set_xlabel("MB of unique prompt text counted")
-    ax_attack.set_ylabel("RSS growth, MB")
+    ax_attack.set_ylabel("PSS growth, MB")
     ax_attack.set_title("adversarial input: unique text above the exact-count threshold")
     ax_attack.legend(fontsize=8)
     save(fig, path)

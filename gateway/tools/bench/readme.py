@@ -274,18 +274,19 @@ def _memory(r: dict[str, Any], plots: Path) -> list[str]:
     lines = [
         "### Memory (`shapegate bench memory`)",
         "",
-        f"Machine: {_machine(r)}. Gateway RSS (every thread, plus its child processes if any) "
+        f"Machine: {_machine(r)}. Gateway PSS (every thread, plus its child processes: the "
+        "tokenizer template and its counting child, a page they share counted once) "
         "in front of the fixed upstream; "
         f"tokenizer packages {r['tokenizer_package']}.",
         *_smoke(r),
         "",
-        "| state | RSS MB |",
+        "| state | PSS MB |",
         "| --- | ---: |",
-        f"| Python + gateway imports only | {r['imports_rss_mb']:.1f} |",
-        f"| gateway idle, tokenizers loaded | {r['idle_rss_mb']:.1f} |",
+        f"| Python + gateway imports only | {r['imports_pss_mb']:.1f} |",
+        f"| gateway idle, tokenizers loaded | {r['idle_pss_mb']:.1f} |",
     ]
     for point in r["curve"][1:]:
-        lines.append(f"| after {point['requests']:,} requests | {point['rss_mb']:.1f} |")
+        lines.append(f"| after {point['requests']:,} requests | {point['pss_mb']:.1f} |")
     lines += [
         "",
         f"Growth after warm-up ({r['warm_point']['requests']:,} to {r['requests']:,} requests, "
@@ -295,10 +296,10 @@ def _memory(r: dict[str, Any], plots: Path) -> list[str]:
     for a in r["adversarial"]:
         lines.append(
             f"- adversarial {a['kind']}: {a['requests']} requests of {a['prompt_bytes_each']:,} "
-            f"bytes of unique text ({a['text_mb']} MB counted exactly): RSS "
-            f"{a['rss_growth_mb']:+.1f} MB ({a['rss_mb_per_text_mb']} MB per MB of text), "
-            f"peak {a.get('peak_rss_mb')} MB; the second half's peak "
-            f"{_signed(a['rss_growth_second_half_mb'])} MB over the first half's"
+            f"bytes of unique text ({a['text_mb']} MB counted exactly): PSS "
+            f"{a['pss_growth_mb']:+.1f} MB ({a['pss_mb_per_text_mb']} MB per MB of text), "
+            f"peak {a.get('peak_pss_mb')} MB; the second half's peak "
+            f"{_signed(a['pss_growth_second_half_mb'])} MB over the first half's"
         )
     lines += ["", *_targets(r), "", f"![memory]({(plots / 'memory.png').as_posix()})", ""]
     return lines

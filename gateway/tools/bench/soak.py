@@ -13,12 +13,15 @@ engines (two ``h100-fast``, two ``h100-heavy``, in this process), under open-loo
 
 Every 100 ms it reads ``/admin/state`` and checks the invariant: no lane and no endpoint holds
 more slots than its limit and no queue is longer than its depth; and it reads the gateway's
-``VmRSS``. At the end (arrivals stopped, clients done) nothing may be held any more and no
-engine may still be generating for anybody; then SIGTERM must stop the gateway with exit 0.
+memory: the PSS of its process and its children (the tokenizer template and its counting child,
+a page they share counted once; ``harness.tree_pss_mb``). At the end (arrivals stopped, clients
+done) nothing may be held any more and no engine may still be generating for anybody; then
+SIGTERM must stop the gateway with exit 0.
 
 Figures (``<out>/soak.json``, printed as a table): requests, client outcomes, disconnects,
 faults injected by kind, leaked slots, invariant checks and violations, peak slots in use,
-memory (baseline after warm-up, final, peak, growth, slope), the gateway's exit code. The exit
+memory (``memory_pss``: baseline after warm-up, final, peak, growth, slope), the gateway's
+exit code. The exit
 code is 0 when nothing leaked, the invariant held, memory stayed flat and the gateway exited 0.
 """
 
@@ -144,7 +147,8 @@ def check(state: dict[str, Any], per_endpoint: dict[str, int], tally: Tally) -> 
 
 
 async def _watch(url: str, gateway: Child, per_endpoint: dict[str, int], tally: Tally) -> None:
-    """Every 100 ms until cancelled: the invariant, and the gateway's resident memory."""
+    """Every 100 ms until cancelled: the invariant, and the gateway's memory (PSS, with its
+    children)."""
     started = time.monotonic()
     async with httpx.AsyncClient(timeout=5) as client:
         while True:
@@ -155,7 +159,7 @@ async def _watch(url: str, gateway: Child, per_endpoint: dict[str, int], tally: 
                 tally.violations.append(f"admin state unreadable: {type(exc).__name__}")
             else:
                 check(state, per_endpoint, tally)
-            tally.rss.append((tick - started, gateway.rss_mb()))
+            tally.pss.append((tick - started, gateway.pss_mb()))
             await asyncio.sleep(max(0.0, 0.1 - (time.monotonic() - tick)))
 
 
@@ -225,7 +229,7 @@ async def soak(options: SoakOptions, counter: PromptCounter | None = None) -> di
         finally:
             gateway.stop()
         logged = _gateway_outcomes(gateway.log_path)
-    mem = memory(tally.rss, options.seconds)
+    mem = memory(tally.pss, options.seconds)
     passed = (
         leaked == 0
         and orphans == 0
@@ -253,7 +257,7 @@ async def soak(options: SoakOptions, counter: PromptCounter | None = None) -> di
         "invariant_violations": tally.violations[:20],
         "peak_slots_in_use": dict(tally.peak),
         "slot_limits": {lane["name"]: lane["slot_limit"] for lane in state["lanes"]},
-        "memory": mem,
+        "memory_pss": mem,
         "gateway_exit_code": exit_code,
         "machine": info,
     }
@@ -294,7 +298,7 @@ def _gateway_outcomes(log: Path) -> dict[str, int]:
 
 
 def table(result: dict[str, Any]) -> str:
-    mem = result["memory"]
+    mem = result["memory_pss"]
     rows = [
         ("requests", result["requests"]),
         ("disconnects (client resets)", result["disconnects"]),
@@ -317,7 +321,7 @@ def table(result: dict[str, Any]) -> str:
             },
         ),
         (
-            "gateway RSS",
+            "gateway PSS (with its children)",
             f"baseline {mem['baseline_mb']} MB, final {mem['final_mb']} MB, peak "
             f"{mem['peak_mb']} MB, growth {mem['growth_mb']} MB, {mem['slope_mb_per_min']} MB/min",
         ),

@@ -57,7 +57,7 @@ class Tally:
     checks: int = 0
     violations: list[str] = field(default_factory=list)
     peak: Counter[str] = field(default_factory=Counter)
-    rss: list[tuple[float, float]] = field(default_factory=list)
+    pss: list[tuple[float, float]] = field(default_factory=list)  # (s, MB): harness.tree_pss_mb
     episodes: Counter[str] = field(default_factory=Counter)
 
 

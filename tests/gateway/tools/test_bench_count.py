@@ -49,7 +49,7 @@ def test_bench_count_smoke_writes_results(
         for k in ("prose", "code", "json")
     }
     assert all(0.5 < c["chars_per_token"] < 10 for c in result["calibration"])
-    assert result["rss_mb"]["after_load"] > 0
+    assert result["pss_mb"]["after_load"] > 0
     assert len(result["targets"]) == 5
     for target in result["targets"]:  # "met" is the value against the limit, nothing else
         assert target["value"] > 0, target
