@@ -28,7 +28,7 @@ Every seed is checked against every target (``per_seed[].checks``), and each tar
 twice, on the worst seed: over the seeds looked at while the settings and rules were chosen
 (1-``TUNED_THROUGH``: the chain's hold charging a second prefill, and waiters passing holding
 ones, issue 32), and over the rest, held out (never looked at while choosing). ``--seeds N``:
-N seeds from ``--seed-from`` (1; the README's figures: 20, seeds 1-20). ``--smoke``: seed 1,
+N seeds from ``--seed-from`` (1; the README's figures: 30, seeds 1-30). ``--smoke``: seed 1,
 its first ten minutes.
 """
 
