@@ -21,8 +21,9 @@
 
 5. With the lane's ``prefix_hold_tokens`` set, a request waits for a full endpoint holding part
    of its prompt rather than take one with room whose prefill ahead of its first token (the
-   prefills pending there, ``Ask.pending``, plus its own uncached part) is more than that many
-   tokens larger: those endpoints are dropped (``_hold``), so it waits in its lane's queue.
+   prefills pending there, ``Ask.pending``, plus its own uncached part), plus the prefix it
+   would prefill a second time, is more than that many tokens larger than the home's: those
+   endpoints are dropped (``_hold``), so it waits in its lane's queue.
 
 The slot store takes the first endpoint of this order with room and never re-sorts it
 (gateway/request/admission.py). How overlap and load are weighed: with both weights 1, a
@@ -94,18 +95,29 @@ def rank(
 def _hold(ranked: list[Ranked], ask: Ask, hold_tokens: int) -> list[Ranked]:
     """Wait for a full endpoint holding part of the prompt rather than take one with room whose
     prefill ahead of the first token (``Ask.work``: its pending prefills plus this request's
-    uncached part) is more than ``hold_tokens`` larger: the endpoints with room that would cost
-    more are dropped, so the slot store finds none free and the request waits in its lane's
-    queue for the full one. An endpoint busy prefilling other prompts has that work counted,
-    so a home that will not free soon is not waited for."""
+    uncached part), plus the prefix it would prefill a second time (what the full home holds
+    and it does not), is more than ``hold_tokens`` above the home's work: those endpoints are
+    dropped, so the slot store finds none free and the request waits in its lane's queue for
+    the full one. The second prefill is charged twice because the fleet pays it twice: an engine
+    re-reading a 250k-token document the home holds (or is reading now) takes that engine from
+    every request behind, and the copy crowds its cache. A home busy prefilling other prompts
+    has that work counted, so one that will not free sooner than a copy would is not waited
+    for."""
     if ask.limit_of is None:
         return ranked
     limit_of = ask.limit_of
-    full = {r.view.url for r in ranked if r.cached_tokens and r.view.in_flight >= limit_of(r.view)}
+    full = [r for r in ranked if r.cached_tokens and r.view.in_flight >= limit_of(r.view)]
     if not full:
         return ranked
-    floor = min(ask.work(r.view) for r in ranked if r.view.url in full) + hold_tokens
-    return [r for r in ranked if r.view.url in full or ask.work(r.view) <= floor]
+    home = min(full, key=lambda r: ask.work(r.view))
+    floor = ask.work(home.view) + hold_tokens
+    kept = {r.view.url for r in full}
+    return [
+        r
+        for r in ranked
+        if r.view.url in kept
+        or ask.work(r.view) + max(0, home.cached_tokens - r.cached_tokens) <= floor
+    ]
 
 
 def _new_home(ranked: list[Ranked], ask: Ask) -> list[Ranked]:

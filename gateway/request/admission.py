@@ -25,6 +25,11 @@ Contract:
   lane (its engine's share, gateway/request/lanes.py ``endpoint_limit``); by default the lane's
   ``per_endpoint``. Either way it is
   scaled down while the endpoint slow-starts (``EngineView.ramp``).
+- In a lane with ``prefix_hold_tokens`` (and no lending) a waiter holding for its full home
+  does not hold the queue: once every waiter ahead of it (the head, then arrival order) has
+  tried and found no room, it tries too, without the endpoints they asked for, at most
+  ``classes.PASS_AHEAD`` places from the head (``classes.passing``); a refused waiter wakes the
+  next. Other replicas' waiters still go first by the store's own order (slots/lua.py).
 - Priority classes (gateway/request/classes.py): the waiter that tries the store is the one
   ``next_waiter`` picks (class, then arrival, starvation bound), not always the first in; a
   class may fill only the lane slots not reserved for the classes above it. 429 and 503 answers
@@ -46,6 +51,7 @@ the
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -70,7 +76,14 @@ from gateway.request.borrowing import (
     owner_may_enter,
     to_reserve,
 )
-from gateway.request.classes import DrainMeter, class_lane_limit, next_waiter, retry_after_s
+from gateway.request.classes import (
+    PASS_AHEAD,
+    DrainMeter,
+    class_lane_limit,
+    next_waiter,
+    passing,
+    retry_after_s,
+)
 from gateway.settings import ClassSettings, LaneSettings
 from gateway.slots.store import SlotStore
 
@@ -138,6 +151,10 @@ class _Waiter:
     rank: int = 0
     since: float = field(default_factory=time.monotonic)
     wake: anyio.Event = field(default_factory=anyio.Event)
+    # The endpoint URLs it asked for at its last try and found full (None: not tried yet).
+    wants: frozenset[str] | None = None
+    # At its try: the endpoints the holding waiters it passes wait for (empty: it is the head).
+    passing: frozenset[str] = frozenset()
 
 
 class Admission:
@@ -306,13 +323,16 @@ class Admission:
                 starved_at = waiter.since + want.classes.starvation_s
                 async with self.store.waiting(token, lane_key(lane.name), want.rank, starved_at):
                     while True:
-                        if self._head(lane.name) is waiter:
+                        turn = self._turn(lane, waiter)
+                        if turn is not None:
+                            waiter.passing = turn
                             grant = await self._try(
-                                lane, candidates, token, started, limit_of, want
+                                lane, candidates, token, started, limit_of, want, waiter
                             )
                             if grant is not None:
                                 meter.granted(time.monotonic())
                                 return grant
+                            self._wake_behind(lane, waiter)
                         waiter.wake = anyio.Event()
                         with anyio.move_on_after(self._sleep_s(lane, token)):
                             await waiter.wake.wait()
@@ -340,6 +360,43 @@ class Admission:
                 ends.append(max(0.0, since + lane.lend.max_drain_s - now) + 0.001)
         return min(ends)
 
+    @staticmethod
+    def _passes(lane: LaneSettings) -> bool:
+        """Waiters may pass holding ones: the lane holds for homes and lends nothing."""
+        return lane.prefix_hold_tokens is not None and lane.lend is None
+
+    def _order(self, lane: str) -> list[_Waiter]:
+        """The lane's waiters that may pass holding ones: the one ``_head`` picks first, then
+        the rest in arrival order, at most ``PASS_AHEAD`` behind it."""
+        head = self._head(lane)
+        if head is None:
+            return []
+        rest = (w for w in self._queues[lane] if w is not head)
+        return [head, *itertools.islice(rest, PASS_AHEAD)]
+
+    def _turn(self, lane: LaneSettings, waiter: _Waiter) -> frozenset[str] | None:
+        """May ``waiter`` try the store now: the head may (nothing excluded); in a lane whose
+        waiters pass holding ones, so may one behind holding waiters (``classes.passing``),
+        without the endpoints they asked for. None: not its turn."""
+        head = self._head(lane.name)
+        if head is waiter:
+            return frozenset()
+        if head is None or not self._passes(lane):
+            return None
+        order = self._order(lane.name)
+        if waiter not in order:
+            return None
+        return passing([w.wants for w in order[: order.index(waiter)]])
+
+    def _wake_behind(self, lane: LaneSettings, waiter: _Waiter) -> None:
+        """A waiter found no room: in a lane whose waiters pass holding ones, the next behind
+        it may try now."""
+        if not self._passes(lane):
+            return
+        order = self._order(lane.name)
+        if waiter in order and order[-1] is not waiter:
+            order[order.index(waiter) + 1].wake.set()
+
     def _head(self, lane: str) -> _Waiter | None:
         """The waiter that tries the store next: class, then arrival, within the starvation
         bound (gateway/request/classes.py)."""
@@ -366,8 +423,16 @@ class Admission:
         started: float,
         limit_of: LimitOf,
         want: Want,
+        waiter: _Waiter | None = None,
     ) -> Grant | None:
+        """One try of the store over the candidates, less the endpoints waiters ahead of a
+        passing ``waiter`` hold for (``_Waiter.passing``); a refused waiter keeps the URLs it
+        asked for (``_Waiter.wants``)."""
         own = list(candidates())
+        if waiter is not None:
+            waiter.wants = frozenset(v.url for v in own)
+            if waiter.passing:
+                own = [v for v in own if v.url not in waiter.passing]
         lent = list(want.lent()) if want.loans else []
         if not own and not lent:
             return None

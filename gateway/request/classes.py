@@ -4,6 +4,7 @@
 
     class_of(classes, key_digest, header) -> str     the request's class (400 on an unknown name)
     next_waiter(waiting, now, starvation_s) -> int   which queued request goes next
+    passing(ahead) -> frozenset[str] | None          may a waiter go past those ahead of it
     class_lane_limit(classes, name, lane_slots)      lane slots a class may fill (reserved shares)
     retry_after_s(depth, drain_per_s, ceiling_s)     Retry-After from the measured drain rate
     DrainMeter                                       grants per second over a sliding window
@@ -14,6 +15,10 @@
 - The queue goes by class (highest first), then arrival; but a request that has waited
   ``starvation_s`` goes before every class (the oldest such first), so a flood of a higher class
   delays a lower one by at most that bound plus one slot's turn.
+- In a lane with ``prefix_hold_tokens`` (a request may wait for its full home endpoint,
+  engine_pool/chain.py ``_hold``), a waiter holding for its home does not hold the queue: a
+  waiter behind it may take an endpoint with room once every waiter ahead of it has tried and
+  found none, never one they wait for (``passing``), at most ``PASS_AHEAD`` places from the head.
 - ``reserved: {interactive: 0.25}`` keeps a quarter of each lane's slots (rounded up) for
   ``interactive`` and the classes above it: a lower class may fill only the rest.
 """
@@ -66,6 +71,21 @@ def next_waiter(waiting: Sequence[tuple[int, float]], now: float, starvation_s: 
         if now - since >= starvation_s:
             return index  # the oldest of those starved past the bound
     return min(range(len(waiting)), key=lambda i: (waiting[i][0], i))
+
+
+# How far behind the head a waiter may pass holding waiters (each pass is a try of the store).
+PASS_AHEAD = 8
+
+
+def passing(ahead: Sequence[frozenset[str] | None]) -> frozenset[str] | None:
+    """May a waiter try the store before those ahead of it (``ahead``: for each, head first,
+    the endpoints it asked for and found full at its last try, None if it has not tried since
+    joining)? Only when each of them has tried and is holding, and it stands at most
+    ``PASS_AHEAD`` places behind the head: then the endpoints they hold for, which it must not
+    take (None: it waits its turn). The head passes nobody: ``passing([])`` is empty."""
+    if len(ahead) > PASS_AHEAD or any(wants is None for wants in ahead):
+        return None
+    return frozenset().union(*(w for w in ahead if w is not None))
 
 
 def class_lane_limit(classes: ClassSettings, name: str, lane_slots: int) -> int:

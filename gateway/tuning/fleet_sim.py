@@ -79,7 +79,7 @@ from gateway.request.borrowing import (
     owner_may_enter,
     to_reserve,
 )
-from gateway.request.classes import class_lane_limit, next_waiter, rank
+from gateway.request.classes import class_lane_limit, next_waiter, passing, rank
 from gateway.request.lanes import choose_lane
 from gateway.settings import LaneSettings, Settings
 from gateway.tuning.fleet_model import LiveCosts
@@ -223,6 +223,8 @@ class FleetSim:
         # Prompt tokens each endpoint has pending to prefill, as the router believes (the
         # gateway's prefill ledger): added at admission, removed at the first token.
         self.pending: dict[str, int] = {}
+        # The endpoint URLs the last ``_candidates`` call asked for (the router's order).
+        self._asked: frozenset[str] = frozenset()
         self._lender_of = {
             c: lane for lane in settings.lanes if lane.lend is not None for c in lane.clusters
         }
@@ -359,10 +361,14 @@ class FleetSim:
         owners = len(engine.running) - len(engine.borrowers)
         return EndpointUse(owners, len(engine.borrowers), engine.reserved_by is not None)
 
-    def _candidates(self, ticket: _Ticket, now: float) -> list[tuple[_Engine, Loan | None]]:
+    def _candidates(
+        self, ticket: _Ticket, now: float, exclude: frozenset[str] = frozenset()
+    ) -> list[tuple[_Engine, Loan | None]]:
         """Endpoints with room for the ticket in the router's order: its own lane's, then (mixed
         in by load) the idle endpoints of lanes that lend to it. The chain also sees its own
-        lane's full endpoints, as the live chain does (the slot store skips them)."""
+        lane's full endpoints, as the live chain does (the slot store skips them). ``exclude``:
+        endpoints waiters ahead of it hold for (it passes them, ``classes.passing``); the URLs
+        it asked for, full or not, are left in ``self._asked``."""
         offers: dict[tuple[str, str], tuple[_Engine, Loan | None]] = {}
         full: set[str] = set()
         sees_full = self.prefix is not None and self.prefix.router in ("chain", "oracle")
@@ -392,7 +398,12 @@ class FleetSim:
             for e, _ in offers.values()
         ]
         ordered = self._order(ticket, views)
-        return [offers[(v.cluster, v.url)] for v in ordered if v.url not in full]
+        self._asked = frozenset(v.url for v in ordered)
+        return [
+            offers[(v.cluster, v.url)]
+            for v in ordered
+            if v.url not in full and v.url not in exclude
+        ]
 
     def _believed(self, ticket: _Ticket) -> dict[str, int]:
         """Blocks of the ticket's prompt each endpoint is believed to hold, by the router in
@@ -479,7 +490,10 @@ class FleetSim:
             candidates = self._candidates(ticket, now)
             if not candidates:
                 self._reserve(ticket, now)
-                return
+                passed = self._pass(ticket, now)
+                if passed is None:
+                    return
+                ticket, candidates = passed
             queue.remove(ticket)
             self._unreserve(ticket)
             engine, loan = candidates[0]
@@ -504,6 +518,29 @@ class FleetSim:
             self._push(
                 now + self.live.to_engine_arrival(record.prompt_tokens), "submit", ticket.key
             )
+
+    def _pass(
+        self, head: _Ticket, now: float
+    ) -> tuple[_Ticket, list[tuple[_Engine, Loan | None]]] | None:
+        """The head found no room: in a lane that holds for homes (``prefix_hold_tokens``, no
+        lending), the first waiter behind it (arrival order, at most ``PASS_AHEAD`` places)
+        with room outside the endpoints those ahead of it asked for (``classes.passing``),
+        as the live admission lets a waiter pass holding ones."""
+        lane = head.lane
+        if lane.prefix_hold_tokens is None or lane.lend is not None:
+            return None
+        ahead = [self._asked]
+        for ticket in self._queues[lane.name]:
+            if ticket is head:
+                continue
+            exclude = passing(ahead)
+            if exclude is None:
+                return None
+            candidates = self._candidates(ticket, now, exclude)
+            if candidates:
+                return ticket, candidates
+            ahead.append(self._asked)
+        return None
 
     def _start_step(self, engine: _Engine, now: float) -> None:
         step = engine.scheduler.step(now)

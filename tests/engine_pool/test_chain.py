@@ -83,6 +83,26 @@ def test_prefix_hold_tokens_waits_for_a_full_home_unless_it_is_busy_prefilling()
     assert order(ask({"a": 500}), None) == ["a", "b"]
 
 
+def test_prefix_hold_tokens_charges_a_second_prefill_of_what_the_home_holds() -> None:
+    """A follow-up on a 250k-token document whose home a is full and still reading it for the
+    first question (250k pending): b is idle and would get the first token as soon (250,100
+    tokens ahead against a's 250,100), but only by reading the document a second time, which
+    the fleet pays twice; so with ``hold_tokens`` 0 the request waits for a. A home with two
+    new documents pending (600k) would take longer than the copy, so b is kept; a hold of
+    250k tokens lets the copy through too."""
+    views = [view("a", 4), view("b", 0)]
+
+    def order(pending: int, hold: int) -> list[str]:
+        ask = Ask(
+            tokens=250_100, cached={"a": 250_000}, limit_of=lambda v: 4, pending={"a": pending}
+        )
+        return [r.view.url for r in rank(views, ask, BOTH, hold)]
+
+    assert order(250_000, 0) == ["a"]
+    assert order(600_000, 0) == ["b", "a"]  # a tie on score: fewer in flight first
+    assert order(250_000, 250_000) == ["b", "a"]
+
+
 def test_the_work_scorer_weighs_the_prefill_ahead_not_the_requests_in_flight() -> None:
     """Home a holds 90% of a 30k-token prompt and is busy (3 of 4 slots) with cached
     follow-ups: 1,808 tokens pending; b is idle. By work alone a scores 1 (4,808 tokens ahead,

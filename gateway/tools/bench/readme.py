@@ -1,6 +1,6 @@
 """``shapegate bench readme [README]``: the README's performance section, from the JSON results.
 
-Reads ``OUT/{overhead,count,lanes,borrow,memory,encoder,monsters}.json`` (``--out``, default
+Reads ``OUT/{overhead,count,lanes,borrow,memory,encoder,monsters,prefix}.json`` (``--out``, default
 ``bench-results``; a missing suite is said to be missing, not invented) and replaces
 everything between the lines ``<!-- bench:start -->`` and ``<!-- bench:end -->`` of the
 README (default ``README.md``) with tables built from them: the machine each ran on (CPU,
@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
-SUITES = ("overhead", "count", "lanes", "borrow", "memory", "encoder", "monsters")
+SUITES = ("overhead", "count", "lanes", "borrow", "memory", "encoder", "monsters", "prefix")
 
 
 def register(suites: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -99,6 +99,7 @@ def render(results: dict[str, dict[str, Any]], plots: Path) -> str:
         ("memory", _memory),
         ("encoder", _encoder),
         ("monsters", _monsters),
+        ("prefix", _prefix),
     ):
         if suite in results:
             lines += renderer(results[suite], plots)
@@ -111,6 +112,57 @@ def _monsters(r: dict[str, Any], plots: Path) -> list[str]:
     from gateway.tools.bench.monsters_report import readme_lines
 
     return readme_lines(r, _machine(r), _smoke(r), _targets(r), plots)
+
+
+def _prefix(r: dict[str, Any], plots: Path) -> list[str]:
+    """Per seed, the chain against least-loaded, cache-aware and the oracle, each target met or
+    missed; then the targets on the worst tuned and the worst held-out seed."""
+    seeds = r["seeds"]
+    lines = [
+        "### Prefix-cache-aware routing (`shapegate bench prefix`)",
+        "",
+        f"Machine: {_machine(r)}. The `shared-prefix` trace, seeds {seeds[0]}-{seeds[-1]}, over "
+        f"{r['capacity']}, in simulated seconds; each router plays the same trace in the same "
+        f"run. Seeds 1-{r['tuned_through']} were looked at while the chain's rules and the "
+        "bench's settings were chosen; the later ones are held out. `x LL`: least-loaded's "
+        "figure over the chain's (higher is better); `/ smg`: the chain's small-request TTFT "
+        "p90 over `cache-aware`'s (at most 1); hit gap: points between the chain's prefix hit "
+        "rate and the oracle's. The target is on the p50; the mean ratio is for context.",
+        *_smoke(r),
+        "",
+        "| seed | small TTFT p90 s (chain / LL / smg) | x LL | / smg | monster p50 s (chain / LL)"
+        " | x LL | mean x LL | hit rate (chain / oracle) | gap |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for seed in r["per_seed"]:
+        rows, c = seed["routers"], seed["checks"]
+        chain, least, smg = rows["chain"], rows["least-loaded"], rows["cache-aware"]
+        mean_x = least["monster_e2e_mean_s"] / max(chain["monster_e2e_mean_s"], 1e-9)
+
+        def mark(key: str, checks: dict[str, Any] = c) -> str:
+            value = checks[key]["value"]
+            return f"{value:g}" if checks[key]["met"] else f"**{value:g} (missed)**"
+
+        name = f"{seed['seed']}{' (held out)' if seed.get('held_out') else ''}"
+        lines.append(
+            f"| {name} | {chain['small_ttft_p90_s']:g} / {least['small_ttft_p90_s']:g} / "
+            f"{smg['small_ttft_p90_s']:g} | {mark('ttft_x')} | {mark('vs_smg')} | "
+            f"{chain['monster_e2e_p50_s']:g} / {least['monster_e2e_p50_s']:g} | "
+            f"{mark('monster_x')} | {mean_x:.2f} | {chain['hit_rate']:.3f} / "
+            f"{rows['oracle']['hit_rate']:.3f} | {mark('hit_gap')} |"
+        )
+    look = r["lookup_200k_tokens"]
+    lines += [
+        "",
+        f"Index lookup of a 200k-token prompt: {look['block_128_ms']} ms at 128-token blocks, "
+        f"{look['block_16_ms']} ms at 16-token blocks.",
+        "",
+        *_targets(r),
+        "",
+        f"![prefix]({(plots / 'prefix.png').as_posix()})",
+        "",
+    ]
+    return lines
 
 
 def _overhead(r: dict[str, Any], plots: Path) -> list[str]:

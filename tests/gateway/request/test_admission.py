@@ -163,3 +163,43 @@ async def test_down_endpoints_are_not_candidates_and_per_endpoint_limits_hold() 
         with pytest.raises(QueueTimeout):
             async with adm.slot(spec, lambda: VIEWS, "c"):
                 pass
+
+
+async def test_a_waiter_holding_for_its_home_does_not_hold_the_queue_behind_it() -> None:
+    """With ``prefix_hold_tokens`` a waiter that asks only for its full home a (the chain
+    dropped b, ``engine_pool/chain.py _hold``) holds in the queue; one behind it whose chain
+    offers b, which has room, takes b at once instead of waiting behind it. It never takes what
+    the head waits for: a third one asking for a or b waits, and when a frees, the head gets
+    it (the third only once the others leave). Without the setting the queue stays FIFO: the
+    one behind waits for the head."""
+    views = {u: EngineView("c", u, EngineState.UP, 0) for u in ("http://a", "http://b")}
+    home, other = [views["http://a"]], [views["http://b"]]
+
+    async def run(spec: LaneSettings) -> list[str]:
+        adm, got = admission(), []
+        release = asyncio.Event()
+
+        async def user(token: str, candidates: list[EngineView]) -> None:
+            try:
+                async with adm.slot(spec, lambda: candidates, token) as held:
+                    got.append(f"{token}@{held.url[-1]}")
+                    await release.wait()
+            except QueueTimeout:
+                got.append(f"{token}:timeout")
+
+        async with adm.slot(spec, lambda: home, "resident"):
+            head = asyncio.create_task(user("head", home))
+            await wait_for(lambda: adm.queue_depth("fast") == 1, 1, what="head queued")
+            behind = asyncio.create_task(user("behind", other))
+            third = asyncio.create_task(user("third", home + other))
+            await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)
+        release.set()
+        await asyncio.gather(head, behind, third)
+        return got
+
+    spec = {"slots": {"lane": 4, "per_endpoint": 1}, "queue": {"depth": 5, "max_wait_s": 1}}
+    passed = await run(lane(prefix_hold_tokens=0, **spec))
+    assert passed[:2] == ["behind@b", "head@a"] and passed[2].startswith("third@")  # once freed
+    fifo = await run(lane(**spec))
+    assert fifo[:2] == ["head@a", "behind@b"] and fifo[2].startswith("third@")

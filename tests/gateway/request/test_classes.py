@@ -17,6 +17,7 @@ from gateway.observe.metrics import Metrics
 from gateway.observe.trace import TraceRecord
 from gateway.request.admission import Admission, Want
 from gateway.request.classes import (
+    PASS_AHEAD,
     DrainMeter,
     UnknownClass,
     bearer_digest,
@@ -24,6 +25,7 @@ from gateway.request.classes import (
     class_of,
     explain,
     next_waiter,
+    passing,
     retry_after_s,
 )
 from gateway.settings import ClassSettings, ConfigError, LaneSettings, parse_settings
@@ -35,6 +37,16 @@ from tests.support.waiting import wait_for
 
 GOLD = hashlib.sha256(b"gold-key").hexdigest()
 CLASSES = ClassSettings(api_keys={GOLD: "interactive"}, starvation_s=5.0)
+
+
+def test_a_waiter_passes_only_holding_waiters_and_never_takes_what_they_wait_for() -> None:
+    """The head passes nobody; one behind waiters that all tried and hold may try without the
+    endpoints they asked for; behind one that has not tried yet, or too far back, it waits."""
+    assert passing([]) == frozenset()
+    assert passing([frozenset({"a"}), frozenset({"a", "b"})]) == {"a", "b"}
+    assert passing([frozenset({"a"}), None]) is None
+    assert passing([frozenset()] * PASS_AHEAD) == frozenset()
+    assert passing([frozenset()] * (PASS_AHEAD + 1)) is None
 
 
 def test_the_key_decides_and_the_header_only_lowers() -> None:

@@ -166,12 +166,16 @@ def test_a_shadow_lane_that_holds_for_its_home_would_wait_as_the_active_chain_do
     )
     assert holding_lane.verdict == "wait"
     assert decide(policy(lane1=weighs), asked).endpoint == "http://h2"
-    # Work already pending on the home (another document being prefilled there) is counted:
-    # the cold endpoint is then no worse, and the hold does not wait.
-    busy_home = seen(200_000, views=full_home, prefix=document, pending={"http://h1": 300_000})
-    assert decide(policy(lane1={**weighs, "prefix_hold_tokens": 0}), busy_home).endpoint == (
-        "http://h2"
-    )
+
+    # Work already pending on the home (other documents being prefilled there) is counted,
+    # against the cold endpoint's read plus the second copy it makes (engine_pool/chain.py
+    # ``_hold``): 300k pending is still waited for (200k + 199,936 more), 450k is not.
+    def pending(tokens: int) -> Seen:
+        return seen(200_000, views=full_home, prefix=document, pending={"http://h1": tokens})
+
+    holding = policy(lane1={**weighs, "prefix_hold_tokens": 0})
+    assert decide(holding, pending(300_000)).endpoint is None
+    assert decide(holding, pending(450_000)).endpoint == "http://h2"
     # The policy looks prefixes up for a lane that only holds, as the active pipeline does.
     assert policy(lane1={"prefix_hold_tokens": 0}).weighs_prefix
     assert not policy().weighs_prefix

@@ -39,3 +39,25 @@ def test_routing_by_prefix_finds_more_of_it_cached_than_least_loaded() -> None:
     least, chain, oracle = (hit_rate(r, trace) for r in ROUTERS_COMPARED)
     assert least < chain
     assert abs(oracle - chain) < 0.05
+
+
+def test_a_document_holding_for_its_full_home_does_not_hold_a_new_one_behind_it() -> None:
+    """The bench's heavy lane (2 endpoints of 4 slots, ``prefix_hold_tokens: 0``): four
+    questions on a 200k-token document fill its home; a fifth holds in the queue for that home
+    rather than read the document again on the idle endpoint; a new document arriving behind
+    it goes to the idle endpoint at once (it passes the holder, as the live admission lets it)
+    instead of waiting behind it for the home to free."""
+
+    def ask(t: float, doc: str, tokens: int) -> TraceRecord:
+        return TraceRecord(
+            t, "qwen3.6", tokens + 100, 4 * tokens, 100, True, None, doc, None, tokens
+        )
+
+    trace = [ask(i * 0.01, "doc-a", 200_000) for i in range(4)]
+    trace += [ask(1.0, "doc-a", 200_000), ask(2.0, "doc-b", 150_000)]
+    settings = policy()
+    out = FleetSim(settings, cluster_profiles(settings), prefix=PrefixSim("chain")).run(trace)
+    fifth, new = out.outcomes[4], out.outcomes[5]
+    assert fifth.queue_wait is not None and fifth.queue_wait > 10
+    assert fifth.cached_tokens >= 199_000  # waited for its home, not a second read
+    assert new.queue_wait is not None and new.queue_wait < 0.1
