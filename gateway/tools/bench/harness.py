@@ -5,7 +5,7 @@
   file; ``cpu_s()`` reads ``/proc/PID/stat`` (the whole process, every thread) and
   ``pss_mb()`` the proportional set sizes of the process and its descendants (the tokenizer
   template and counting children: ``tree_pss_mb``, a page they share counted once;
-  ``tree_rss_mb`` counts it in each, ~155 MB too many with the template); ``stop()`` sends
+  ``tree_rss_mb`` counts it in each: ~140 MB too many on the demo policy); ``stop()`` sends
   SIGINT, then kills after a grace period.
 - ``start_upstream(folder, cpus, chunks)``: the fixed fast upstream (``upstream.py``).
 - ``start_smg(upstream_port, folder, cpus)``: SGLang's Rust model gateway (PyPI ``smg``, the

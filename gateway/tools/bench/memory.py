@@ -4,7 +4,7 @@ Set-up as ``overhead`` (``harness``): a real gateway in front of the fixed fast 
 open-loop generator in this process. Memory is the proportional set size (PSS) of the gateway
 process (every thread) plus its children's (the tokenizer template and its counting child): a
 page the template shares with its child copy-on-write is counted once (resident memory summed
-over them would count it in each: ~155 MB more than used). It is read:
+over them would count it in each: idle, 521 MB against 384 in one session). It is read:
 
 1. ``imports``: a Python process that only imported the gateway (``gateway.edge.app``): the floor
    (its PSS, which alone is its resident memory but for the shared libraries' pages).
