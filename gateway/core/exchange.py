@@ -11,7 +11,10 @@ in one function, with the client's disconnect visible in every phase:
   as ``text/plain``, to any site without a CORS preflight).
 - ``watch_disconnect`` waits for ``http.disconnect`` after the body and cancels the request's
   scope: a queued request leaves its queue, a forwarded one closes its upstream connection.
-  (Starlette's BaseHTTPMiddleware would hide this message; the app uses none.)
+  (Starlette's BaseHTTPMiddleware would hide this message; the app uses none.) Where the server
+  offers ``DISCONNECT_HOOK`` in the scope's ``extensions`` (shapegate's own HTTP protocol,
+  gateway/edge/http_protocol.py), the same callback is registered with the connection instead:
+  no task a request.
 - ``Outbound`` sends the response once: ``error`` chooses a JSON body before the response
   started, and an SSE error event (then ``[DONE]`` for OpenAI streams) once a stream is under
   way, in the route's error shape (OpenAI, Anthropic or Responses).
@@ -37,6 +40,18 @@ Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+
+
+# scope["extensions"][DISCONNECT_HOOK](callback) -> unwatch: ``callback()`` runs once if the
+# client's connection is lost before the response completed; ``unwatch()`` stops that.
+DISCONNECT_HOOK = "shapegate.on_disconnect"
+
+
+def disconnect_hook(
+    scope: Scope,
+) -> Callable[[Callable[[], None]], Callable[[], None]] | None:
+    extensions = scope.get("extensions")
+    return None if extensions is None else extensions.get(DISCONNECT_HOOK)
 
 
 class ClientGone(Exception):

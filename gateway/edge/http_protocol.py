@@ -8,6 +8,10 @@
 - Malformed requests (a CR or LF inside a header, a bad request line) are answered 400 in the
   OpenAI error shape rather than uvicorn's plain text.
 - A response's head is written with its first body bytes, in one write (``CoalescedCycle``).
+- The client's disconnect is a callback, not a task: the scope's extensions carry
+  ``DISCONNECT_HOOK`` (gateway/core/exchange.py), which registers a function the connection's
+  loss calls while the response is incomplete (``WatchedCycle``). A request then needs no task
+  of its own blocked in ``receive()`` to learn that its client left.
 - HTTP/1.0 clients never get ``Transfer-Encoding: chunked`` (RFC 9112 section 6.1: they cannot
   read it). uvicorn's httptools protocol adds chunked framing to every response without a
   Content-Length, whatever the request's version; for a 1.0 request a response without one (a
@@ -20,18 +24,51 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
+from gateway.core.exchange import DISCONNECT_HOOK
 from gateway.errors import error_body
 from gateway.settings import ServerSettings
 
 REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
-class Http10Cycle(RequestResponseCycle):
+class WatchedCycle(RequestResponseCycle):
+    """A cycle a callback can watch for its client's disconnect (``DISCONNECT_HOOK``)."""
+
+    _on_disconnect: Callable[[], None] | None = None
+
+    def watch(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` once if the connection is lost before the response completes;
+        returns the function that stops watching."""
+        if self.disconnected:
+            callback()
+            return _nothing
+        self._on_disconnect = callback
+        # As receive() does while it waits: read on, so an end of stream (the client leaving)
+        # is seen even where a pipelined request paused reading.
+        self.flow.resume_reading()
+        return self._unwatch
+
+    def _unwatch(self) -> None:
+        self._on_disconnect = None
+
+    def disconnected_now(self) -> None:
+        """The protocol lost the connection (uvicorn marked us ``disconnected``)."""
+        callback, self._on_disconnect = self._on_disconnect, None
+        if callback is not None:
+            callback()
+
+
+def _nothing() -> None:
+    return None
+
+
+class Http10Cycle(WatchedCycle):
     """A request/response cycle for an HTTP/1.0 request: close-delimited when no length is set.
 
     ``keep_alive`` is already false for 1.0 (uvicorn answers ``connection: close``)."""
@@ -96,7 +133,7 @@ class _Gathered:
         return self.real.is_closing()
 
 
-class CoalescedCycle(RequestResponseCycle):
+class CoalescedCycle(WatchedCycle):
     """An HTTP/1.1 request/response cycle whose response head goes out with the first body
     bytes, in one write (one ``send`` system call, one segment on the wire) instead of two:
     the gateway's answers send their head and body back to back (a whole JSON answer, or an
@@ -200,10 +237,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._refused:
             return
         super().on_headers_complete()
-        if type(self.cycle) is RequestResponseCycle:
-            # The cycle's task has not run yet; the subclasses only change how it sends.
+        cycle = self.cycle
+        if type(cycle) is RequestResponseCycle:
+            # The cycle's task has not run yet; the subclasses only change how it sends and
+            # let a callback watch for the disconnect.
             http10 = self.scope.get("http_version") == "1.0"
-            self.cycle.__class__ = Http10Cycle if http10 else CoalescedCycle
+            cycle.__class__ = Http10Cycle if http10 else CoalescedCycle
+            self.scope["extensions"] = {DISCONNECT_HOOK: cycle.watch}  # type: ignore[attr-defined]
 
     def on_body(self, body: bytes) -> None:
         if not self._refused:
@@ -221,6 +261,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
+        cycle = self.cycle
+        if cycle is not None and cycle.disconnected and isinstance(cycle, WatchedCycle):
+            cycle.disconnected_now()
 
     def send_400_response(self, msg: str) -> None:
         self._refuse(400, f"malformed HTTP request: {msg}")

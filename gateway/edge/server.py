@@ -80,7 +80,7 @@ def settle_heap() -> int:
 
 def serve(settings: Settings, config_path: Path | None = None) -> int:
     # One process, configured once: its loggers may keep what they assembled on first use.
-    configure_logging(settings.logging.level, settings.logging.json_output, cache=True)
+    configure_logging(settings.logging.level, settings.logging.json_output, cache=True, batch=True)
     server = uvicorn.Server(uvicorn_config(settings, config_path))
     settle_heap()  # after the app, its policy and its tokenizers are built
     # uvicorn re-raises the signal that stopped it once it has drained; a drained shutdown is a
@@ -93,7 +93,7 @@ def serve(settings: Settings, config_path: Path | None = None) -> int:
 
 def serve_worker(settings: Settings, config_path: Path | None, group: WorkerGroup) -> int:
     """One worker of a group: serve on the shared port (SO_REUSEPORT) and a private socket."""
-    configure_logging(settings.logging.level, settings.logging.json_output)
+    configure_logging(settings.logging.level, settings.logging.json_output, batch=True)
     structlog.contextvars.bind_contextvars(worker=group.index)
     family = socket.AF_INET6 if ":" in settings.server.host else socket.AF_INET
     listener = socket.create_server(

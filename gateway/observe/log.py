@@ -12,11 +12,15 @@ increments ``shapegate_swallowed_errors_total{where}``.
 
 from __future__ import annotations
 
+import asyncio
+import atexit
 import logging
+import os
 import sys
+import threading
 import time
 from collections.abc import MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import orjson
 import structlog
@@ -87,14 +91,101 @@ class JsonLine:
 _LEVEL_NAMES = {"warn": "warning", "exception": "error"}
 
 
+# A batch is at most this many bytes (a line longer than it goes alone): POSIX's PIPE_BUF, the
+# size up to which a write to a pipe is atomic, so the batches of several workers sharing one
+# stdout pipe never interleave inside a line (one line a write was atomic the same way).
+BATCH_BYTES = 4096
+
+
+class BatchedLines:
+    """The lines of a serving process, written in batches: a line logged on a running event
+    loop is buffered and the buffer written at the end of the loop's current turn (one
+    ``call_soon``), one ``write`` and ``flush`` per ``BATCH_BYTES`` instead of one a line (two
+    log lines a request each cost a ``write`` system call: the decision log is kept, its
+    system calls are shared). A line logged where no loop runs (a thread, start-up) writes what
+    is buffered and itself at once, in order. Buffered lines are written at exit (``atexit``);
+    a forked child starts with an empty buffer (the parent writes its own)."""
+
+    def __init__(self, file: TextIO) -> None:
+        self._file = file
+        self._lines: list[str] = []
+        self._size = 0
+        self._scheduled = False
+        self._lock = threading.Lock()
+        atexit.register(self.flush)
+        os.register_at_fork(after_in_child=self._forked)
+
+    def _forked(self) -> None:
+        self._lines, self._size, self._scheduled = [], 0, False
+        self._lock = threading.Lock()
+
+    def add(self, line: str) -> None:
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        with self._lock:
+            self._lines.append(line)
+            self._size += len(line)
+            if loop is None or self._size >= BATCH_BYTES:
+                self._write()
+            elif not self._scheduled:
+                self._scheduled = True
+                loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        with self._lock:
+            self._write()
+
+    def _write(self) -> None:  # under the lock
+        self._scheduled = False
+        lines, self._lines, self._size = self._lines, [], 0
+        batch: list[str] = []
+        size = 0
+        for line in lines:
+            if batch and size + len(line) > BATCH_BYTES:
+                self._file.write("".join(batch))
+                self._file.flush()
+                batch, size = [], 0
+            batch.append(line)
+            size += len(line)
+        if batch:
+            self._file.write("".join(batch))
+            self._file.flush()
+
+
+class BatchedLogger:
+    """structlog's ``WriteLogger`` over a ``BatchedLines``: every level writes the line."""
+
+    __slots__ = ("_lines",)
+
+    def __init__(self, lines: BatchedLines) -> None:
+        self._lines = lines
+
+    def msg(self, message: str) -> None:
+        self._lines.add(message + "\n")
+
+    log = debug = info = warn = warning = msg
+    fatal = failure = err = error = critical = exception = msg
+
+
+class BatchedLoggerFactory:
+    def __init__(self, file: TextIO) -> None:
+        self.lines = BatchedLines(file)
+
+    def __call__(self, *args: Any) -> BatchedLogger:
+        return BatchedLogger(self.lines)
+
+
 def configure_logging(
-    level: str = "info", json_output: bool = True, *, cache: bool = False
+    level: str = "info", json_output: bool = True, *, cache: bool = False, batch: bool = False
 ) -> None:
     """Configure structlog for the process: JSON lines to stdout, or a console renderer.
 
     ``cache=True`` (``shapegate serve``: configured once per process) lets each logger keep
     what it assembled on first use instead of binding a new one at every event, two of them per
-    request; tests reconfigure between cases and keep the default."""
+    request; tests reconfigure between cases and keep the default. ``batch=True`` (a serving
+    process) writes the lines in batches (``BatchedLines``)."""
     processors: list[Any] = (
         [JsonLine()]
         if json_output
@@ -108,7 +199,11 @@ def configure_logging(
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.WriteLoggerFactory(file=sys.stdout),
+        logger_factory=(
+            BatchedLoggerFactory(sys.stdout)
+            if batch
+            else structlog.WriteLoggerFactory(file=sys.stdout)
+        ),
         cache_logger_on_first_use=cache,
     )
 

@@ -41,6 +41,7 @@ from gateway.core.exchange import (
     Receive,
     Scope,
     Send,
+    disconnect_hook,
     header,
     read_body,
     require_media_type,
@@ -120,6 +121,13 @@ def _reaper(log: Logger, metrics: Metrics, request_id: str) -> Callable[[asyncio
             )
 
     return reap
+
+
+def _canceller(task: asyncio.Task[None]) -> Callable[[], None]:
+    def cancel() -> None:
+        task.cancel()
+
+    return cancel
 
 
 def new_id() -> str:
@@ -244,18 +252,25 @@ class Pipeline:
             # own cancellation (gateway/core/cancel.py) costs a fraction of anyio's.
             shielded = self.admission.store.shared
             with anyio.CancelScope() if shielded else CancelScope() as cancel_on_disconnect:
-                # A plain task, not an anyio task group: the group's spawn, its cancel (anyio
-                # formats the task's repr into every cancel reason) and its exit were among the
-                # largest per-request costs in the overhead benchmark's profile.
-                watcher = asyncio.get_running_loop().create_task(
-                    watch_disconnect(receive, cancel_on_disconnect.cancel)
-                )
-                watcher.add_done_callback(_reaper(self.log, self.metrics, record.request_id))
+                # The connection's own callback where the server offers one (no task a
+                # request); else a plain task, not an anyio task group: the group's spawn, its
+                # cancel (anyio formats the task's repr into every cancel reason) and its exit
+                # were among the largest per-request costs in the overhead profile.
+                hook = disconnect_hook(scope)
+                if hook is not None:
+                    unwatch = hook(cancel_on_disconnect.cancel)
+                else:
+                    watcher = asyncio.get_running_loop().create_task(
+                        watch_disconnect(receive, cancel_on_disconnect.cancel)
+                    )
+                    watcher.add_done_callback(_reaper(self.log, self.metrics, record.request_id))
+                    unwatch = _canceller(watcher)
                 try:
                     await self._route(ctx)
                 finally:
-                    watcher.cancel()
-            # After the last byte, uvicorn reports the finished exchange as a disconnect too.
+                    unwatch()
+            # After the last byte, uvicorn reports the finished exchange as a disconnect too
+            # (to the watcher task).
             if cancel_on_disconnect.cancelled_caught and not out.finished:
                 record.outcome = "client_disconnect"
         except* ClientGone:

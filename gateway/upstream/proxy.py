@@ -35,7 +35,6 @@ requests (encode/httpcore#1093): taking a connection and owning it happen with n
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from gateway.core.watchdog import DeadlineHit, Phase, Watch
@@ -129,26 +128,34 @@ class UpstreamResponse:
     _conn: Connection
 
     async def chunks(self, watch: Watch, first: Phase = "first_byte") -> AsyncIterator[bytes]:
-        conn = self._conn
         phase = first
         while True:
-            try:
-                if conn.has_bytes():
-                    # Returns at once (no deadline to arm), or raises for a close it already saw.
-                    chunk = await conn.next_bytes()
-                else:
-                    with watch.within(phase):
-                        chunk = await conn.next_bytes()
-            except ConnectionLost as exc:
-                raise UpstreamError(f"engine connection failed mid-response: {exc}") from exc
+            chunk = await self._next(watch, phase)
             if not chunk:
                 return
             phase = "idle"
             yield chunk
 
     async def read(self, watch: Watch) -> bytes:
-        parts = [chunk async for chunk in self.chunks(watch, "total")]
+        """The whole body: ``chunks(watch, "total")`` joined, without an async generator (its
+        creation, the loop's hook and finalizer, on every non-streamed answer)."""
+        parts: list[bytes] = []
+        phase: Phase = "total"
+        while chunk := await self._next(watch, phase):
+            parts.append(chunk)
+            phase = "idle"
         return b"".join(parts)
+
+    async def _next(self, watch: Watch, phase: Phase) -> bytes:
+        conn = self._conn
+        try:
+            if conn.has_bytes():
+                # Returns at once (no deadline to arm), or raises for a close it already saw.
+                return await conn.next_bytes()
+            with watch.within(phase):
+                return await conn.next_bytes()
+        except ConnectionLost as exc:
+            raise UpstreamError(f"engine connection failed mid-response: {exc}") from exc
 
 
 def _why(exc: BaseException) -> str:
@@ -173,6 +180,30 @@ def _unreached(exc: OSError | ConnectionLost, conn: Connection | None) -> Engine
     )
 
 
+@dataclass(slots=True)
+class Opened:
+    """``Upstream.open``'s context: a class, not an ``asynccontextmanager`` (its generator, the
+    loop's async-generator hook and two ``anext`` a request)."""
+
+    upstream: Upstream
+    url: str
+    body: bytes
+    headers: Mapping[str, str]
+    watch: Watch
+    meanwhile: Callable[[], None] | None
+    fresh: bool
+    whole: bool
+    conn: Connection | None = None
+
+    async def __aenter__(self) -> UpstreamResponse:
+        return await self.upstream._open(self)
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        # Synchronous: a cancellation cannot interrupt it.
+        conn, self.conn = self.conn, None
+        self.upstream._close(conn)
+
+
 class Upstream:
     """One connection pool for every engine; per-request deadlines come from the watchdog.
 
@@ -195,8 +226,7 @@ class Upstream:
             found = self._split[url] = Origin.of(url)
         return found
 
-    @asynccontextmanager
-    async def open(
+    def open(
         self,
         url: str,
         body: bytes,
@@ -206,26 +236,32 @@ class Upstream:
         *,
         fresh: bool = False,
         whole: bool = False,
-    ) -> AsyncIterator[UpstreamResponse]:
+    ) -> Opened:
+        """``async with upstream.open(...) as response``: the request sent, its answer's status
+        and headers read; the connection back to the pool (or closed) on the way out."""
+        return Opened(self, url, body, headers, watch, meanwhile, fresh, whole)
+
+    async def _open(self, opened: Opened) -> UpstreamResponse:
         try:
-            origin, target = self._origin_of(url)
+            origin, target = self._origin_of(opened.url)
         except ValueError as exc:
             raise UpstreamError(f"engine request failed: {exc}") from exc
-        head = request_head("POST", target, origin.authority, headers, len(body))
+        body, watch = opened.body, opened.watch
+        head = request_head("POST", target, origin.authority, opened.headers, len(body))
         conn: Connection | None = None
         # A non-streamed answer's headers come with its last token: the whole decode is the
         # wait for them, which only the total deadline bounds.
-        waiting: Phase = "total" if whole else "first_byte"
+        waiting: Phase = "total" if opened.whole else "first_byte"
         try:
             with watch.within(waiting):
                 try:
                     conn = await self._pool.request(
-                        origin, head, body, watch.deadlines.connect_s, fresh=fresh
+                        origin, head, body, watch.deadlines.connect_s, fresh=opened.fresh
                     )
                 except TimeoutError as exc:
                     raise DeadlineHit("connect", watch.deadlines.connect_s) from exc
-                if meanwhile is not None:
-                    meanwhile()  # the request is written: this overlaps the engine's work
+                if opened.meanwhile is not None:
+                    opened.meanwhile()  # the request is written: this overlaps the engine's work
                 status, response_headers = await conn.headers()
         except (OSError, ConnectionLost) as exc:
             self._close(conn)
@@ -239,10 +275,8 @@ class Upstream:
         except BaseException:
             self._close(conn)
             raise
-        try:
-            yield UpstreamResponse(status, response_headers, conn)
-        finally:
-            self._close(conn)
+        opened.conn = conn
+        return UpstreamResponse(status, response_headers, conn)
 
     def _close(self, conn: Connection | None) -> None:
         """Back to the pool if the response was read to its end, else closed: the engine sees

@@ -1,13 +1,17 @@
 """shapegate's HTTP/1.1 protocol writes a response's head with its first body bytes
 (gateway/edge/http_protocol.py ``CoalescedCycle``), and never holds the head back for a body
-that does not follow at once."""
+that does not follow at once. Its scope offers ``DISCONNECT_HOOK``: a callback the connection's
+loss calls while the response is incomplete (``WatchedCycle``), never after it completed or once
+unwatched."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
+from gateway.core.exchange import DISCONNECT_HOOK, disconnect_hook
 from gateway.edge.http_protocol import guarded_protocol
 from gateway.settings import ServerSettings
 from tests.support.servers import serve_asgi
@@ -85,3 +89,78 @@ async def test_a_head_whose_body_is_late_is_sent_at_once() -> None:
     assert first.startswith(b"HTTP/1.1 200 OK\r\n") and first.endswith(b"\r\n\r\n")
     assert at < 0.4  # the head did not wait for the body
     assert rest == BODY and len(writes) == 2
+
+
+def _watching(calls: list[str], *, answer: bool, unwatch: bool = False) -> Any:
+    """An app that reads the body, watches for the disconnect (``calls`` gets "gone" when the
+    hook fires), then answers at once (``answer``) or waits for the disconnect up to 5 s."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await receive()
+        hook = disconnect_hook(scope)
+        assert hook is not None, f"no {DISCONNECT_HOOK} in the scope"
+        gone = asyncio.Event()
+
+        def left() -> None:
+            calls.append("gone")
+            gone.set()
+
+        stop = hook(left)
+        if unwatch:
+            stop()
+        if answer:
+            headers = [(b"content-length", b"%d" % len(BODY))]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": BODY, "more_body": False})
+            return
+        calls.append("waiting")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(gone.wait(), 5)
+        calls.append("done")
+
+    return app
+
+
+async def _post_and_leave(url: str, *, read: bool) -> None:
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
+    if read:
+        await asyncio.wait_for(reader.readuntil(BODY), 5)
+    else:
+        await asyncio.sleep(0.2)  # the app is waiting
+    writer.transport.abort()
+
+
+async def test_a_lost_connection_calls_the_disconnect_hook_once() -> None:
+    calls: list[str] = []
+    async with serve_asgi(
+        _watching(calls, answer=False), http=guarded_protocol(ServerSettings())
+    ) as url:
+        await _post_and_leave(url, read=False)
+        for _ in range(100):
+            if "done" in calls:
+                break
+            await asyncio.sleep(0.02)
+    assert calls == ["waiting", "gone", "done"]
+
+
+async def test_the_hook_is_not_called_after_the_response_or_once_unwatched() -> None:
+    calls: list[str] = []
+    async with serve_asgi(
+        _watching(calls, answer=True), http=guarded_protocol(ServerSettings())
+    ) as url:
+        await _post_and_leave(url, read=True)
+        await asyncio.sleep(0.2)
+    assert calls == []  # answered, then the client left: nothing to cancel
+    async with serve_asgi(
+        _watching(calls, answer=False, unwatch=True), http=guarded_protocol(ServerSettings())
+    ) as url:
+        await _post_and_leave(url, read=False)
+        for _ in range(50):
+            if "done" in calls:
+                break
+            await asyncio.sleep(0.02)
+    assert calls == ["waiting"]  # unwatched: the loss is not reported

@@ -42,3 +42,68 @@ def test_the_json_line_holds_the_event_level_stamp_context_and_any_value() -> No
     assert parsed["event"] == "route.finished" and parsed["x"] == 1 and parsed["worker"] == 3
     assert parsed["level"] == "warning" and parsed["o"] == "<opaque>"
     assert parsed["timestamp"].endswith("Z")
+
+
+class _Recording:
+    """A file that keeps each flushed write apart."""
+
+    def __init__(self) -> None:
+        self.pending = ""
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        return len(text)
+
+    def flush(self) -> None:
+        if self.pending:
+            self.writes.append(self.pending)
+            self.pending = ""
+
+
+async def test_lines_logged_in_one_loop_turn_go_out_in_one_write_at_its_end() -> None:
+    import asyncio
+
+    from gateway.observe.log import BatchedLoggerFactory
+
+    file = _Recording()
+    logger = BatchedLoggerFactory(file)()  # type: ignore[arg-type]
+    logger.info("one")
+    logger.warning("two")
+    assert file.writes == []  # held for the end of this turn
+    await asyncio.sleep(0)
+    assert file.writes == ["one\ntwo\n"]
+    logger.info("three")
+    await asyncio.sleep(0)
+    assert file.writes == ["one\ntwo\n", "three\n"]
+
+
+def test_a_line_logged_off_the_loop_goes_out_at_once_with_what_was_held() -> None:
+    from gateway.observe.log import BatchedLoggerFactory
+
+    file = _Recording()
+    factory = BatchedLoggerFactory(file)  # type: ignore[arg-type]
+    factory.lines._lines.append("held\n")  # as a loop turn would have left it
+    factory().info("now")
+    assert file.writes == ["held\nnow\n"]
+
+
+async def test_a_batch_is_written_in_writes_of_at_most_batch_bytes_on_line_boundaries() -> None:
+    import asyncio
+
+    from gateway.observe.log import BATCH_BYTES, BatchedLoggerFactory
+
+    file = _Recording()
+    logger = BatchedLoggerFactory(file)()  # type: ignore[arg-type]
+    lines = [f"{i:04d}" + "x" * 995 for i in range(10)]  # 1,000 bytes with its newline
+    long = "y" * (BATCH_BYTES + 10)
+    for line in lines[:3]:
+        logger.info(line)
+    logger.info(long)  # past BATCH_BYTES: what is buffered goes out now
+    for line in lines[3:]:
+        logger.info(line)
+    await asyncio.sleep(0)
+    assert "".join(file.writes) == "".join(f"{x}\n" for x in [*lines[:3], long, *lines[3:]])
+    assert all(w.endswith("\n") for w in file.writes)
+    assert all(len(w) <= BATCH_BYTES for w in file.writes if long not in w)
+    assert [w for w in file.writes if long in w] == [long + "\n"]

@@ -1,11 +1,15 @@
 """Slots come back on every path: success, engine error, timeouts and client disconnects in
-every phase (queued, waiting for the first byte, mid-stream, non-streaming)."""
+every phase (queued, waiting for the first byte, mid-stream, non-streaming); under uvicorn's own
+HTTP protocol (the disconnect seen by a task reading ``receive()``) and under shapegate's
+(gateway/edge/http_protocol.py: the disconnect a callback of the connection)."""
 
 from __future__ import annotations
 
 import asyncio
 import random
 import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -13,6 +17,10 @@ import httpx
 import orjson
 import pytest
 
+from gateway.count.tokens import TokenCounter
+from gateway.edge.app import create_app
+from gateway.edge.http_protocol import guarded_protocol
+from gateway.settings import Settings, parse_settings
 from tests.conftest import JSON, lanes_config
 from tests.support.fake_engine import FakeEngine
 from tests.support.servers import serve_asgi
@@ -97,8 +105,26 @@ EXPECTED = {
 LEAVERS = ("gone_waiting_first_byte", "gone_mid_stream", "gone_plain", "gone_queued")
 
 
+@pytest.fixture(params=["uvicorn", "shapegate"])
+def served(request: pytest.FixtureRequest, counter: TokenCounter) -> Callable[..., Any]:
+    """``async with served(config) as (url, settings)``: a real gateway on a socket, under
+    uvicorn's HTTP protocol or under the one ``shapegate serve`` runs."""
+
+    @asynccontextmanager
+    async def start(config: dict[str, Any]) -> AsyncIterator[tuple[str, Settings]]:
+        settings = parse_settings(config, environ={})
+        app = create_app(settings, counter)
+        protocol: dict[str, Any] = {}
+        if request.param == "shapegate":
+            protocol["http"] = guarded_protocol(settings.server)
+        async with serve_asgi(app, **protocol) as url:
+            yield url, settings
+
+    return start
+
+
 @pytest.fixture
-async def setup(gateway_at: Any) -> Any:
+async def setup(served: Any) -> Any:
     engine, heavy = FakeEngine(), FakeEngine()
     async with serve_asgi(engine) as engine_url, serve_asgi(heavy) as heavy_url:
         config = lanes_config([engine_url], [heavy_url])
@@ -112,7 +138,7 @@ async def setup(gateway_at: Any) -> Any:
             timeouts={"connect_s": 1, "first_byte_s": 60, "idle_s": 60, "total_s": 60},
             queue={"depth": 1000, "max_wait_s": 30},
         )
-        async with gateway_at(config) as (url, _):
+        async with served(config) as (url, _):
             yield engine, heavy, url
 
 
@@ -222,12 +248,12 @@ async def _idle(
     return slots_in_use(state) == 0 and not engine.open_requests()
 
 
-async def test_a_queued_request_whose_client_left_never_takes_a_slot(gateway_at: Any) -> None:
+async def test_a_queued_request_whose_client_left_never_takes_a_slot(served: Any) -> None:
     engine = FakeEngine()
     async with serve_asgi(engine) as engine_url:
         config = lanes_config([engine_url], [engine_url])
         config["lanes"][0].update(slots={"lane": 8, "per_endpoint": 8})
-        async with gateway_at(config) as (url, _):
+        async with served(config) as (url, _):
             await _queued_leaver(engine, url)
 
 
