@@ -25,7 +25,8 @@ from gateway.request.borrowing import (
 )
 from gateway.settings import ConfigError, LendSettings, Settings, parse_settings
 from gateway.shipped import resolve_policy
-from gateway.tuning.fleet_sim import FleetSim, SimulatedRequest
+from gateway.tuning.fleet_result import SimulatedRequest
+from gateway.tuning.fleet_sim import FleetSim
 from gateway.tuning.replay import cluster_profiles, simulate
 
 RULE = LendSettings(to=("fast",), max_prompt_tokens=8192, max_tokens=128, per_endpoint=4)
