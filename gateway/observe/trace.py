@@ -8,7 +8,8 @@ A trace is JSON lines, one request each::
 ``t`` is seconds from the start of the trace; ``prompt_chars`` may be null in captured traces
 (the gateway counts bytes and tokens, not characters); ``prefix`` names a shared prompt prefix
 and ``prefix_tokens``, when known, its length: requests naming the same prefix share their first
-``prefix_tokens`` tokens, so a replay predicts prefix-cache hits (fleet_sim.py, ``PrefixSim``).
+``prefix_tokens`` tokens, so a replay predicts prefix-cache hits (``PrefixSim``,
+tuning/prefix_routers.py).
 
 - ``synthesize(kind, seed)`` makes a trace from a description: ``production-burst`` (658
   requests over three hours, p50 prompt 3,000 tokens with 37 output tokens, nine monsters of

@@ -35,14 +35,12 @@ Contract:
   class may fill only the lane slots not reserved for the classes above it. 429 and 503 answers
   carry a ``Retry-After`` from the lane's measured drain rate (grants over the last minute).
 - Borrowing (gateway/request/borrowing.py): ``Want.loans`` are lending lanes whose idle endpoints
-the
-  request may take (``lent()`` gives their views); such a grant holds its own lane's slot and a
-  ``borrow:`` slot on the lender's endpoint (``Grant.lender`` names the lender). A lane that
-  lends enters its own endpoints only once their borrowers drained (or after ``max_drain_s``);
-  its waiter that is blocked by borrowers reserves the endpoint with the fewest, and no
-  borrower enters a reserved endpoint or one where the lender's own requests run. The
-  exclusion is the store's (``Limit.guards``, checked in the same atomic step as the take, and
-  the reservation a lease in the store): exact across replicas with Redis too.
+  the request may take (``lent()`` gives their views); such a grant holds its own lane's slot and
+  a ``borrow:`` slot on the lender's endpoint (``Grant.lender`` names the lender). The lender's
+  side (its endpoints guarded by borrowers, reserved for them to drain) is ``self.lending``
+  (gateway/request/lending.py). The exclusion is the store's (``Limit.guards``, checked in the
+  same atomic step as the take, and the reservation a lease in the store): exact across replicas
+  with Redis too.
 - ``move`` fails a granted request over to another endpoint: the old endpoint slot is given up
   and a new one taken in one store step, the lane slot kept, so it never holds two; it waits
   for room up to ``queue.max_wait_s`` (renewing its lane lease meanwhile) and returns False if
@@ -63,18 +61,13 @@ import anyio
 from engine_pool.cluster import EngineView
 from engine_pool.outlier import ramped_limit
 from gateway.core.decision import Grant
-from gateway.core.slots import Limit, borrow_key, endpoint_key, lane_key, reserve_key
+from gateway.core.slots import Limit, endpoint_key, lane_key
 from gateway.errors import Overloaded, QueueTimeout
 from gateway.observe.log import Logger, swallowed
 from gateway.observe.metrics import Metrics
 from gateway.request.borrowing import (
-    EndpointUse,
     Loan,
-    Offer,
-    borrow_room,
     merge_loans,
-    owner_may_enter,
-    to_reserve,
 )
 from gateway.request.classes import (
     PASS_AHEAD,
@@ -84,6 +77,7 @@ from gateway.request.classes import (
     passing,
     retry_after_s,
 )
+from gateway.request.lending import Lending
 from gateway.settings import ClassSettings, LaneSettings
 from gateway.slots.store import SlotStore
 
@@ -174,9 +168,8 @@ class Admission:
         self._queues: dict[str, deque[_Waiter]] = {}
         self._starvation_s: dict[str, float] = {}
         self._drain: dict[str, DrainMeter] = {}
-        # Endpoint key -> (token, since, reserve key) of this replica's lender waiter that
-        # reserved it (the store holds the reservation itself, for every replica to see).
-        self._reserved: dict[str, tuple[str, float, str]] = {}
+        # The lender's side of borrowing: this replica's reservations (gateway/request/lending.py).
+        self.lending = Lending(store, log, self._release)
         # Borrowed grants in flight: (lane, lender) -> count (admin state and dashboard).
         self.borrowing: dict[tuple[str, str], int] = {}
 
@@ -185,8 +178,7 @@ class Admission:
 
     def reserved(self) -> dict[str, float]:
         """Endpoints reserved by a lender's waiter for its borrowers to drain: key -> seconds."""
-        now = time.monotonic()
-        return {key: round(now - since, 3) for key, (_, since, _) in self._reserved.items()}
+        return self.lending.reserved()
 
     def drain_rate(self, lane: str) -> float:
         """Grants a second in ``lane`` over the last minute (what Retry-After is computed from)."""
@@ -211,8 +203,8 @@ class Admission:
             held = Held(await self._acquire(lane, candidates, token, limit_of, want))
         finally:
             # Granted, refused, timed out or cancelled: a reservation never outlives the wait.
-            if self._reserved and any(holder == token for holder, _, _ in self._reserved.values()):
-                await self._unreserve(token, lane.name)
+            if self.lending.holds(token):
+                await self.lending.unreserve(token, lane.name)
         lender = held.grant.lender
         m = self._metrics
         m.child(m.slots_in_use, held.lane, held.cluster).inc()
@@ -334,7 +326,7 @@ class Admission:
                                 return grant
                             self._wake_behind(lane, waiter)
                         waiter.wake = anyio.Event()
-                        with anyio.move_on_after(self._sleep_s(lane, token)):
+                        with anyio.move_on_after(self.lending.sleep_s(lane, token, self._poll_s)):
                             await waiter.wake.wait()
         except TimeoutError:
             raise QueueTimeout(
@@ -343,22 +335,11 @@ class Admission:
             ) from None
         finally:
             queue.remove(waiter)
-            await self._unreserve(token, lane.name)
+            await self.lending.unreserve(token, lane.name)
             self._queue_changed(lane.name)
             head = self._head(lane.name)
             if head is not None:
                 head.wake.set()
-
-    def _sleep_s(self, lane: LaneSettings, token: str) -> float:
-        """How long a waiter sleeps unless woken: the poll interval, or less when its drain
-        limit on a reserved endpoint runs out sooner (``max_drain_s`` is kept to the moment)."""
-        if lane.lend is None:
-            return self._poll_s
-        now, ends = time.monotonic(), [self._poll_s]
-        for holder, since, _ in self._reserved.values():
-            if holder == token:
-                ends.append(max(0.0, since + lane.lend.max_drain_s - now) + 0.001)
-        return min(ends)
 
     @staticmethod
     def _passes(lane: LaneSettings) -> bool:
@@ -407,14 +388,6 @@ class Admission:
         starvation = self._starvation_s.get(lane, NO_CLASSES.starvation_s)
         return queue[next_waiter(waiting, time.monotonic(), starvation)]
 
-    async def _unreserve(self, token: str, lane: str) -> None:
-        if not self._reserved:  # the common case: no lending lane's waiter reserved anything
-            return
-        for key, (holder, _, reserved) in list(self._reserved.items()):
-            if holder == token:
-                del self._reserved[key]
-                await self._release(token, [reserved], lane)  # wakes borrowers: it lends again
-
     async def _try(
         self,
         lane: LaneSettings,
@@ -441,10 +414,10 @@ class Admission:
         )
         own_limits = [self._endpoint_limit(v, limit_of) for v in own]
         if lane.lend is not None:
-            own_limits = self._protected(lane, token, own, own_limits)
+            own_limits = self.lending.protected(lane, token, own, own_limits)
         offers = merge_loans(
             [(v, lim, None) for v, lim in zip(own, own_limits, strict=True)],
-            await self._loans(lent),
+            await self.lending.loans(lent),
         )
         limits = [lim for _, lim, _ in offers]
         try:
@@ -455,10 +428,10 @@ class Admission:
             raise
         if index is None:
             if lane.lend is not None and own:
-                await self._reserve(lane, token, own)
+                await self.lending.reserve(lane, token, own)
             return None
         view, _, lender = offers[index]
-        await self._unreserve(token, lane.name)
+        await self.lending.unreserve(token, lane.name)
         return Grant(
             token=token,
             lane=lane.name,
@@ -468,65 +441,6 @@ class Admission:
             queued_s=time.monotonic() - started,
             lender=lender,
         )
-
-    async def _uses(self, views: Sequence[EngineView]) -> list[EndpointUse]:
-        """What the borrowing rules see of endpoints (every replica's, with a shared store):
-        their own lane's slots, borrowers, and whether a waiter reserved them."""
-        own = [endpoint_key(v.cluster, v.url) for v in views]
-        lent = [borrow_key(v.cluster, v.url) for v in views]
-        held = [reserve_key(v.cluster, v.url) for v in views]
-        used = await self.store.in_use([*own, *lent, *held])
-        return [
-            EndpointUse(used[o], used[b], used[r] > 0)
-            for o, b, r in zip(own, lent, held, strict=True)
-        ]
-
-    def _protected(
-        self, lane: LaneSettings, token: str, views: Sequence[EngineView], limits: list[Limit]
-    ) -> list[Limit]:
-        """The lender's own endpoint limits, each guarded by the endpoint's borrowers (the store
-        takes it only while none is there), but for the endpoint this waiter reserved once it
-        has waited ``max_drain_s`` for them."""
-        assert lane.lend is not None
-        now = time.monotonic()
-        out = []
-        for view, limit in zip(views, limits, strict=True):
-            holder, since, _ = self._reserved.get(limit.key, ("", now, ""))
-            waited = now - since if holder == token else 0.0
-            drained = owner_may_enter(lane.lend, EndpointUse(0, 1), waited)
-            guards = () if drained else (borrow_key(view.cluster, view.url),)
-            out.append(Limit(limit.key, limit.limit, guards))
-        return out
-
-    async def _reserve(self, lane: LaneSettings, token: str, views: Sequence[EngineView]) -> None:
-        """Reserve (or keep reserving: the store's lease is renewed on every try) the endpoint
-        with the fewest borrowers, when borrowers are what keeps this waiter out."""
-        mine = [r for holder, _, r in self._reserved.values() if holder == token]
-        if mine:
-            await self.store.reserve(token, mine[0])
-            return
-        uses = await self._uses(views)
-        free = {(v.cluster, v.url): u for v, u in zip(views, uses, strict=True) if not u.reserved}
-        chosen = to_reserve(free, lane.slots.per_endpoint)
-        if chosen is not None:
-            key = reserve_key(*chosen)
-            await self.store.reserve(token, key)
-            self._reserved[endpoint_key(*chosen)] = (token, time.monotonic(), key)
-            self._log.info("borrow.reserved", lane=lane.name, endpoint=chosen[1])
-
-    async def _loans(self, lent: Sequence[tuple[EngineView, Loan]]) -> list[Offer]:
-        """Lenders' endpoints with room for one more borrower, as (view, borrow limit, lender)."""
-        if not lent:
-            return []
-        uses = await self._uses([v for v, _ in lent])
-        offers: list[Offer] = []
-        for (view, loan), use in zip(lent, uses, strict=True):
-            # The counts are a moment old (other replicas): the guards decide, atomically.
-            if view.state.routable and borrow_room(loan.rule, use) > 0:
-                guards = (endpoint_key(view.cluster, view.url), reserve_key(view.cluster, view.url))
-                limit = Limit(borrow_key(view.cluster, view.url), loan.rule.per_endpoint, guards)
-                offers.append((view, limit, loan.lender))
-        return offers
 
     async def _release(self, token: str, keys: Sequence[str], lane: str) -> None:
         # An in-process store never awaits while it releases (slots/store.py), so nothing can

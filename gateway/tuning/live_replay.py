@@ -38,7 +38,7 @@ from gateway.observe.trace import TraceRecord
 from gateway.protocols.routes import ENGINE_ROUTES
 from gateway.request.lanes import lane_for
 from gateway.settings import Settings
-from gateway.tuning.fleet_sim import FleetResult, SimulatedRequest
+from gateway.tuning.fleet_result import FleetResult, SimulatedRequest
 
 # Common English words; those the target's tokenizer encodes as one token (with and without a
 # leading space) make the filler.

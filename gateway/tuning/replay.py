@@ -25,7 +25,8 @@ from gateway.extras import save, side_by_side
 from gateway.observe.trace import TraceRecord
 from gateway.request.lanes import lane_for
 from gateway.settings import Settings
-from gateway.tuning.fleet_sim import CountBy, FleetResult, FleetSim, SimulatedRequest
+from gateway.tuning.fleet_result import FleetResult, SimulatedRequest
+from gateway.tuning.fleet_sim import CountBy, FleetSim
 
 NEAR = 0.10
 DEMAND_NOTE = (

@@ -28,7 +28,8 @@ from engine_pool.sim.profile import EngineProfile
 from gateway.observe.trace import TraceRecord
 from gateway.settings import Settings
 from gateway.tuning.fleet_model import LiveCosts
-from gateway.tuning.fleet_sim import FleetSim, SimulatedRequest
+from gateway.tuning.fleet_result import SimulatedRequest
+from gateway.tuning.fleet_sim import FleetSim
 from gateway.tuning.replay import cluster_profiles, percentile, summarize
 
 CALIBRATION = "shapegate bench fidelity: the live path's costs measured on this machine class"

@@ -6,7 +6,7 @@ own 8k-20k-token system prompts at unequal rates, ten 150k-300k-token documents 
 questions each in bursts of two) is played by ``gateway.tuning.fleet_sim`` over configs/demo.yaml
 widened to 4 fast engines (h100-fast) and 2 heavy ones (h100-heavy-lending, the lending rule
 removed), every engine holding a prefix cache (a block LRU of its KV size, blocks of
-``prefix_index.block_tokens`` = 64 tokens), once per router (``fleet_sim.ROUTERS``):
+``prefix_index.block_tokens`` = 64 tokens), once per router (``prefix_routers.ROUTERS``):
 ``least-loaded``, ``affinity`` (the previous rendezvous home re-sorted by in-flight count),
 ``cache-aware`` (smg's ``cache_aware`` with its default thresholds, on the same approximate
 record), ``chain`` (the live chain over the gateway's approximate index and prefill ledger:
@@ -46,7 +46,8 @@ import yaml
 from gateway.settings import Settings, parse_settings
 from gateway.shipped import resolve_policy
 from gateway.tools.bench.harness import machine, machine_line, publish, with_targets
-from gateway.tuning.fleet_sim import ROUTERS, FleetSim, PrefixSim
+from gateway.tuning.fleet_sim import FleetSim
+from gateway.tuning.prefix_routers import ROUTERS, PrefixSim
 from gateway.tuning.replay import SimReport, cluster_profiles, plot, summarize
 
 TTFT_X_BETTER, MONSTER_X_BETTER, HIT_POINTS, LOOKUP_MS = 3.0, 2.0, 5.0, 2.0

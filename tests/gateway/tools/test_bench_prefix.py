@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gateway.tools.cli import main
-from gateway.tuning.fleet_sim import ROUTERS
+from gateway.tuning.prefix_routers import ROUTERS
 
 ROOT = Path(__file__).resolve().parents[3]
 

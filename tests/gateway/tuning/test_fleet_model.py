@@ -12,7 +12,8 @@ import pytest
 from gateway.observe.trace import TraceRecord
 from gateway.settings import Settings, parse_settings
 from gateway.tuning.fleet_model import LiveCosts
-from gateway.tuning.fleet_sim import FleetSim, SimulatedRequest, _Ticket
+from gateway.tuning.fleet_result import SimulatedRequest
+from gateway.tuning.fleet_sim import FleetSim, _Ticket
 from gateway.tuning.replay import cluster_profiles
 from tests.conftest import lanes_config
 

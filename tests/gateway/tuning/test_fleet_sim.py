@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from gateway.observe.trace import TraceRecord, synthesize
 from gateway.tools.bench.prefix import policy
-from gateway.tuning.fleet_sim import FleetSim, PrefixSim, Router
+from gateway.tuning.fleet_sim import FleetSim
+from gateway.tuning.prefix_routers import PrefixSim, Router
 from gateway.tuning.replay import cluster_profiles
 
 ROUTERS_COMPARED: tuple[Router, ...] = ("least-loaded", "chain", "oracle")

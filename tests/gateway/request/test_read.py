@@ -1,4 +1,4 @@
-"""gateway.request.pipeline.read_request: the body read as its route reads it, checked as vLLM
+"""gateway.request.read.read_request: the body read as its route reads it, checked as vLLM
 0.32 checks it before any slot is taken."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from gateway.errors import BadRequest
 from gateway.protocols.routes import ENGINE_ROUTES
-from gateway.request.pipeline import read_request
+from gateway.request.read import read_request
 from gateway.settings import parse_settings
 from tests.conftest import MODEL, lanes_config
 
