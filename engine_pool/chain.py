@@ -35,7 +35,7 @@ skipped by the store whatever its score. README "Prefix-cache-aware routing" say
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from engine_pool.cluster import EngineView
 from engine_pool.scorers import fits_context, load, prefix, routable, work
@@ -53,8 +53,9 @@ NEW_HOME_SLACK = 0.5
 __all__ = ["Ask", "Ranked", "rank"]
 
 
-@dataclass(frozen=True, slots=True)
-class Ranked:
+class Ranked(NamedTuple):
+    """One endpoint in the chain's order (a named tuple: one is made per endpoint per request)."""
+
     view: EngineView
     score: float
     cached_tokens: int
@@ -66,7 +67,9 @@ def rank(
     weights: Mapping[str, float] = LEAST_LOADED,
     hold_tokens: int | None = None,
 ) -> list[Ranked]:
-    kept = [v for v in views if all(keep(v, ask) for keep in FILTERS)]
+    kept = list(views)
+    for keep in FILTERS:  # each filter over what the ones before it kept
+        kept = [v for v in kept if keep(v, ask)]
     totals = [0.0] * len(kept)
     for name, weight in weights.items():
         if weight:

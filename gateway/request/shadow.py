@@ -77,6 +77,39 @@ SHAPE_FIELDS = (
 
 
 @dataclass(frozen=True, slots=True)
+class _LanePlan:
+    """What ``decide`` reads of one shadow lane on every request, computed once: its chain
+    weights, whether it looks at the prompt's prefix, and per cluster the endpoint slot limit
+    with the chain's ``Ask`` for a request the lane does not look at the prefix of (the same
+    for every such request: no prefix, no pending prefill)."""
+
+    weights: Mapping[str, float]
+    weighs: bool
+    limits: Mapping[str, int]
+    plain: Mapping[str, Ask]
+
+    @classmethod
+    def of(cls, lane: LaneSettings, limits: Mapping[str, int]) -> _LanePlan:
+        weighs = bool(lane.weights.prefix or lane.weights.work) or (
+            lane.prefix_hold_tokens is not None
+        )
+        return cls(
+            lane.weights.as_map(),
+            weighs,
+            limits,
+            {
+                c: Ask(
+                    tokens=NOTHING.tokens,
+                    cached=NOTHING.cached,
+                    held=NOTHING.held,
+                    limit_of=_fixed(limit),
+                )
+                for c, limit in limits.items()
+            },
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class ShadowPolicy:
     """A validated candidate policy and what deciding with it needs, computed once."""
 
@@ -96,19 +129,22 @@ class ShadowPolicy:
     # Its priority classes are the active policy's: the active class is the shadow's too.
     classes_as_active: bool = False
     started_at: float = field(default_factory=time.time)
+    # Each lane's plan, by name (``_LanePlan``).
+    plans: Mapping[str, _LanePlan] = field(default_factory=dict)
 
     @classmethod
     def of(cls, settings: Settings, version: int, active: Settings | None = None) -> ShadowPolicy:
         lanes = settings.lanes
+        limits = {
+            (lane.name, c.name): endpoint_limit(lanes, lane, c.name)
+            for lane in lanes
+            for c in settings.clusters
+        }
         return cls(
             settings,
             version,
             {c.name: frozenset(served_models(settings, c.name)) for c in settings.clusters},
-            {
-                (lane.name, c.name): endpoint_limit(lanes, lane, c.name)
-                for lane in lanes
-                for c in settings.clusters
-            },
+            limits,
             {
                 name: model.name
                 for model in settings.models
@@ -126,6 +162,12 @@ class ShadowPolicy:
                 ]
             ),
             active is not None and active.classes == settings.classes,
+            plans={
+                lane.name: _LanePlan.of(
+                    lane, {c.name: limits[(lane.name, c.name)] for c in settings.clusters}
+                )
+                for lane in lanes
+            },
         )
 
 
@@ -203,21 +245,23 @@ def decide(policy: ShadowPolicy, seen: Seen) -> ShadowDecision:
     need = seen.longest + 1
     if refusal([v for views in serving.values() for v in views], need) is not None:
         return ShadowDecision(name, reason, priority, None, None, "context_too_small")
-    weighs = lane.weights.prefix or lane.weights.work or lane.prefix_hold_tokens is not None
-    prefix = seen.prefix if weighs else NOTHING
-    weights = lane.weights.as_map()
+    plan = policy.plans[name]
+    prefix = seen.prefix
     for cluster, views in serving.items():
-        limit = policy.limits.get((name, cluster), lane.slots.per_endpoint)
-        ask = Ask(
-            tokens=prefix.tokens,
-            cached=prefix.cached,
-            held=prefix.held,
-            limit_of=_fixed(limit),
-            pending=seen.pending,
-        )
+        limit = plan.limits.get(cluster, lane.slots.per_endpoint)
+        if plan.weighs:
+            ask = Ask(
+                tokens=prefix.tokens,
+                cached=prefix.cached,
+                held=prefix.held,
+                limit_of=_fixed(limit),
+                pending=seen.pending,
+            )
+        else:  # no prefix, no pending prefill: the lane's one Ask for the cluster
+            ask = plan.plain.get(cluster) or Ask(limit_of=_fixed(limit))
         # With the lane's hold, an endpoint with room that would prefill more than the full
         # home is dropped: the request would wait, as the active chain's does.
-        for ranked in rank(holding(views, need), ask, weights, lane.prefix_hold_tokens):
+        for ranked in rank(holding(views, need), ask, plan.weights, lane.prefix_hold_tokens):
             if _room(ranked.view, limit):
                 return ShadowDecision(name, reason, priority, ranked.view.url, None, None)
     lender = _lender(policy, lane, seen, model) if reason == "in_range" else None

@@ -148,22 +148,38 @@ class ShadowLive:
                 digest = bearer_digest(auth) if auth is not None else None
                 given = header(scope, policy.settings.classes.header.encode())
                 asked = given.decode("latin-1") if given is not None else None
-            kept = _Pending(
-                request.max_tokens,
-                multipart,
-                # The pipeline's own map, made for this request and never changed after.
-                healthy,
-                self._live if final else {c: self.pool.views(c) for c in policy.clusters},
-                digest,
-                asked,
-                prefix,
-                routed.priority if policy.classes_as_active else None,
-                pending,
-            )
+            priority = routed.priority if policy.classes_as_active else None
+            # The pipeline's own health map, made for this request and never changed after.
             if final:
-                seen = Seen(count.tokens, count.longest, True, request.model, *kept)
+                seen = Seen(
+                    count.tokens,
+                    count.longest,
+                    True,
+                    request.model,
+                    request.max_tokens,
+                    multipart,
+                    healthy,
+                    self._live,
+                    digest,
+                    asked,
+                    prefix,
+                    priority,
+                    pending,
+                )
                 self._kept[id(record)] = (policy, decide(policy, seen), None)
             else:
+                views = {c: self.pool.views(c) for c in policy.clusters}
+                kept = _Pending(
+                    request.max_tokens,
+                    multipart,
+                    healthy,
+                    views,
+                    digest,
+                    asked,
+                    prefix,
+                    priority,
+                    pending,
+                )
                 self._kept[id(record)] = (policy, None, kept)
         except Exception as exc:  # noqa: BLE001 - the shadow never fails a live request
             swallowed(
