@@ -33,7 +33,6 @@ import orjson
 
 from gateway.core.exchange import Message, read_body
 from gateway.count.tokenizers import warmup
-from gateway.count.tokenizers.worker import rehearsal_text
 from gateway.errors import BadRequest
 from gateway.observe.log import Logger, swallowed
 from gateway.observe.metrics import Metrics
@@ -84,7 +83,7 @@ async def rehearse(policy: Policy, log: Logger, metrics: Metrics | None = None) 
 
 async def _one(policy: Policy, model: str, tokens: int, index: int) -> int:
     """One rehearsed request: body read, parse, count; its token count."""
-    text = rehearsal_text(int(tokens * warmup.CHARS_PER_TOKEN), index)
+    text = warmup.rehearsal_text(int(tokens * warmup.CHARS_PER_TOKEN), index)
     body = orjson.dumps(
         {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": text}]}
     )

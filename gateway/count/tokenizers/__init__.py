@@ -11,6 +11,7 @@ tests and benchmarks that compare backends.
     tiktoken_files.py  .tiktoken files and tiktoken's named encodings
     backends.py   which backend serves a vocabulary, in a child process or this one
     worker.py     ``ChildEncoder``: the tokenizer in a child process (child.py), recycled on RSS
+    processes.py  the template process and the counting children forked from it
     templates.py  what the engine sees: built-in ChatML pieces, or a model's Jinja chat template
     cache.py      the bounded LRU of per-piece counts
 """

@@ -1,4 +1,4 @@
-"""What runs in the tokenizer's processes. worker.py starts one, the template (a fresh
+"""What runs in the tokenizer's processes. processes.py starts one, the template (a fresh
 interpreter: ``python -m gateway.count.tokenizers.child READ_FD WRITE_FD CONTROL_FD``): it reads
 the recipe, builds the encoder, warms it and answers ``ready``, then never counts. Each pair of
 pipe ends the gateway passes over the control socket (``SCM_RIGHTS``,

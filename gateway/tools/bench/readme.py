@@ -7,7 +7,7 @@ README (default ``README.md``) with tables built from them: the machine each ran
 cores, load average at start), the figures, each target met or missed, and links to the PNG
 plots (relative to the README). The figures are never typed by hand; ``--check`` exits 1
 when the section is out of date. A suite with a report module of its own writes its section
-there (count_report.py, monsters_report.py); the other suites' tables are here.
+there (count_report.py, monsters_report.py, overhead_report.py); the other suites' tables are here.
 """
 
 from __future__ import annotations
@@ -166,62 +166,9 @@ def _prefix(r: dict[str, Any], plots: Path) -> list[str]:
 
 
 def _overhead(r: dict[str, Any], plots: Path) -> list[str]:
-    placement = r["placement"]
-    sides = r.get("sides", ["direct", "gateway"])
-    smg = r.get("smg", {})
-    peer = (
-        f"smg {smg.get('version')} (SGLang's Rust model gateway, `{smg.get('command')}`) on the "
-        "same CPU in the same run"
-        if "smg" in sides
-        else "smg not measured (not installed)"
-    )
-    lines = [
-        "### Gateway overhead (`shapegate bench overhead`)",
-        "",
-        f"Machine: {_machine(r)}. A fixed upstream (raw asyncio, one JSON body or "
-        f"{r.get('sse_chunks', 100)} SSE chunks) hit directly, through {peer}, and through "
-        "`shapegate serve`; open loop (requests sent on schedule whether or not earlier ones "
-        f"finished), {r['seconds_per_run']:g} s per run; gateways on CPUs "
-        f"{placement['gateway_cpus']}, generator and upstream on "
-        f"{placement['generator_and_upstream_cpus']}. The generator alone against the upstream "
-        f"stays clean up to {r['generator_ceiling']['highest_clean_rps']} requests/s. Latency is "
-        "client-side p50 / p99 to the last byte, ms.",
-        *_smoke(r),
-        "",
-        "| shape | offered req/s | direct | smg | shapegate | shapegate added vs smg's p50 / p99 "
-        "| errors | shapegate CPU s / 1k req |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for row in r["rows"]:
-        d, g, m = row["direct"], row["gateway"], row.get("smg")
-        smg_cell = "-" if m is None else f"{m['p50_ms']:.2f} / {m['p99_ms']:.2f}"
-        vs = (
-            f"{row['added_p50_vs_smg']:g}x / {row['added_p99_vs_smg']:g}x"
-            if "added_p50_vs_smg" in row
-            else "-"
-        )
-        lines.append(
-            f"| {row['shape']} | {row['offered_rps']} | {d['p50_ms']:.2f} / {d['p99_ms']:.2f} "
-            f"| {smg_cell} | {g['p50_ms']:.2f} / {g['p99_ms']:.2f} | {vs} | {g['errors']} "
-            f"| {row['gateway_cpu_s_per_1k']:.3f} |"
-        )
-    closed = r.get("closed_loop", [])
-    if closed:
-        lines += [
-            "",
-            "| closed loop | connections | direct req/s | smg req/s | shapegate req/s "
-            "| shapegate / smg |",
-            "| --- | ---: | ---: | ---: | ---: | ---: |",
-        ]
-        for point in closed:
-            smg_rps = f"{point['smg']['rps']:.0f}" if "smg" in point else "-"
-            share = f"{point['rps_vs_smg']:.0%}" if "rps_vs_smg" in point else "-"
-            lines.append(
-                f"| {point['shape']} | {point['connections']} | {point['direct']['rps']:.0f} "
-                f"| {smg_rps} | {point['gateway']['rps']:.0f} | {share} |"
-            )
-    lines += ["", *_targets(r), "", f"![overhead]({(plots / 'overhead.png').as_posix()})", ""]
-    return lines
+    from gateway.tools.bench.overhead_report import readme_lines
+
+    return readme_lines(r, _machine(r), _smoke(r), _targets(r), plots)
 
 
 def _count(r: dict[str, Any], plots: Path) -> list[str]:
