@@ -9,9 +9,11 @@ one run, with the Qwen3.6 vocabulary:
 
 1. ``flood``: unique random text (CJK, then base64), ``--flood-mb`` MB of each in 40 kB
    prompts, counted exactly through ``TokenCounter.count_sync`` (no count cache, so every piece
-   reaches the tokenizer). Resident memory is this process plus its children (the tokenizer
-   child), read after every prompt; per tenth of the text the peak is kept. Bounded means the
-   peak over the second half of the text is no higher than over the first half (+``FLAT_MB``).
+   reaches the tokenizer). Memory is the proportional set sizes (PSS) of this process and its
+   children (the tokenizer template and its counting child, which share the template's pages
+   copy-on-write: summed resident memory would count those pages twice), read after every
+   prompt; per tenth of the text the peak is kept. Bounded means the peak over the second half
+   of the text is no higher than over the first half (+``FLAT_MB``).
    The peak itself is the old child past the bound by what it grows while its replacement
    loads, plus that replacement (worker.py); it is reported, not a target.
    The in-process baseline (``max_encoder_rss_mb: null``) floods a quarter as much text: it grows
@@ -41,7 +43,7 @@ from gateway.count.tokens import TokenCounter
 from gateway.protocols.openai import ChatPrompt
 from gateway.settings import CountingSettings, Settings, TokenizerSettings
 from gateway.tools.bench.corpus import Corpus
-from gateway.tools.bench.harness import machine, machine_line, target_lines, tree_rss_mb, write_json
+from gateway.tools.bench.harness import machine, machine_line, target_lines, tree_pss_mb, write_json
 
 PROMPT_BYTES = 40_000
 FLAT_MB = 16.0
@@ -98,7 +100,7 @@ def _text(kind: str, rng: random.Random) -> str:
 def _flood(counter: TokenCounter, kind: str, mb: float, seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
     prompts = max(10, int(mb * 2**20 / PROMPT_BYTES))
-    before = tree_rss_mb()
+    before = tree_pss_mb()
     peaks: list[float] = []
     peak = 0.0
     tenth = max(1, prompts // 10)
@@ -106,7 +108,7 @@ def _flood(counter: TokenCounter, kind: str, mb: float, seed: int) -> dict[str, 
         text = _text(kind, rng)
         messages = ({"role": "user", "content": text},)
         counter.count_sync("qwen3.6", ChatPrompt(messages=messages))
-        peak = max(peak, tree_rss_mb())
+        peak = max(peak, tree_pss_mb())
         if (i + 1) % tenth == 0:
             peaks.append(round(peak, 1))
             peak = 0.0
@@ -115,7 +117,7 @@ def _flood(counter: TokenCounter, kind: str, mb: float, seed: int) -> dict[str, 
         "kind": kind,
         "prompts": prompts,
         "text_mb": round(prompts * PROMPT_BYTES / 2**20, 1),
-        "rss_before_mb": round(before, 1),
+        "pss_before_mb": round(before, 1),
         "peak_per_tenth_mb": peaks,
         "peak_mb": max(peaks),
         "growth_mb": round(peaks[-1] - before, 1),
@@ -126,9 +128,9 @@ def _flood(counter: TokenCounter, kind: str, mb: float, seed: int) -> dict[str, 
 
 def _floods(max_rss_mb: float | None, mb: float) -> dict[str, Any]:
     gc.collect()
-    start = tree_rss_mb()
+    start = tree_pss_mb()
     counter = TokenCounter.from_settings(_settings(max_rss_mb))
-    loaded = tree_rss_mb()
+    loaded = tree_pss_mb()
     floods = [_flood(counter, kind, mb, seed) for seed, kind in enumerate(("cjk", "base64"))]
     encoder = counter._model("qwen3.6").vocab.encoder
     recycles = getattr(encoder, "recycles", 0)  # a bench reading a figure, not a strategy
@@ -137,8 +139,8 @@ def _floods(max_rss_mb: float | None, mb: float) -> dict[str, Any]:
     gc.collect()
     return {
         "max_encoder_rss_mb": max_rss_mb,
-        "rss_start_mb": round(start, 1),
-        "rss_loaded_mb": round(loaded, 1),
+        "pss_start_mb": round(start, 1),
+        "pss_loaded_mb": round(loaded, 1),
         "recycles": recycles,
         "floods": floods,
     }
@@ -206,7 +208,7 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     for flood in bounded["floods"]:
         out.append(
             {
-                "target": f"bounded {flood['kind']}: peak RSS over the second half of "
+                "target": f"bounded {flood['kind']}: peak PSS over the second half of "
                 f"{flood['text_mb']} MB of unique text minus the first half's, MB",
                 "value": flood["second_half_over_first_mb"],
                 "limit": FLAT_MB,
@@ -238,14 +240,15 @@ def table(result: dict[str, Any]) -> str:
     lines = [
         f"shapegate bench encoder{' (SMOKE: figures not meaningful)' if result['smoke'] else ''}",
         machine_line(result["machine"]),
-        "RSS = this process + its children (the tokenizer child), MB",
+        "PSS = proportional set sizes of this process and its children (the tokenizer template and "
+        "its counting child; a page they share counts once), MB",
         "",
     ]
     for name in ("bounded", "in_process"):
         mode = result[name]
         lines.append(
-            f"{name}: max_encoder_rss_mb={mode['max_encoder_rss_mb']}, RSS at start "
-            f"{mode['rss_start_mb']}, tokenizer loaded {mode['rss_loaded_mb']}, "
+            f"{name}: max_encoder_rss_mb={mode['max_encoder_rss_mb']}, PSS at start "
+            f"{mode['pss_start_mb']}, tokenizer loaded {mode['pss_loaded_mb']}, "
             f"recycles {mode['recycles']}"
         )
         for flood in mode["floods"]:

@@ -310,13 +310,14 @@ def _encoder(r: dict[str, Any], plots: Path) -> list[str]:
         "### Tokenizer memory and the cost of its bound (`shapegate bench encoder`)",
         "",
         f"Machine: {_machine(r)}. Unique random text in 40 kB prompts counted exactly through "
-        "`TokenCounter` (no count cache); RSS is the process plus its tokenizer child, peak per "
+        "`TokenCounter` (no count cache); memory is PSS (proportional set sizes) of the process "
+        "and its tokenizer template and child, a shared page counted once; peak per "
         f"tenth of the text. Bounded: `counting.max_encoder_rss_mb: "
         f"{bounded['max_encoder_rss_mb']}` ({bounded['recycles']} child replacements); "
         "in-process: `null` (the baseline, a quarter of the text).",
         *_smoke(r),
         "",
-        "| mode | text | MB of text | peak RSS per tenth, MB |",
+        "| mode | text | MB of text | peak PSS per tenth, MB |",
         "| --- | --- | ---: | --- |",
     ]
     for name, mode in (("bounded", bounded), ("in-process", inproc)):

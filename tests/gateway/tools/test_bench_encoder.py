@@ -26,12 +26,12 @@ def test_bench_encoder_smoke_writes_both_modes_and_ratios(
     for mode in ("bounded", "in_process"):
         floods = result[mode]["floods"]
         assert [f["kind"] for f in floods] == ["cjk", "base64"]
-        assert result[mode]["rss_loaded_mb"] > 0
+        assert result[mode]["pss_loaded_mb"] > 0
         assert all(len(f["peak_per_tenth_mb"]) >= 10 and f["peak_mb"] > 0 for f in floods)
-    # RSS counts the tokenizer child: a process of its own, well above nothing loaded (the
-    # in-process mode may reuse memory this test process freed before).
+    # PSS counts the tokenizer template and child: processes of their own, well above nothing
+    # loaded (the in-process mode may reuse memory this test process freed before).
     bounded = result["bounded"]
-    assert bounded["rss_loaded_mb"] > bounded["rss_start_mb"] + 50
+    assert bounded["pss_loaded_mb"] > bounded["pss_start_mb"] + 50
     rows = {row["size"]: row for row in result["latency"]}
     assert set(rows) == {"3k", "32k", "300k"}
     assert rows["3k"]["tokens"] < rows["32k"]["tokens"] < rows["300k"]["tokens"]
