@@ -63,8 +63,9 @@ Refused, and left as before (an error event), each named in ``route.migration_re
 ``n`` above 1 (``n``), logprobs (``logprobs``: they would restart), a JSON schema or other
 structured output (``structured_output``: the grammar state is not in the text), a tool choice
 that forces a call (``tool_choice``), a tool call or reasoning in progress in the stream
-(``tool_call``, ``reasoning``), ``echo``, a completions batch or token-id prompt
-(``prompt_not_text``), non-streamed answers (``not_streamed``), Responses and Messages
+(``tool_call``, ``reasoning``), ``echo``, a completions batch (``prompt_not_text``), a
+token-id prompt whose answer's ids are not all there (``no_token_ids``: it continues from the
+ids on any engine, never from text), non-streamed answers (``not_streamed``), Responses and Messages
 (``route``), and an answer that already finished (``finished``).
 """
 
@@ -177,7 +178,7 @@ def _request_refusal(kind: RouteKind, data: dict[str, Any]) -> str | None:
         return "tool_choice"
     if data.get("echo"):
         return "echo"
-    if kind == "completions" and not isinstance(data.get("prompt"), str):
+    if kind == "completions" and not (isinstance(data.get("prompt"), str) or token_id_prompt(data)):
         return "prompt_not_text"
     if kind == "chat" and not isinstance(data.get("messages"), list):
         return "prompt_not_text"
@@ -210,7 +211,19 @@ def cannot_migrate(kind: RouteKind, stream: bool, data: Any, so_far: SoFar | Non
         return so_far.other
     if so_far.finished:
         return "finished"
+    if kind == "completions" and token_id_prompt(data) and None in (so_far.ids, so_far.prompt_ids):
+        return "no_token_ids"  # a token-id prompt continues from the ids, never from text
     return None
+
+
+def token_id_prompt(data: dict[str, Any]) -> bool:
+    """Whether a completions body's prompt is one prompt of token ids (not a batch)."""
+    prompt = data.get("prompt")
+    return (
+        isinstance(prompt, list)
+        and bool(prompt)
+        and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt)
+    )
 
 
 def _shrunk(value: Any, by: int, floor: int) -> Any:
@@ -221,7 +234,11 @@ def _shrunk(value: Any, by: int, floor: int) -> Any:
 
 def by_text(kind: RouteKind, data: dict[str, Any], so_far: SoFar, engine: str) -> str | None:
     """Why the answer continues from its text rather than its token ids (None: from the ids):
-    the next engine is not vLLM (``engine``), the ids are not all there, or the chat has tools."""
+    the next engine is not vLLM (``engine``), the ids are not all there, or the chat has tools.
+    A token-id prompt continues from the ids on any engine (``cannot_migrate`` made sure they
+    are there): its continuation is a token-id prompt, as the client's request was."""
+    if kind == "completions" and token_id_prompt(data):
+        return None
     if engine != "vllm":
         return "engine"
     if so_far.ids is None or so_far.prompt_ids is None:

@@ -29,20 +29,23 @@ from tests.reliability.reliability_support import held, settled, timed_logs, wor
 from tests.support.servers import serve_asgi
 from tests.support.sim_process import sim_processes
 
-CLIENTS = 6
+CLIENTS = 7
 MAX_TOKENS = 300
 KILL_AFTER_CHUNKS = 50
 
 
 def body_of(n: int) -> dict[str, Any]:
-    """Six requests: four chats (two asking for usage), two completions (one with usage)."""
+    """Seven requests: four chats (two asking for usage), two completions (one with usage) and
+    a completions request whose prompt is token ids (with usage)."""
     if n < 4:
         body: dict[str, Any] = {
             "model": "qwen3.6",
             "messages": [{"role": "user", "content": f"client {n}: tell me a long story"}],
         }
-    else:
+    elif n < 6:
         body = {"model": "qwen3.6", "prompt": f"client {n}: once upon a time"}
+    else:
+        body = {"model": "qwen3.6", "prompt": [9707, 11, 1879, 0, 13, n]}
     body.update(stream=True, max_tokens=MAX_TOKENS, temperature=0)
     if n % 2 == 0:
         body["stream_options"] = {"include_usage": True}

@@ -46,7 +46,9 @@ SO_FAR = SoFar(" lorem ipsum", 2, True, False, None)
         ("chat", True, {"messages": [], "tools": [{}], "tool_choice": "required"}, "tool_choice"),
         ("completions", True, {"prompt": "x", "echo": True}, "echo"),
         ("completions", True, {"prompt": ["a", "b"]}, "prompt_not_text"),
-        ("completions", True, {"prompt": [1, 2]}, "prompt_not_text"),
+        ("completions", True, {"prompt": [[1, 2], [3]]}, "prompt_not_text"),
+        ("completions", True, {"prompt": []}, "prompt_not_text"),
+        ("completions", True, {"prompt": [1, 2]}, "no_token_ids"),
         ("chat", False, {"messages": []}, "not_streamed"),
         ("responses", True, {"input": "x"}, "route"),
         ("messages", True, {"messages": []}, "route"),
@@ -149,6 +151,19 @@ def test_what_continues_from_the_text_is_named(
         following = continuation(kind, data, so_far, 100, why)
         assert (following.path, following.by) == (None, f"text:{why}")
         assert orjson.loads(following.body)["messages"][-1]["content"] == " lorem ipsum"
+
+
+def test_a_token_id_prompt_continues_from_the_ids_on_any_engine() -> None:
+    data = {"prompt": [7, 8, 9], "max_tokens": 10, "stream": True}
+    assert cannot_migrate("completions", True, data, IDS) is None
+    assert cannot_migrate("completions", True, data, SO_FAR) == "no_token_ids"
+    for engine in ("vllm", "sglang"):  # the continuation is a token-id prompt, as the client's
+        why = by_text("completions", data, IDS, engine)
+        assert why is None
+        following = continuation("completions", data, IDS, 100, why)
+        assert following.by == "token_ids"
+        body = orjson.loads(following.body)
+        assert body == {"prompt": [7, 8, 9, 1000, 1001], "max_tokens": 8, "stream": True}
 
 
 def test_the_token_ids_are_asked_for_first_so_a_clients_own_field_wins() -> None:
