@@ -14,7 +14,6 @@ import platform
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from importlib.metadata import PackageNotFoundError, version
-from math import isnan
 from typing import TYPE_CHECKING, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -439,7 +438,7 @@ class _DirectHistogram:
         total = self._sum
         with total._lock:
             total._value += amount
-        if isnan(amount):  # below no bound
+        if amount != amount:  # noqa: PLR0124 - NaN (a comparison, not a call): below no bound
             return
         bucket = self._buckets[bisect_left(self._upper_bounds, amount)]
         with bucket._lock:
