@@ -111,13 +111,15 @@ def response_headers(
     engine_headers: Iterable[tuple[bytes, bytes]], extra: Mapping[str, str]
 ) -> list[tuple[bytes, bytes]]:
     """The engine's response headers (lower-case names) minus hop-by-hop ones, plus ours."""
-    ours = {name.encode("latin-1") for name in extra}
+    # Comprehensions, each name encoded once: a generator's resumption a header was a call.
+    ours = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in extra.items()]
+    names = {name for name, _ in ours}
     out = [
         (name, value)
         for name, value in engine_headers
-        if name not in _HOP_BY_HOP_BYTES and name not in ours
+        if name not in _HOP_BY_HOP_BYTES and name not in names
     ]
-    out.extend((name.encode("latin-1"), value.encode("latin-1")) for name, value in extra.items())
+    out += ours
     return out
 
 
