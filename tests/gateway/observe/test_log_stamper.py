@@ -121,6 +121,7 @@ def test_info_writes_the_line_structlog_would(capsys: pytest.CaptureFixture[str]
 
     from gateway.observe.log import configure_logging, get_logger
 
+    before = structlog.get_config()
     configure_logging("info", json_output=True)
     try:
         structlog.contextvars.bind_contextvars(worker=3)
@@ -134,7 +135,7 @@ def test_info_writes_the_line_structlog_would(capsys: pytest.CaptureFixture[str]
         assert get_logger("x").debug("hidden") is None
     finally:
         structlog.contextvars.unbind_contextvars("worker")
-        configure_logging("info", json_output=True)
+        structlog.configure(**before)  # the session's (its file is not this test's capture)
     ours, theirs, interpolated = (orjson.loads(line) for line in capsys.readouterr().out.split())
     assert ours.pop("timestamp") and theirs.pop("timestamp")
     assert list(ours.items()) == list(theirs.items())
