@@ -355,7 +355,7 @@ class Metrics:
         # object. (The per-lane rolling window belongs to gateway/observe/recorder.py's Recorder.)
         self.events = EventRing()
 
-        self._children: dict[tuple[int, tuple[str, ...]], object] = {}
+        self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], object] = {}
 
     def child(self, metric: M, *labels: str) -> M:
         """``metric.labels(*labels)`` (values in declaration order), remembered, and for a
@@ -366,7 +366,7 @@ class Metrics:
         makes about ten a request (and one per streamed chunk). Label values come from the
         policy and a fixed set of outcomes, so this holds no more than the metrics' own children.
         """
-        key = (id(metric), labels)
+        key = (metric, labels)  # a metric hashes by identity: no id() call
         found = self._children.get(key)
         if found is None:
             found = self._children[key] = _direct(metric.labels(*labels))

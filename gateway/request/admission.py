@@ -195,13 +195,14 @@ class Slot:
             # Granted, refused, timed out or cancelled: a reservation never outlives the wait.
             if admission.lending.holds(token):
                 await admission.lending.unreserve(token, lane.name)
-        lender = self._lender = held.grant.lender
+        grant = held.grant
+        lender = self._lender = grant.lender
         m = admission._metrics
-        m.child(m.slots_in_use, held.lane, held.cluster).inc()
+        m.child(m.slots_in_use, grant.lane, grant.cluster).inc()
         if lender is not None:
-            m.borrowed.labels(lane=held.lane, lender=lender).inc()
-            m.borrowers_in_flight.labels(lane=held.lane, lender=lender).inc()
-            key = (held.lane, lender)
+            m.borrowed.labels(lane=grant.lane, lender=lender).inc()
+            m.borrowers_in_flight.labels(lane=grant.lane, lender=lender).inc()
+            key = (grant.lane, lender)
             admission.borrowing[key] = admission.borrowing.get(key, 0) + 1
         self._held = held
         # Only a shared store has a lease to renew: an in-process store's hold is empty, and its
@@ -209,7 +210,7 @@ class Slot:
         if admission.store.shared:
             self._leased = True
             try:
-                await held._stack.enter_async_context(admission.store.hold(held.token, held.keys))
+                await held._stack.enter_async_context(admission.store.hold(grant.token, grant.keys))
             except BaseException:
                 await self.__aexit__(None, None, None)
                 raise
@@ -225,11 +226,12 @@ class Slot:
             if leased:
                 await held._stack.aclose()
         finally:
-            m.child(m.slots_in_use, held.lane, held.cluster).dec()
-            await admission._release(held.token, held.keys, lane=held.lane)
+            grant = held.grant  # the one it holds now: a failover may have moved it
+            m.child(m.slots_in_use, grant.lane, grant.cluster).dec()
+            await admission._release(grant.token, grant.keys, lane=grant.lane)
             if lender is not None:
-                m.borrowers_in_flight.labels(lane=held.lane, lender=lender).dec()
-                admission.borrowing[(held.lane, lender)] -= 1
+                m.borrowers_in_flight.labels(lane=grant.lane, lender=lender).dec()
+                admission.borrowing[(grant.lane, lender)] -= 1
 
 
 class Admission:
