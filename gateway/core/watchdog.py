@@ -16,9 +16,8 @@ logs and counts in ``shapegate_watchdog_events_total{lane,cluster,kind}``.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Literal
 
 from gateway.core.cancel import CancelScope
@@ -71,14 +70,34 @@ class Watch:
         """What is left of the total deadline."""
         return max(0.0, self.deadlines.total_s - (time.monotonic() - self._started))
 
-    @contextmanager
-    def within(self, kind: Phase) -> Iterator[None]:
+    def within(self, kind: Phase) -> _Within:
+        """``with watch.within(kind):`` bounds the block by the tighter of that phase's
+        deadline and what is left of the total; a hit raises ``DeadlineHit`` naming which."""
         phase_s = self._limit(kind)
         left_s = self.deadlines.total_s - (time.monotonic() - self._started)
         hit: Phase = kind if phase_s <= left_s else "total"
         seconds = min(phase_s, left_s)
         # asyncio's own cancellation (gateway/core/cancel.py), not anyio's: one a request.
-        with CancelScope(deadline_s=max(seconds, 0.0)) as scope:
-            yield
-        if scope.cancelled_caught:
-            raise DeadlineHit(hit, self._limit(hit))
+        return _Within(max(seconds, 0.0), self, hit)
+
+
+class _Within(CancelScope):
+    """``Watch.within``'s scope: a class, not a generator context manager (its generator and
+    contextlib's three calls around it, on every upstream wait)."""
+
+    __slots__ = ("_hit", "_watch")
+
+    def __init__(self, seconds: float, watch: Watch, hit: Phase) -> None:
+        super().__init__(deadline_s=seconds)
+        self._watch = watch
+        self._hit: Phase = hit
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> Literal[False]:  # never swallows: its own cancellation becomes ``DeadlineHit``
+        if super().__exit__(exc_type, exc, tb):
+            raise DeadlineHit(self._hit, self._watch._limit(self._hit))
+        return False

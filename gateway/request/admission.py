@@ -52,8 +52,8 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager, nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 
 import anyio
@@ -151,6 +151,89 @@ class _Waiter:
     passing: frozenset[str] = frozenset()
 
 
+class Slot:
+    """``Admission.slot``'s context: a class, not an ``asynccontextmanager`` (its generator,
+    the loop's async-generator hook and two ``anext`` a request). ``__aexit__`` runs on every
+    way out of the block, an exception or a cancellation included, as a generator's ``finally``
+    did: the structural release."""
+
+    __slots__ = (
+        "_admission",
+        "_candidates",
+        "_held",
+        "_lane",
+        "_leased",
+        "_lender",
+        "_limit_of",
+        "_token",
+        "_want",
+    )
+
+    def __init__(
+        self,
+        admission: Admission,
+        lane: LaneSettings,
+        candidates: Callable[[], Sequence[EngineView]],
+        token: str,
+        limit_of: LimitOf,
+        want: Want | None,
+    ) -> None:
+        self._admission, self._lane, self._candidates = admission, lane, candidates
+        self._token, self._limit_of, self._want = token, limit_of, want
+        self._held: Held | None = None
+        self._lender: str | None = None
+        self._leased = False
+
+    async def __aenter__(self) -> Held:
+        admission, lane, token = self._admission, self._lane, self._token
+        want = self._want or Want()
+        try:
+            held = Held(
+                await admission._acquire(lane, self._candidates, token, self._limit_of, want)
+            )
+        finally:
+            # Granted, refused, timed out or cancelled: a reservation never outlives the wait.
+            if admission.lending.holds(token):
+                await admission.lending.unreserve(token, lane.name)
+        grant = held.grant
+        lender = self._lender = grant.lender
+        m = admission._metrics
+        m.child(m.slots_in_use, grant.lane, grant.cluster).inc()
+        if lender is not None:
+            m.borrowed.labels(lane=grant.lane, lender=lender).inc()
+            m.borrowers_in_flight.labels(lane=grant.lane, lender=lender).inc()
+            key = (grant.lane, lender)
+            admission.borrowing[key] = admission.borrowing.get(key, 0) + 1
+        self._held = held
+        # Only a shared store has a lease to renew: an in-process store's hold is empty, and its
+        # context (two generator context managers a request) is skipped.
+        if admission.store.shared:
+            self._leased = True
+            try:
+                await held._stack.enter_async_context(admission.store.hold(grant.token, grant.keys))
+            except BaseException:
+                await self.__aexit__(None, None, None)
+                raise
+        return held
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        held, lender, leased = self._held, self._lender, self._leased
+        assert held is not None, "exited a slot never entered"
+        self._held = None
+        admission = self._admission
+        m = admission._metrics
+        try:
+            if leased:
+                await held._stack.aclose()
+        finally:
+            grant = held.grant  # the one it holds now: a failover may have moved it
+            m.child(m.slots_in_use, grant.lane, grant.cluster).dec()
+            await admission._release(grant.token, grant.keys, lane=grant.lane)
+            if lender is not None:
+                m.borrowers_in_flight.labels(lane=grant.lane, lender=lender).dec()
+                admission.borrowing[(grant.lane, lender)] -= 1
+
+
 class Admission:
     def __init__(
         self,
@@ -188,45 +271,19 @@ class Admission:
     def _retry_after(self, lane: LaneSettings, depth: int) -> float:
         return retry_after_s(depth, self.drain_rate(lane.name), lane.queue.max_wait_s)
 
-    @asynccontextmanager
-    async def slot(
+    def slot(
         self,
         lane: LaneSettings,
         candidates: Callable[[], Sequence[EngineView]],
         token: str,
         limit_of: LimitOf | None = None,
         want: Want | None = None,
-    ) -> AsyncIterator[Held]:
-        limit_of = limit_of or (lambda _: lane.slots.per_endpoint)
-        want = want or Want()
-        try:
-            held = Held(await self._acquire(lane, candidates, token, limit_of, want))
-        finally:
-            # Granted, refused, timed out or cancelled: a reservation never outlives the wait.
-            if self.lending.holds(token):
-                await self.lending.unreserve(token, lane.name)
-        lender = held.grant.lender
-        m = self._metrics
-        m.child(m.slots_in_use, held.lane, held.cluster).inc()
-        if lender is not None:
-            self._metrics.borrowed.labels(lane=held.lane, lender=lender).inc()
-            self._metrics.borrowers_in_flight.labels(lane=held.lane, lender=lender).inc()
-            self.borrowing[(held.lane, lender)] = self.borrowing.get((held.lane, lender), 0) + 1
-        # Only a shared store has a lease to renew: an in-process store's hold is empty, and its
-        # context (two generator context managers a request) is skipped.
-        leased = self.store.shared
-        try:
-            if leased:
-                await held._stack.enter_async_context(self.store.hold(held.token, held.keys))
-            yield held
-        finally:
-            if leased:
-                await held._stack.aclose()
-            m.child(m.slots_in_use, held.lane, held.cluster).dec()
-            await self._release(held.token, held.keys, lane=held.lane)
-            if lender is not None:
-                self._metrics.borrowers_in_flight.labels(lane=held.lane, lender=lender).dec()
-                self.borrowing[(held.lane, lender)] -= 1
+    ) -> Slot:
+        """``async with admission.slot(...) as held``: the slots, waited for, held for the
+        block, released on every way out of it (``Slot``)."""
+        return Slot(
+            self, lane, candidates, token, limit_of or (lambda _: lane.slots.per_endpoint), want
+        )
 
     async def move(
         self,
@@ -446,21 +503,22 @@ class Admission:
         # An in-process store never awaits while it releases (slots/store.py), so nothing can
         # cancel or delay it: the shield and the deadline (two cancel scopes, a measurable share
         # of a request's CPU) guard only a shared store's network round trip.
-        local = not self.store.shared
-        with nullcontext() if local else anyio.CancelScope(shield=True):
-            try:
-                with nullcontext() if local else anyio.fail_after(self._release_timeout_s):
+        try:
+            if self.store.shared:
+                with anyio.CancelScope(shield=True), anyio.fail_after(self._release_timeout_s):
                     await self.store.release(token, keys)
-            except Exception as exc:  # noqa: BLE001 - the lease TTL reclaims what we could not
-                swallowed(
-                    self._log,
-                    self._metrics,
-                    "admission.release",
-                    exc,
-                    decision="left_to_lease_ttl",
-                    lane=lane,
-                    token=token,
-                )
+            else:
+                await self.store.release(token, keys)
+        except Exception as exc:  # noqa: BLE001 - the lease TTL reclaims what we could not
+            swallowed(
+                self._log,
+                self._metrics,
+                "admission.release",
+                exc,
+                decision="left_to_lease_ttl",
+                lane=lane,
+                token=token,
+            )
         self._wake_all()
 
     def _wake_all(self) -> None:

@@ -96,13 +96,14 @@ class Forwarder:
             extra=ctx.policy.forward_headers,
             trace=self.recorder.attempt(record, grant.url),
         )
-        ours = {
-            "x-request-id": record.request_id,
-            "x-shapegate-lane": grant.lane,
-            "x-shapegate-cluster": grant.cluster,
-        }
+        # Our response headers, as bytes (names written once, not encoded a request).
+        ours = [
+            (b"x-request-id", record.request_id.encode("latin-1")),
+            (b"x-shapegate-lane", grant.lane.encode("latin-1")),
+            (b"x-shapegate-cluster", grant.cluster.encode("latin-1")),
+        ]
         if exact.bound is not None:
-            ours["x-shapegate-prompt-tokens-bound"] = str(exact.bound)
+            ours.append((b"x-shapegate-prompt-tokens-bound", b"%d" % exact.bound))
         url = grant.url.rstrip("/") + (ctx.sent_path or ctx.route.path)
         body = ctx.sent
         if ctx.relay is not None and ctx.relay.ask_ids and target.cluster.kind == "vllm":
@@ -127,13 +128,13 @@ class Forwarder:
             # Counted while the engine worked: done by now unless the counting worker is congested.
             tokens = await exact.tokens(HEADER_COUNT_WAIT_S)
             if tokens is not None:
-                ours["x-shapegate-prompt-tokens"] = str(tokens)
+                ours.append((b"x-shapegate-prompt-tokens", b"%d" % tokens))
             if not (request.stream and response.status == 200):
                 payload = await response.read(watch)
                 record.ttft_s = time.monotonic() - record.started
                 usage = engine_usage(payload)
                 # A known length: framed by Content-Length, not chunked (HTTP/1.0 clients too).
-                whole = {**ours, "content-length": str(len(payload))}
+                whole = [*ours, (b"content-length", b"%d" % len(payload))]
                 await out.start(
                     response.status, response_headers(response.headers, whole), streaming=False
                 )
@@ -147,7 +148,11 @@ class Forwarder:
             record.engine_prompt_tokens = usage.prompt_tokens
 
     async def _stream(
-        self, ctx: RequestContext, response: UpstreamResponse, grant: Grant, ours: dict[str, str]
+        self,
+        ctx: RequestContext,
+        response: UpstreamResponse,
+        grant: Grant,
+        ours: list[tuple[bytes, bytes]],
     ) -> EngineUsage:
         """Relay a streamed answer as it arrives: unchanged, or, for a stream that may migrate,
         whole events through its ``Relay`` (``Interrupted`` when its engine fails mid-answer)."""

@@ -270,14 +270,14 @@ class Pipeline:
         # id must not share (and free) one slot.
         token = new_id()
         async with self.admission.slot(lane, candidates, token, limit_of, ctx.want) as held:
-            self.recorder.admitted(record, held.grant, chosen.get(held.url))
-            ctx.prefilled = self.prefixes.sending(seen, token, held.url)
+            self.recorder.admitted(record, held.grant, chosen.get(held.grant.url))
+            ctx.prefilled = self.prefixes.sending(seen, token, held.grant.url)
             try:
                 while True:
-                    target = Target(
+                    target = Target(  # ``held.grant``: a failover or a migration moves it
                         held.grant,
-                        policy.settings.cluster(held.cluster),
-                        policy.engine_keys.get(held.cluster),
+                        policy.settings.cluster(held.grant.cluster),
+                        policy.engine_keys.get(held.grant.cluster),
                         attempts.fresh,
                     )
                     try:

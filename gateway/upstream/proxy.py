@@ -34,7 +34,7 @@ requests (encode/httpcore#1093): taking a connection and owning it happen with n
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gateway.core.watchdog import DeadlineHit, Phase, Watch
@@ -108,16 +108,17 @@ _HOP_BY_HOP_BYTES = frozenset(name.encode() for name in HOP_BY_HOP)
 
 
 def response_headers(
-    engine_headers: Iterable[tuple[bytes, bytes]], extra: Mapping[str, str]
+    engine_headers: Iterable[tuple[bytes, bytes]], extra: Sequence[tuple[bytes, bytes]]
 ) -> list[tuple[bytes, bytes]]:
-    """The engine's response headers (lower-case names) minus hop-by-hop ones, plus ours."""
-    ours = {name.encode("latin-1") for name in extra}
+    """The engine's response headers (lower-case names) minus hop-by-hop ones, plus ours
+    (``extra``: lower-case names, as bytes; each replaces the engine's of that name)."""
+    names = {name for name, _ in extra}
     out = [
         (name, value)
         for name, value in engine_headers
-        if name not in _HOP_BY_HOP_BYTES and name not in ours
+        if name not in _HOP_BY_HOP_BYTES and name not in names
     ]
-    out.extend((name.encode("latin-1"), value.encode("latin-1")) for name, value in extra.items())
+    out += extra
     return out
 
 

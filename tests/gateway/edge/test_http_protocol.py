@@ -164,3 +164,54 @@ async def test_the_hook_is_not_called_after_the_response_or_once_unwatched() -> 
                 break
             await asyncio.sleep(0.02)
     assert calls == ["waiting"]  # unwatched: the loss is not reported
+
+
+HEADS = {
+    "mixed-case names": (200, [(b"Content-Type", b"application/json"), (b"Content-Length", b"4")]),
+    "no length": (200, [(b"content-type", b"text/event-stream"), (b"x-a", b"1")]),
+    "connection close": (200, [(b"content-length", b"4"), (b"Connection", b"Keep-Alive, Close")]),
+    "chunked named": (200, [(b"Transfer-Encoding", b"Chunked"), (b"x-b", b"")]),
+    "no content": (204, [(b"x-c", b"2")]),
+    "bad value": (200, [(b"x-ok", b"1"), (b"content-length", b"4"), (b"x-bad", b"a\nb")]),
+    "bad name": (200, [(b"x bad", b"1"), (b"x-ok", b"a\nb")]),
+}
+
+
+async def test_the_head_is_the_one_uvicorn_writes() -> None:
+    """``CoalescedCycle`` builds the head itself: byte for byte uvicorn's (lower-case names,
+    the framing it derives from them, ``connection: close``), and a bad header name or value
+    ends the answer as uvicorn's own check does."""
+
+    def app_for(status: int, headers: list[tuple[bytes, bytes]]) -> Any:
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] != "http":
+                return
+            await receive()
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            body = b"" if status == 204 else b"ab"
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+
+        return app
+
+    async def raw(app: Any, http: Any) -> bytes:
+        async with serve_asgi(app, http=http) as url:
+            host, port = url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            data = b""
+            with contextlib.suppress(TimeoutError):
+                while chunk := await asyncio.wait_for(reader.read(65536), 0.5):
+                    data += chunk
+            writer.close()
+        return b"\r\n".join(line for line in data.split(b"\r\n") if not line.startswith(b"date:"))
+
+    ours_protocol = guarded_protocol(ServerSettings())
+    for case, (status, headers) in HEADS.items():
+        app = app_for(status, headers)
+        ours, theirs = await raw(app, ours_protocol), await raw(app, "httptools")
+        assert ours == theirs, case
+        if case.startswith("bad"):
+            assert ours == b"", case  # closed without a response, as uvicorn does
+        else:
+            assert ours.startswith(b"HTTP/1.1 %d" % status), case

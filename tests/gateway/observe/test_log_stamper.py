@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime as dt
 import time
 
+import pytest
+
 from gateway.observe.log import UtcStamper
 
 
@@ -107,3 +109,36 @@ async def test_a_batch_is_written_in_writes_of_at_most_batch_bytes_on_line_bound
     assert all(w.endswith("\n") for w in file.writes)
     assert all(len(w) <= BATCH_BYTES for w in file.writes if long not in w)
     assert [w for w in file.writes if long in w] == [long + "\n"]
+
+
+def test_info_writes_the_line_structlog_would(capsys: pytest.CaptureFixture[str]) -> None:
+    """The JSON configuration's ``info`` renders through its ``JsonLine`` itself: the same line,
+    key for key and in order, as structlog's own method (the bound context first, the fields,
+    the event, the context variables, the level, the stamp); ``%`` arguments still go through
+    structlog's."""
+    import orjson
+    import structlog
+
+    from gateway.observe.log import configure_logging, get_logger
+
+    before = structlog.get_config()
+    configure_logging("info", json_output=True)
+    try:
+        structlog.contextvars.bind_contextvars(worker=3)
+        bound = get_logger("recorder").bind(lane="fast")
+        fields = {"request_id": "r1", "n": 2, "none": None, "text": "é"}
+        bound.info("route.decision", **fields)
+        base = type(bound).__mro__[1]  # structlog's filtering bound logger
+        assert vars(type(bound))["info"] is not vars(base)["info"]
+        base.info(bound, "route.decision", **fields)
+        bound.info("route.%s", "finished", n=3)
+        assert get_logger("x").debug("hidden") is None
+    finally:
+        structlog.contextvars.unbind_contextvars("worker")
+        structlog.configure(**before)  # the session's (its file is not this test's capture)
+    ours, theirs, interpolated = (orjson.loads(line) for line in capsys.readouterr().out.split())
+    assert ours.pop("timestamp") and theirs.pop("timestamp")
+    assert list(ours.items()) == list(theirs.items())
+    order = ["component", "lane", "request_id", "n", "none", "text", "event", "worker", "level"]
+    assert list(ours) == order
+    assert interpolated["event"] == "route.finished" and interpolated["n"] == 3

@@ -270,3 +270,45 @@ async def test_per_endpoint_in_flight_ttft_and_e2e_and_time_per_output_token(
     assert m.value("shapegate_tpot_seconds_count", lane="fast") == 1
     ok = {"outcome": "ok", "status_class": "2xx"}
     assert m.value("shapegate_requests_total", lane="fast", **ok) == 1
+
+
+def test_a_remembered_child_scrapes_as_the_library_child_would() -> None:
+    """``Metrics.child`` moves the values itself (no observability check, a bisection for the
+    bucket): the same operations through it and through prometheus_client's own children
+    render the same lines, boundaries, +Inf, NaN and a refused negative increment included."""
+    ours, theirs = Metrics(), Metrics()
+    amounts = [0.0, 0.001, 0.0011, 0.25, 2.5, 1800.0, 1800.5, 1e9, float("nan")]
+    for amount in amounts:
+        ours.child(ours.e2e, "fast", "c", "u").observe(amount)
+        theirs.e2e.labels("fast", "c", "u").observe(amount)
+    for amount in (16, 17, 1048576, 2_000_000):
+        ours.child(ours.prompt_tokens, "fast").observe(amount)
+        theirs.prompt_tokens.labels("fast").observe(amount)
+    for _ in range(3):
+        ours.child(ours.requests, "fast", "c", "ok", "2xx").inc()
+        theirs.requests.labels("fast", "c", "ok", "2xx").inc()
+    ours.child(ours.requests, "fast", "c", "ok", "2xx").inc(2.5)
+    theirs.requests.labels("fast", "c", "ok", "2xx").inc(2.5)
+    with pytest.raises(ValueError, match="non-negative"):
+        ours.child(ours.requests, "fast", "c", "ok", "2xx").inc(-1)
+    gauge = ours.child(ours.slots_in_use, "fast", "c")
+    gauge.inc()
+    gauge.inc(3)
+    gauge.dec()
+    theirs.slots_in_use.labels("fast", "c").inc()
+    theirs.slots_in_use.labels("fast", "c").inc(3)
+    theirs.slots_in_use.labels("fast", "c").dec()
+    ours.child(ours.queue_depth, "fast").set(7)
+    theirs.queue_depth.labels("fast").set(7)
+
+    def lines(metrics: Metrics) -> list[str]:
+        return [
+            line
+            for line in metrics.render().decode().splitlines()
+            if not line.startswith("#") and "_created" not in line
+        ]
+
+    assert lines(ours) == lines(theirs)
+    assert 'shapegate_e2e_seconds_bucket{cluster="c",endpoint="u",lane="fast",le="+Inf"} 8.0' in (
+        lines(ours)
+    )
