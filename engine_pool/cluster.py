@@ -59,6 +59,9 @@ class Engine:
     served: tuple[str, ...] | None = None
     max_model_len: int | None = None
     context_tokens: int | None = None
+    # The KV cache's size in tokens (vllm:cache_config_info), None where not exported: the
+    # approximate prefix index bounds what it believes the endpoint holds to it.
+    kv_capacity_tokens: int | None = None
     capability_read: bool = False
     # Why the engine cannot serve its lanes (it still takes the requests it can hold).
     misconfigured: str | None = None
@@ -95,6 +98,7 @@ class Engine:
             "served_models": None if self.served is None else list(self.served),
             "max_model_len": self.max_model_len,
             "context_tokens": self.context_tokens,
+            "kv_capacity_tokens": self.kv_capacity_tokens,
             "ttft_p95_s": None if self.ttft_p95 is None else round(self.ttft_p95, 4),
             "in_flight": self.in_flight,
             "running": self.running,
@@ -123,6 +127,8 @@ class EngineView:
     ramp: float = 1.0
     # The prompt plus output tokens the engine holds (engine_pool/capability.py); None: unknown.
     context_tokens: int | None = None
+    # Its KV cache in tokens (vllm:cache_config_info); None: not exported, or not read yet.
+    kv_capacity_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,8 @@
 
     hashes = chained_hashes(data, block_bytes)     one 64-bit hash a full block, each covering
                                                    the whole prefix up to its block's end
-    index = PrefixIndex(max_blocks, ttl_s)
+    index = PrefixIndex(max_blocks, ttl_s, block_tokens=, backstop_ttl_s=)
+    index.learn(views)                             each endpoint's KV capacity, from its view
     index.match(hashes) -> {url: blocks}           the longest cached prefix per endpoint
     index.record(hashes, url)                      the gateway sent this prefix to ``url``
     index.forget(url)                              the endpoint restarted or left
@@ -15,11 +16,16 @@ count, as in vLLM. ``data`` is the prompt's token ids as 4-byte integers when th
 carries them (``token_bytes``), else its text as UTF-8 cut at ``bytes_per_token`` bytes a token:
 a block then stands for about ``block_tokens`` tokens (``prefix_index.bytes_per_token``).
 
-Bounded, never grown without limit: at most ``max_blocks`` (block, endpoint) entries (about 150
-bytes each), the least recently sent evicted first, and an entry older than ``ttl_s`` (the
-engine has likely evicted it by then) is neither matched nor kept. Its size (``blocks``) and the
-age of its oldest entry (``oldest_age_s``, how far back it remembers) are exported as metrics by
-the gateway.
+Forgotten as the engine forgets: an endpoint whose KV cache size is known (``learn``: the
+``kv_capacity_tokens`` of its view, read from vLLM's ``vllm:cache_config_info``) keeps at most
+that many blocks recorded, the least recently sent evicted first, as vLLM's prefix cache evicts
+its least recently used free blocks; its entries also expire after ``backstop_ttl_s`` (traffic
+the gateway does not see, another replica's, may have evicted them sooner). An endpoint whose
+size is unknown (SGLang, a metric not read yet) has no such bound: its entries expire after
+``ttl_s``, the engine having likely evicted them by then. Over all endpoints at most
+``max_blocks`` (block, endpoint) entries (about 150 bytes each), the least recently sent
+evicted first. Never grown without limit. Its size (``blocks``) and the age of its oldest entry
+(``oldest_age_s``, how far back it remembers) are exported as metrics by the gateway.
 
 The hash is the process's own (``hash`` of the parent hash and the block's bytes: SipHash with
 the interpreter's per-process seed, 64 bits): the index lives in one process and is never
@@ -37,7 +43,9 @@ import math
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+from engine_pool.cluster import EngineView
 
 Digest = int
 # Never sent: older than any TTL allows, whatever the clock reads.
@@ -62,17 +70,31 @@ def chained_hashes(data: bytes, block_bytes: int, parent: Digest = 0) -> list[Di
 
 class PrefixIndex:
     def __init__(
-        self, max_blocks: int, ttl_s: float, clock: Callable[[], float] = time.monotonic
+        self,
+        max_blocks: int,
+        ttl_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        block_tokens: int = 1,
+        backstop_ttl_s: float | None = None,
     ) -> None:
         self.max_blocks = max_blocks
         self.ttl_s = ttl_s
+        # The TTL of an endpoint whose capacity is known (its own bound forgets first).
+        self.backstop_ttl_s = ttl_s if backstop_ttl_s is None else backstop_ttl_s
+        # Tokens a block stands for: a capacity in tokens is so many blocks.
+        self.block_tokens = block_tokens
         self._clock = clock
         # Per endpoint: its blocks -> when last sent, least recently sent first. One entry a
         # (block, endpoint): about 150 bytes (a record's stamp is one float object, shared).
         self._urls: dict[str, OrderedDict[Digest, float]] = {}
+        # Per endpoint whose KV cache size is known: the blocks it holds at most.
+        self._capacity: dict[str, int] = {}
         self._size = 0
         self.evicted = 0
         self.expired = 0
+        # Entries evicted because their endpoint's record outgrew its KV capacity.
+        self.overflowed = 0
 
     @property
     def blocks(self) -> int:
@@ -88,6 +110,26 @@ class PrefixIndex:
         """Blocks recorded per endpoint URL."""
         return {url: len(held) for url, held in self._urls.items()}
 
+    def capacity(self, url: str) -> int | None:
+        """Blocks ``url``'s engine holds at most, when known."""
+        return self._capacity.get(url)
+
+    def learn(self, views: Iterable[EngineView]) -> None:
+        """Each endpoint's KV capacity from its view (``kv_capacity_tokens``, in blocks of
+        ``block_tokens``); a view without one makes its endpoint's size unknown again."""
+        for view in views:
+            tokens = view.kv_capacity_tokens
+            if tokens is None:
+                self._capacity.pop(view.url, None)
+                continue
+            blocks = max(1, tokens // self.block_tokens)
+            if self._capacity.get(view.url) != blocks:
+                self._capacity[view.url] = blocks
+                self._fit(view.url)
+
+    def _ttl(self, url: str) -> float:
+        return self.backstop_ttl_s if url in self._capacity else self.ttl_s
+
     def oldest_age_s(self) -> float:
         firsts = [next(iter(held.values())) for held in self._urls.values() if held]
         return max(0.0, self._clock() - min(firsts)) if firsts else 0.0
@@ -96,9 +138,10 @@ class PrefixIndex:
         """Per endpoint, how many leading blocks of ``hashes`` it is believed to hold."""
         if not hashes:
             return {}
-        oldest_kept = self._clock() - self.ttl_s
+        now = self._clock()
         matched: dict[str, int] = {}
         for url, held in self._urls.items():
+            oldest_kept = now - self._ttl(url)
             if held.get(hashes[0], _NEVER) < oldest_kept:
                 continue
             # Held blocks are a prefix: the largest i whose block is held and fresh.
@@ -123,6 +166,7 @@ class PrefixIndex:
                 held.move_to_end(digest)
             held[digest] = now
         self._size += len(held) - before
+        self._fit(url)
         self._trim(now)
 
     def forget(self, url: str) -> None:
@@ -131,9 +175,21 @@ class PrefixIndex:
         if held is not None:
             self._size -= len(held)
 
+    def _fit(self, url: str) -> None:
+        """Keep ``url``'s record within its KV capacity: least recently sent blocks go first,
+        as the engine's own prefix cache evicts (a prompt's first blocks are its most recent,
+        so a prefix is cut from its end)."""
+        held, capacity = self._urls.get(url), self._capacity.get(url)
+        if held is None or capacity is None:
+            return
+        while len(held) > capacity:
+            held.popitem(last=False)
+            self._size -= 1
+            self.overflowed += 1
+
     def _trim(self, now: float) -> None:
-        oldest_kept = now - self.ttl_s
-        for held in self._urls.values():
+        for url, held in self._urls.items():
+            oldest_kept = now - self._ttl(url)
             while held and next(iter(held.values())) < oldest_kept:
                 held.popitem(last=False)
                 self._size -= 1

@@ -189,6 +189,7 @@ class EnginePool:
                     waiting=e.waiting,
                     ramp=share,
                     context_tokens=e.context_tokens,
+                    kv_capacity_tokens=e.kv_capacity_tokens,
                 )
             )
         return out
@@ -318,6 +319,7 @@ class EnginePool:
         engine.served = capability.models
         engine.max_model_len = capability.max_model_len
         engine.context_tokens = capability.context_tokens
+        engine.kv_capacity_tokens = capability.kv_capacity_tokens
         was = engine.misconfigured
         engine.misconfigured = problem
         if (was is None) == (problem is None):

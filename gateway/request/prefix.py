@@ -3,6 +3,7 @@
     prefixes = Prefixes(settings.prefix_index, metrics)
     seen = prefixes.look(prompt)        the prompt's chained block hashes and, per endpoint URL,
                                         the prefix tokens it is believed to hold (Seen.cached)
+    prefixes.learn(views)               the endpoints' KV capacities, bounding their records
     prefixes.sent(seen, url)            the request went to ``url``: remember its blocks there
 
 The blocks are the prompt as the engine receives it, in order: a chat request's messages as
@@ -10,16 +11,18 @@ JSON (so two requests share blocks up to their first differing byte: the system 
 earlier turns of a conversation), a completions prompt's first text, or its first token-id
 list exactly (4 bytes an id, blocks of ``block_tokens`` ids). Text is cut in blocks of
 ``prefix_index.block_tokens`` x ``prefix_index.bytes_per_token`` bytes, so a block stands for
-about one KV block of the engine. The index itself (bounded, TTL) is
-engine_pool/prefix_index.py; its size and the age of its oldest entry are the gauges
-``shapegate_prefix_index_blocks`` and ``shapegate_prefix_index_oldest_seconds``.
+about one KV block of the engine. The index itself (bounded per endpoint by its KV cache and in
+all, with TTLs) is engine_pool/prefix_index.py; its size and the age of its oldest entry are the
+gauges ``shapegate_prefix_index_blocks`` and ``shapegate_prefix_index_oldest_seconds``.
 
 With ``prefix_index.source: kv_events`` the blocks are the prompt's token ids as the engine gets
 them (``tokens_of``: the model's chat template and tokenizer, gateway/count/), ``block_tokens``
 ids a block, and an endpoint of a cluster with ``kv_events`` is believed to hold what its engine
 reported (``engines``: engine_pool/kv_events.py, fed by ``readers``); other endpoints keep the
-approximate record. ``readers`` builds one reader per static endpoint of those clusters, or none
-(logged ``kv_events.unavailable``) when pyzmq or msgspec (the ``kv-events`` extra) is missing.
+approximate record, each bounded by its engine's KV cache (``learn``, from the views the chain
+ranks: ``EngineView.kv_capacity_tokens``, read from ``vllm:cache_config_info``). ``readers``
+builds one reader per static endpoint of those clusters, or none (logged
+``kv_events.unavailable``) when pyzmq or msgspec (the ``kv-events`` extra) is missing.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 import orjson
 import structlog
 
+from engine_pool.cluster import EngineView
 from engine_pool.kv_events import EngineBlocks, KvEventsReader, Step
 from engine_pool.prefill_ledger import PrefillLedger
 from engine_pool.prefix_index import Digest, PrefixIndex, chained_hashes, token_bytes
@@ -72,7 +76,12 @@ class Prefixes:
         self, settings: PrefixIndexSettings, metrics: Metrics, tokens_of: TokensOf | None = None
     ) -> None:
         self.settings = settings
-        self.index = PrefixIndex(settings.max_blocks, settings.ttl_s)
+        self.index = PrefixIndex(
+            settings.max_blocks,
+            settings.ttl_s,
+            block_tokens=settings.block_tokens,
+            backstop_ttl_s=settings.backstop_ttl_s,
+        )
         self._metrics = metrics
         self._tokens_of = tokens_of
         # Endpoint URL -> the blocks its engine reports holding (prefix_index.source kv_events).
@@ -107,6 +116,11 @@ class Prefixes:
             held[url] = blocks.blocks
         cached = {url: n * block_tokens for url, n in matched.items() if n}
         return Seen(hashes, len(token_ids), cached, held)
+
+    def learn(self, views: Sequence[EngineView]) -> None:
+        """The endpoints' KV capacities as their views carry them: each endpoint's record is
+        bounded by its own (engine_pool/prefix_index.py ``learn``)."""
+        self.index.learn(views)
 
     def sending(self, seen: Seen, key: str, url: str) -> Callable[[], None]:
         """Request ``key`` goes to ``url``: its prompt less the prefix the endpoint is believed

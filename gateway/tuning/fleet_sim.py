@@ -47,7 +47,6 @@ from typing import Literal, cast
 
 from engine_pool.cluster import EngineState, EngineView
 from engine_pool.picker import order_endpoints
-from engine_pool.prefix_index import PrefixIndex
 from engine_pool.sim.prefix_cache import BlockCache
 from engine_pool.sim.profile import EngineProfile
 from engine_pool.sim.scheduler import Scheduler, StepResult
@@ -65,7 +64,14 @@ from gateway.request.lanes import choose_lane
 from gateway.settings import LaneSettings, Settings
 from gateway.tuning.fleet_model import LiveCosts
 from gateway.tuning.fleet_result import FleetResult, SimulatedRequest
-from gateway.tuning.prefix_routers import PrefixSim, by_affinity, by_chain, cache_aware
+from gateway.tuning.prefix_routers import (
+    PrefixSim,
+    approximate_index,
+    by_affinity,
+    by_chain,
+    cache_aware,
+    capacity_read,
+)
 
 CountBy = Literal["tokens", "chars4"]
 
@@ -75,6 +81,8 @@ class _Engine:
     cluster: str
     url: str
     scheduler: Scheduler
+    # The KV capacity the gateway reads from the engine's ``vllm:cache_config_info``.
+    kv_capacity_tokens: int | None
     running: set[str] = field(default_factory=set)
     borrowers: set[str] = field(default_factory=set)
     reserved_by: str | None = None
@@ -83,6 +91,13 @@ class _Engine:
     step: StepResult | None = None
     # ``waiting`` as the gateway's last scrape saw it (None: never scraped, or not modelled).
     scraped_waiting: float | None = None
+
+    def view(self) -> EngineView:
+        """The endpoint as the gateway's pool shows it to the chain."""
+        return EngineView(
+            self.cluster, self.url, EngineState.UP, len(self.running), self.scraped_waiting,
+            kv_capacity_tokens=self.kv_capacity_tokens,
+        )  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -124,11 +139,13 @@ class FleetSim:
         self.prefix = prefix
         self._block = settings.prefix_index.block_tokens
         self._clock = 0.0
-        self.index = PrefixIndex(
-            settings.prefix_index.max_blocks, settings.prefix_index.ttl_s, lambda: self._clock
-        )
+        self.index = approximate_index(settings.prefix_index, lambda: self._clock)
+        capacity = {c.name: capacity_read(profiles[c.name], c.kind) for c in settings.clusters}
         self.engines: dict[str, list[_Engine]] = {
-            c.name: [_Engine(c.name, url, self._scheduler(profiles[c.name])) for url in c.endpoints]
+            c.name: [
+                _Engine(c.name, url, self._scheduler(profiles[c.name]), capacity[c.name])
+                for url in c.endpoints
+            ]
             for c in settings.clusters
         }
         self._max_len = {c.name: profiles[c.name].max_model_len for c in settings.clusters}
@@ -314,10 +331,8 @@ class FleetSim:
                     ):
                         offers[(e.cluster, e.url)] = (e, loan)
                         full.discard(e.url)
-        views = [
-            EngineView(e.cluster, e.url, EngineState.UP, len(e.running), e.scraped_waiting)
-            for e, _ in offers.values()
-        ]
+        views = [e.view() for e, _ in offers.values()]
+        self.index.learn(views)  # as the live chain's candidates do (gateway/request/endpoints.py)
         ordered = self._order(ticket, views)
         self._asked = frozenset(v.url for v in ordered)
         return [

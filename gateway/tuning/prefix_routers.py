@@ -12,9 +12,11 @@ of the blocks its engine holds when it admits it. The router picks the endpoint 
   only on a tie);
 - ``chain``: the live chain (engine_pool/chain.py) with the lane's ``weights`` and
   ``prefix_hold_tokens``, the gateway's approximate index (engine_pool/prefix_index.py) fed by
-  where it sent each prefix, and its prefill ledger (the uncached tokens it believed it sent
-  each endpoint, until their first token); it sees its lane's full endpoints, as the live
-  chain does, and the store takes the first with room;
+  where it sent each prefix and bounded per endpoint by the KV capacity the engine reports
+  (``capacity_read``: the simulated engine's ``vllm:cache_config_info``, parsed as the live
+  monitor parses it, carried on the endpoints' views), and its prefill ledger (the uncached
+  tokens it believed it sent each endpoint, until their first token); it sees its lane's full
+  endpoints, as the live chain does, and the store takes the first with room;
 - ``cache-aware``: SGLang Model Gateway's ``cache_aware`` policy with its defaults, on the same
   approximate record: when the loads are imbalanced (max - min > 64 and max > 1.5 x min) the
   least loaded; else the endpoint with the longest match if it covers more than 30% of the
@@ -26,15 +28,20 @@ of the blocks its engine holds when it admits it. The router picks the endpoint 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from prometheus_client import generate_latest
+
 from engine_pool import chain
+from engine_pool.capability import parse_cache_config
 from engine_pool.cluster import EngineView
 from engine_pool.picker import order_endpoints
 from engine_pool.prefix_index import PrefixIndex
-from gateway.settings import LaneSettings
+from engine_pool.sim.metrics import SimMetrics
+from engine_pool.sim.profile import EngineProfile
+from gateway.settings import LaneSettings, PrefixIndexSettings
 
 Router = Literal["least-loaded", "affinity", "chain", "cache-aware", "oracle"]
 ROUTERS: tuple[Router, ...] = ("least-loaded", "affinity", "cache-aware", "chain", "oracle")
@@ -53,6 +60,27 @@ class PrefixSim:
     """Model each engine's prefix cache and route by ``router`` (see the module's docstring)."""
 
     router: Router = "chain"
+
+
+def approximate_index(settings: PrefixIndexSettings, clock: Callable[[], float]) -> PrefixIndex:
+    """The gateway's approximate index as gateway/request/prefix.py builds it, on ``clock``."""
+    return PrefixIndex(
+        settings.max_blocks,
+        settings.ttl_s,
+        clock,
+        block_tokens=settings.block_tokens,
+        backstop_ttl_s=settings.backstop_ttl_s,
+    )
+
+
+def capacity_read(profile: EngineProfile, kind: str) -> int | None:
+    """The KV capacity the gateway reads from a simulated engine of ``profile``: its
+    ``vllm:cache_config_info`` as the sim server exports it, parsed as the live monitor parses
+    a vLLM engine's (an SGLang engine exports none: unknown)."""
+    if kind != "vllm":
+        return None
+    metrics = SimMetrics(profile.model, kv_capacity_tokens=profile.scheduler.kv_capacity_tokens)
+    return parse_cache_config(generate_latest(metrics.registry).decode())
 
 
 def by_affinity(views: list[EngineView], prefix: str, every: Sequence[str]) -> list[EngineView]:

@@ -112,6 +112,21 @@ def test_the_pool_reports_a_change_of_verdict_once() -> None:
     assert pool.engine("big", "http://s").as_json(0.0)["state"] == "up"
 
 
+def test_the_kv_capacity_is_carried_from_the_metric_to_the_endpoints_view() -> None:
+    """What vllm:cache_config_info says (16 x 1500 tokens) reaches the view the chain and the
+    prefix index read; an engine exporting none (SGLang) leaves it unknown."""
+    pool = EnginePool([Cluster("big", "vllm", ("http://v", "http://s"))])
+    assert [v.kv_capacity_tokens for v in pool.views("big")] == [None, None]
+    pool.set_capability(
+        "big", "http://v", parse_models(VLLM_MODELS, parse_cache_config(CACHE_INFO)), None
+    )
+    pool.set_capability("big", "http://s", parse_models(VLLM_MODELS, None), None)
+    by_url = {v.url: v for v in pool.views("big")}
+    assert by_url["http://v"].kv_capacity_tokens == 24_000
+    assert by_url["http://s"].kv_capacity_tokens is None
+    assert pool.engine("big", "http://v").as_json(0.0)["kv_capacity_tokens"] == 24_000
+
+
 def test_needs_come_from_the_lanes_a_cluster_is_primary_for() -> None:
     config = lanes_config(["http://f"], ["http://h"], threshold=32768)
     config["lanes"][1]["min_output_tokens"] = 256

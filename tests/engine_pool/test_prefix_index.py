@@ -1,11 +1,18 @@
-"""The approximate prefix index: chained blocks, longest-prefix match, TTL and size bound."""
+"""The approximate prefix index: chained blocks, longest-prefix match, each endpoint's record
+bounded by its KV capacity, TTLs and size bound."""
 
 from __future__ import annotations
 
 import random
 import time
 
+import pytest
+from pydantic import ValidationError
+
+from engine_pool.cluster import EngineState, EngineView
 from engine_pool.prefix_index import PrefixIndex, chained_hashes, token_bytes
+from engine_pool.sim.prefix_cache import BlockCache
+from gateway.settings import PrefixIndexSettings
 
 
 class Clock:
@@ -79,6 +86,94 @@ def test_match_agrees_with_a_brute_force_reading_of_what_was_sent() -> None:
         url = f"u{rng.randrange(4)}"
         index.record(hashes, url)
         sent.setdefault(url, {}).update(dict.fromkeys(hashes, clock.now))
+
+
+def view(url: str, kv_tokens: int | None) -> EngineView:
+    return EngineView("c", url, EngineState.UP, 0, kv_capacity_tokens=kv_tokens)
+
+
+def test_an_endpoints_record_never_exceeds_its_kv_capacity_and_forgets_as_its_cache_does() -> None:
+    """Shared prefixes and unique tails to three endpoints: two whose engines report their KV
+    cache (50 and 80 blocks of 16 tokens), one that does not. A known endpoint's record never
+    holds more blocks than its cache, and what it believes held is exactly what a block LRU of
+    that size holds (the simulated engine's prefix cache, driven as the fleet simulator drives
+    it); the unknown one is bounded by the TTL and the global bound only, as before."""
+    index = PrefixIndex(1_000_000, 1e9, block_tokens=16)
+    index.learn([view("a", 50 * 16), view("b", 80 * 16 + 15), view("u", None)])
+    assert (index.capacity("a"), index.capacity("b"), index.capacity("u")) == (50, 80, None)
+    caches = {"a": BlockCache(50), "b": BlockCache(80)}
+    sent_to_u: set[int] = set()
+    rng = random.Random(3)
+    prefixes = [[rng.getrandbits(60) for _ in range(rng.randint(5, 40))] for _ in range(12)]
+    for _ in range(3000):
+        hashes = rng.choice(prefixes) + [rng.getrandbits(60) for _ in range(rng.randint(0, 15))]
+        url = rng.choice("abu")
+        believed = index.match(hashes)
+        for known, cache in caches.items():
+            assert believed.get(known, 0) == cache.peek(hashes)
+        index.record(hashes, url)
+        if url in caches:
+            caches[url].hit(hashes)
+            caches[url].store(hashes)
+        else:
+            sent_to_u.update(hashes)
+        assert index.held_by("a") <= 50 and index.held_by("b") <= 80
+    assert index.held_by("a") == 50 and index.held_by("b") == 80
+    assert index.held_by("u") == len(sent_to_u)  # no capacity known: nothing overflowed
+    assert index.overflowed > 0 and index.evicted == 0
+
+
+def test_a_smaller_capacity_trims_at_once_and_an_unknown_one_lifts_the_bound() -> None:
+    index = PrefixIndex(1_000_000, 600, block_tokens=4)
+    first = chained_hashes(bytes(range(80)), 8)  # 10 blocks
+    index.record(first, "a")
+    index.learn([view("a", 6 * 4)])  # the engine came back with a 6-block cache
+    assert index.held_by("a") == 6 and index.match(first) == {"a": 6}  # cut from its end
+    index.learn([view("a", None)])  # its metric is gone: unknown, unbounded again
+    index.record(first, "a")
+    assert index.held_by("a") == 10 and index.capacity("a") is None
+
+
+def test_an_entry_within_capacity_outlives_the_ttl_of_an_endpoint_of_unknown_capacity() -> None:
+    """The default settings: an endpoint whose KV cache is known keeps a block it still has
+    room for past ``ttl_s`` (600 s: the engine still holds it) until ``backstop_ttl_s``
+    (3600 s); one whose cache is unknown forgets it after ``ttl_s``, as before."""
+    settings = PrefixIndexSettings()
+    assert (settings.ttl_s, settings.backstop_ttl_s) == (600.0, 3600.0)
+    clock = Clock()
+    index = PrefixIndex(
+        settings.max_blocks,
+        settings.ttl_s,
+        clock,
+        block_tokens=settings.block_tokens,
+        backstop_ttl_s=settings.backstop_ttl_s,
+    )
+    index.learn([view("known", 1000 * settings.block_tokens), view("unknown", None)])
+    document = chained_hashes(bytes(range(256)) * 8, 64)  # 32 blocks
+    index.record(document, "known")
+    index.record(document, "unknown")
+    clock.now = 601.0
+    assert index.match(document) == {"known": 32}
+    clock.now = 3599.0
+    index.record(chained_hashes(b"x" * 64, 64), "unknown")  # a record trims what expired
+    assert index.match(document) == {"known": 32} and index.held_by("unknown") == 1
+    clock.now = 3601.0
+    assert index.match(document) == {}
+
+
+def test_the_backstop_ttl_is_a_knob_that_never_forgets_sooner_than_ttl_s() -> None:
+    clock = Clock()
+    index = PrefixIndex(1000, 600, clock, block_tokens=1, backstop_ttl_s=900)
+    index.learn([view("known", 100)])
+    blocks = chained_hashes(bytes(32), 8)
+    index.record(blocks, "known")
+    clock.now = 899.0
+    assert index.match(blocks) == {"known": 4}
+    clock.now = 901.0
+    assert index.match(blocks) == {}
+    assert PrefixIndexSettings(ttl_s=60, backstop_ttl_s=60).backstop_ttl_s == 60
+    with pytest.raises(ValidationError, match="backstop_ttl_s"):
+        PrefixIndexSettings(ttl_s=600, backstop_ttl_s=300)
 
 
 def test_unique_prefixes_never_grow_it_past_its_bound() -> None:

@@ -57,6 +57,9 @@ class FakeEngine:
         # GET /metrics answers this status (an engine started without its metrics, say).
         self.metrics_status = 200
         self.health_answered = 0  # GET /health answers sent
+        # (block_size, num_gpu_blocks): /metrics exports vllm:cache_config_info and /v1/models
+        # answers, as vLLM does; None: neither (the capability stays unread).
+        self.cache_config: tuple[int, int] | None = None
         self.generated = 0
 
     async def _get(self, path: str, send: Any) -> None:
@@ -74,6 +77,14 @@ class FakeEngine:
                 f'vllm:kv_cache_usage_perc{{model_name="qwen3.6"}} 0.25\n'
                 f'vllm:generation_tokens_total{{model_name="qwen3.6"}} {self.generated}\n'
             ).encode()
+            if self.cache_config is not None:
+                block, blocks = self.cache_config
+                payload += (
+                    f'vllm:cache_config_info{{block_size="{block}",engine="0",'
+                    f'num_gpu_blocks="{blocks}"}} 1.0\n'
+                ).encode()
+        elif path == "/v1/models" and self.cache_config is not None:
+            status, payload = 200, b'{"object": "list", "data": [{"id": "qwen3.6"}]}'
         else:
             status, payload = 404, b"{}"
         await send({"type": "http.response.start", "status": status, "headers": []})

@@ -18,7 +18,9 @@ from gateway.request.prefix import Prefixes, prompt_data
 from gateway.settings import PrefixIndexSettings
 from tests.conftest import lanes_config
 from tests.support.fake_engine import FakeEngine
+from tests.support.prom import parse
 from tests.support.servers import serve_asgi
+from tests.support.waiting import wait_for
 
 AGENTS = 16
 TURNS = 12
@@ -235,3 +237,39 @@ async def test_a_streamed_answers_first_chunk_ends_its_pending_prefill(gateway_a
                         pass
     decisions = [e["endpoint"] for e in logs if e["event"] == "route.decision"]
     assert decisions[0] == decisions[1] == decisions[2], decisions
+
+
+async def test_an_endpoints_record_is_bounded_by_the_kv_cache_its_engine_reports(
+    gateway_at: Any,
+) -> None:
+    """An engine reporting a KV cache of 64 blocks of 8 tokens (``vllm:cache_config_info``):
+    once the gateway has read it, its record of what that engine holds never passes 64 blocks
+    however many system prompts it is sent (12 of about 28 blocks each), the most recent kept,
+    as the engine's own prefix cache keeps them."""
+    engine = FakeEngine()
+    engine.cache_config = (8, 64)
+    async with serve_asgi(engine) as a:
+        config = lanes_config([a], [a])
+        config["lanes"][0]["weights"] = {"prefix": 1.0}
+        config["lanes"][0]["health"] = {"interval_s": 0.1, "scrape_interval_s": 0.05}
+        config["prefix_index"] = {"block_tokens": 8}
+        async with gateway_at(config) as (url, _), httpx.AsyncClient(timeout=10) as client:
+
+            async def capacity() -> int | None:
+                state = (await client.get(url + "/admin/state")).json()
+                fast = next(c for c in state["clusters"] if c["name"] == "fast")
+                return fast["endpoints"][0].get("kv_capacity_tokens")
+
+            assert await wait_for(capacity, 5, what="the engine's KV capacity read") == 512
+            chat = url + "/v1/chat/completions"
+            for agent in range(12):
+                assert (await client.post(chat, json=_body(agent, 0, 0.0))).status_code == 200
+                held = parse((await client.get(url + "/metrics")).text)
+                assert held.value("shapegate_prefix_index_blocks") <= 64
+            assert held.value("shapegate_prefix_index_blocks") >= 56  # full, not emptied
+            with capture_logs() as logs:
+                assert (await client.post(chat, json=_body(11, 1, 0.0))).status_code == 200
+                assert (await client.post(chat, json=_body(0, 1, 0.0))).status_code == 200
+    latest, first = [e["cached_tokens"] for e in logs if e["event"] == "route.decision"]
+    # The latest prompt still held; the first evicted, but for the block every prompt shares.
+    assert latest >= 200 and first == 8

@@ -5,7 +5,7 @@ from __future__ import annotations
 from gateway.observe.trace import TraceRecord, synthesize
 from gateway.tools.bench.prefix import policy
 from gateway.tuning.fleet_sim import FleetSim
-from gateway.tuning.prefix_routers import PrefixSim, Router
+from gateway.tuning.prefix_routers import PrefixSim, Router, capacity_read
 from gateway.tuning.replay import cluster_profiles
 
 ROUTERS_COMPARED: tuple[Router, ...] = ("least-loaded", "chain", "oracle")
@@ -62,3 +62,30 @@ def test_a_document_holding_for_its_full_home_does_not_hold_a_new_one_behind_it(
     assert fifth.queue_wait is not None and fifth.queue_wait > 10
     assert fifth.cached_tokens >= 199_000  # waited for its home, not a second read
     assert new.queue_wait is not None and new.queue_wait < 0.1
+
+
+def test_the_index_learns_each_engines_kv_capacity_and_keeps_what_it_still_holds() -> None:
+    """The simulated engines export their KV cache as vLLM does (``vllm:cache_config_info``);
+    the chain's index reads it as the live gateway does and bounds each endpoint's record by it
+    instead of forgetting by the clock: a document asked again 20 minutes after its first read
+    (past the 600 s TTL of an endpoint of unknown capacity), still in its home's cache, goes
+    back to its home and is found cached there."""
+
+    def ask(t: float, doc: str, tokens: int) -> TraceRecord:
+        return TraceRecord(
+            t, "qwen3.6", tokens + 100, 4 * tokens, 100, True, None, doc, None, tokens
+        )
+
+    settings = policy()
+    profiles = cluster_profiles(settings)
+    heavy = next(c for c in settings.clusters if "heavy" in c.name)
+    assert capacity_read(profiles[heavy.name], "vllm") == 3_000_000
+    assert capacity_read(profiles[heavy.name], "sglang") is None  # exports no cache config
+    # doc-a makes the first endpoint its home, the larger doc-b the other (the fewest held).
+    trace = [ask(0.0, "doc-a", 150_000), ask(0.01, "doc-b", 250_000)]
+    trace.append(ask(1200.0, "doc-b", 250_000))
+    sim = FleetSim(settings, profiles, prefix=PrefixSim("chain"))
+    out = sim.run(trace)
+    for url in heavy.endpoints:
+        assert sim.index.capacity(url) == 3_000_000 // settings.prefix_index.block_tokens
+    assert out.outcomes[2].cached_tokens >= 249_000  # on its home: nowhere else holds it
