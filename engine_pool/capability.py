@@ -141,10 +141,15 @@ def refusal(views: Sequence[EngineView], tokens: int) -> EngineView | None:
     """The routable endpoint with the largest context when no routable endpoint can hold
     ``tokens`` (the request is to be refused naming its limit); None otherwise (one holds it,
     or none is routable: that is a health matter, not this one)."""
-    routable = [v for v in views if v.state.routable]
-    if not routable or any(holds(v, tokens) for v in routable):
-        return None
-    return max(routable, key=lambda v: v.context_tokens or 0)
+    # One pass, no generator: both the active path and the shadow run it on every request.
+    largest: EngineView | None = None
+    for v in views:
+        if v.state.routable:
+            if holds(v, tokens):
+                return None
+            if largest is None or (v.context_tokens or 0) > (largest.context_tokens or 0):
+                largest = v  # the first of the largest, as max() keeps
+    return largest
 
 
 def too_long_message(view: EngineView, lane: str, prompt: int) -> str:

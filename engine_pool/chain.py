@@ -67,27 +67,35 @@ def rank(
     weights: Mapping[str, float] = LEAST_LOADED,
     hold_tokens: int | None = None,
 ) -> list[Ranked]:
-    kept = list(views)
+    # Run by the active path and by a shadow policy on every request: plain loops, no copies.
+    kept: Sequence[EngineView] = views
     for keep in FILTERS:  # each filter over what the ones before it kept
         kept = [v for v in kept if keep(v, ask)]
-    totals = [0.0] * len(kept)
+    totals: list[float] | None = None
     for name, weight in weights.items():
         if weight:
-            for i, s in enumerate(SCORERS[name](kept, ask)):
-                totals[i] += weight * s
+            scores = SCORERS[name](kept, ask)
+            if totals is None:
+                totals = [weight * s for s in scores]
+            else:
+                totals = [t + weight * s for t, s in zip(totals, scores, strict=True)]
+    if totals is None:
+        totals = [0.0] * len(kept)
+    cached = ask.cached
     ranked = [
-        Ranked(v, round(t, 6), ask.cached.get(v.url, 0)) for v, t in zip(kept, totals, strict=True)
+        Ranked(v, round(t, 6), cached.get(v.url, 0)) for v, t in zip(kept, totals, strict=True)
     ]
     held = ask.held
-    ranked.sort(
-        key=lambda r: (
-            -r.score,
-            r.view.in_flight,
-            held.get(r.view.url, 0),
-            r.view.waiting or 0.0,
-            r.view.url,
+    if len(ranked) > 1:
+        ranked.sort(
+            key=lambda r: (
+                -r.score,
+                r.view.in_flight,
+                held.get(r.view.url, 0),
+                r.view.waiting or 0.0,
+                r.view.url,
+            )
         )
-    )
     if weights.get("prefix") and held and not any(r.cached_tokens for r in ranked):
         return _new_home(ranked, ask)
     if hold_tokens is not None:

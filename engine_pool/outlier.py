@@ -37,4 +37,6 @@ def ramp(since: float | None, window_s: float, now: float) -> float:
 
 def ramped_limit(limit: int, share: float) -> int:
     """A per-endpoint limit scaled by a slow-start share: at least 1, at most ``limit``."""
+    if share >= 1.0:  # the usual case (no slow start): the limit itself, without the float
+        return limit if limit > 1 else 1
     return max(1, min(limit, math.ceil(limit * share)))

@@ -172,14 +172,18 @@ class EnginePool:
         return EngineState.UP if engine is None else engine.state
 
     def views(self, cluster: str) -> list[EngineView]:
-        now = time.monotonic()
-        out = []
+        # Read on every request by the active path (and a shadow policy): the clock only for
+        # an endpoint still warming up.
+        out, now = [], None
         for e in self._engines.values():
             if e.cluster != cluster or e.draining:
                 continue
-            share = ramp(e.warming_since, e.warming_s, now)
-            if share >= 1.0:
-                e.warming_since = None
+            share = 1.0
+            if e.warming_since is not None:
+                now = time.monotonic() if now is None else now
+                share = ramp(e.warming_since, e.warming_s, now)
+                if share >= 1.0:
+                    e.warming_since = None
             out.append(
                 EngineView(
                     cluster=e.cluster,

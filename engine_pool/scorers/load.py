@@ -14,10 +14,8 @@ from engine_pool.scorers.ask import Ask
 
 
 def score(views: Sequence[EngineView], ask: Ask) -> list[float]:
-    fallback = max((v.in_flight for v in views), default=0) + 1
-    out = []
-    for v in views:
-        limit = max(1, ask.limit_of(v) if ask.limit_of is not None else fallback)
-        used = v.in_flight / limit
-        out.append(1.0 - min(1.0, used))
-    return out
+    limit_of = ask.limit_of
+    if limit_of is None:  # the largest in-flight count plus one, for every endpoint
+        fallback = max([v.in_flight for v in views], default=0) + 1
+        return [1.0 - min(1.0, v.in_flight / max(1, fallback)) for v in views]
+    return [1.0 - min(1.0, v.in_flight / max(1, limit_of(v))) for v in views]

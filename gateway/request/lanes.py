@@ -40,7 +40,7 @@ def lane_tokens(total: int, largest: int, lanes: Sequence[LaneSettings]) -> int:
     """The figure that picks the lane: ``total`` (the prefill work), held below the top lane's
     ceiling when the ``largest`` single prompt fits under it (a batch is never refused for a
     total its prompts do not need as one context)."""
-    top = max(lane.max_prompt_tokens for lane in lanes)
+    top = max([lane.max_prompt_tokens for lane in lanes])  # a list: cheaper than a generator
     return min(total, top - 1) if largest < top else total
 
 
@@ -89,7 +89,14 @@ def pin_to_cluster(decision: Decision, cluster: str, lanes: Sequence[LaneSetting
 
 
 def _serving(lane: LaneSettings, healthy: Mapping[str, bool]) -> Decision:
-    primaries = tuple(c for c in lane.clusters if healthy.get(c, True))
+    clusters = lane.clusters
+    # Every primary healthy (the usual case): the lane's own tuple, no copy filtered out of it.
+    for c in clusters:
+        if not healthy.get(c, True):
+            break
+    else:
+        return Decision(lane, clusters, "in_range")
+    primaries = tuple([c for c in clusters if healthy.get(c, True)])
     if primaries:
         return Decision(lane=lane, clusters=primaries, reason="in_range")
     emergencies = tuple(c for c in lane.emergency_clusters if healthy.get(c, True))

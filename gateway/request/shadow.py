@@ -79,34 +79,35 @@ SHAPE_FIELDS = (
 @dataclass(frozen=True, slots=True)
 class _LanePlan:
     """What ``decide`` reads of one shadow lane on every request, computed once: its chain
-    weights, whether it looks at the prompt's prefix, and per cluster the endpoint slot limit
-    with the chain's ``Ask`` for a request the lane does not look at the prefix of (the same
-    for every such request: no prefix, no pending prefill)."""
+    weights, whether it looks at the prompt's prefix or pending prefill, and per cluster the
+    endpoint slot limit with the chain's ``Ask`` for a request the lane does not look at the
+    prefix of (the same for every such request: no prefix, no pending prefill). Every
+    configured cluster has one: a lane routes only to configured clusters (settings)."""
 
     weights: Mapping[str, float]
     weighs: bool
-    limits: Mapping[str, int]
-    plain: Mapping[str, Ask]
+    clusters: Mapping[str, tuple[int, Ask]]
 
     @classmethod
-    def of(cls, lane: LaneSettings, limits: Mapping[str, int]) -> _LanePlan:
+    def of(
+        cls, lane: LaneSettings, lanes: Sequence[LaneSettings], clusters: Sequence[str]
+    ) -> _LanePlan:
         weighs = bool(lane.weights.prefix or lane.weights.work) or (
             lane.prefix_hold_tokens is not None
         )
-        return cls(
-            lane.weights.as_map(),
-            weighs,
-            limits,
-            {
-                c: Ask(
+        plain = {}
+        for c in clusters:
+            limit = endpoint_limit(lanes, lane, c)
+            plain[c] = (
+                limit,
+                Ask(
                     tokens=NOTHING.tokens,
                     cached=NOTHING.cached,
                     held=NOTHING.held,
                     limit_of=_fixed(limit),
-                )
-                for c, limit in limits.items()
-            },
-        )
+                ),
+            )
+        return cls(lane.weights.as_map(), weighs, plain)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +117,6 @@ class ShadowPolicy:
     settings: Settings
     version: int
     served: Mapping[str, frozenset[str]]
-    limits: Mapping[tuple[str, str], int]
     # Every name and alias -> the model's name; whether a lane weighs prefix overlap or prefill
     # work, or holds for a home (then the live request's prefix is looked up in the index for
     # it, as ``Prefixes.look_for`` does for an active lane).
@@ -135,26 +135,19 @@ class ShadowPolicy:
     @classmethod
     def of(cls, settings: Settings, version: int, active: Settings | None = None) -> ShadowPolicy:
         lanes = settings.lanes
-        limits = {
-            (lane.name, c.name): endpoint_limit(lanes, lane, c.name)
-            for lane in lanes
-            for c in settings.clusters
-        }
+        clusters = tuple(c.name for c in settings.clusters)
+        plans = {lane.name: _LanePlan.of(lane, lanes, clusters) for lane in lanes}
         return cls(
             settings,
             version,
-            {c.name: frozenset(served_models(settings, c.name)) for c in settings.clusters},
-            limits,
+            {c: frozenset(served_models(settings, c)) for c in clusters},
             {
                 name: model.name
                 for model in settings.models
                 for name in (model.name, *model.aliases)
             },
-            any(
-                lane.weights.prefix or lane.weights.work or lane.prefix_hold_tokens is not None
-                for lane in lanes
-            ),
-            tuple(c.name for c in settings.clusters),
+            any(plan.weighs for plan in plans.values()),
+            clusters,
             min(
                 [
                     exact_count_above(lanes),
@@ -162,12 +155,7 @@ class ShadowPolicy:
                 ]
             ),
             active is not None and active.classes == settings.classes,
-            plans={
-                lane.name: _LanePlan.of(
-                    lane, {c.name: limits[(lane.name, c.name)] for c in settings.clusters}
-                )
-                for lane in lanes
-            },
+            plans=plans,
         )
 
 
@@ -214,10 +202,6 @@ class ShadowDecision(NamedTuple):
         return "pick" if self.endpoint is not None else "wait"
 
 
-def _room(view: EngineView, limit: int) -> bool:
-    return view.in_flight < ramped_limit(limit, view.ramp)
-
-
 def decide(policy: ShadowPolicy, seen: Seen) -> ShadowDecision:
     settings = policy.settings
     lanes = settings.lanes
@@ -225,7 +209,8 @@ def decide(policy: ShadowPolicy, seen: Seen) -> ShadowDecision:
         decision = choose_named_lane(settings.multipart_lane, lanes, seen.healthy)
     else:
         decision = choose_lane(lane_tokens(seen.tokens, seen.longest, lanes), lanes, seen.healthy)
-    lane, name, reason = decision.lane, decision.lane_name, decision.reason
+    lane, reason = decision.lane, decision.reason
+    name = decision.lane_name
     model = policy.model_names.get(seen.model)  # by name or alias, as the shadow names it
     if model is None:
         return ShadowDecision(name, reason, None, None, None, "unknown_model")
@@ -239,31 +224,31 @@ def decide(policy: ShadowPolicy, seen: Seen) -> ShadowDecision:
             priority = class_of(settings.classes, seen.key_digest, seen.class_header)
         except UnknownClass:
             return ShadowDecision(name, reason, None, None, None, "unknown_class")
-    serving = {
-        c: seen.views.get(c, ()) for c in decision.clusters if model in policy.served.get(c, ())
-    }
+    served, views_of = policy.served, seen.views
+    serving = [(c, views_of.get(c, ())) for c in decision.clusters if model in served.get(c, ())]
     need = seen.longest + 1
-    if refusal([v for views in serving.values() for v in views], need) is not None:
+    every = serving[0][1] if len(serving) == 1 else [v for _, vs in serving for v in vs]
+    if refusal(every, need) is not None:
         return ShadowDecision(name, reason, priority, None, None, "context_too_small")
     plan = policy.plans[name]
-    prefix = seen.prefix
-    for cluster, views in serving.items():
-        limit = plan.limits.get(cluster, lane.slots.per_endpoint)
-        if plan.weighs:
+    for cluster, views in serving:
+        limit, ask = plan.clusters[cluster]
+        if plan.weighs:  # the prefix as the live index knew it, the prefill pending then
+            prefix = seen.prefix
             ask = Ask(
                 tokens=prefix.tokens,
                 cached=prefix.cached,
                 held=prefix.held,
-                limit_of=_fixed(limit),
+                limit_of=ask.limit_of,
                 pending=seen.pending,
             )
-        else:  # no prefix, no pending prefill: the lane's one Ask for the cluster
-            ask = plan.plain.get(cluster) or Ask(limit_of=_fixed(limit))
         # With the lane's hold, an endpoint with room that would prefill more than the full
-        # home is dropped: the request would wait, as the active chain's does.
+        # home is dropped: the request would wait, as the active chain's does. Room is the
+        # endpoint's in-flight count under its (slow-start) limit.
         for ranked in rank(holding(views, need), ask, plan.weights, lane.prefix_hold_tokens):
-            if _room(ranked.view, limit):
-                return ShadowDecision(name, reason, priority, ranked.view.url, None, None)
+            view = ranked.view
+            if view.in_flight < ramped_limit(limit, view.ramp):
+                return ShadowDecision(name, reason, priority, view.url, None, None)
     lender = _lender(policy, lane, seen, model) if reason == "in_range" else None
     if lender is not None:
         return ShadowDecision(name, reason, priority, lender[1], lender[0], None)

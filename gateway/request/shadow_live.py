@@ -76,6 +76,11 @@ class _LiveViews(Mapping[str, Sequence[EngineView]]):
     def __getitem__(self, cluster: str) -> Sequence[EngineView]:
         return self._pool.views(cluster)
 
+    def get(self, cluster: str, default: object = None) -> Sequence[EngineView]:
+        """``Mapping.get`` without its try/except and second call: every cluster has its
+        endpoints (none for an unknown one), so ``default`` is never the answer."""
+        return self._pool.views(cluster)
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._pool.clusters)
 

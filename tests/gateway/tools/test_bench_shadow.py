@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gateway.tools.bench.shadow import SHADOW_FAST_ENDS, candidate, demo_config
+from gateway.tools.bench.shadow import (
+    MAX_CPU_RATIO,
+    SHADOW_FAST_ENDS,
+    candidate,
+    demo_config,
+    median_ci,
+    targets,
+)
 from gateway.tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -34,6 +41,12 @@ def test_bench_shadow_smoke_measures_the_overhead_and_the_prediction(
     assert cost["shadow_compared"] == cost["requests"]["on"] > 0
     assert cost["errors"] == {"off": 0, "on": 0}
     assert math.isfinite(cost["added_median_ms"]) and cost["cpu_ratio"] > 0
+    # The medians of the pairs come with their interval, said next to the verdict.
+    low, high = cost["cpu_ratio_ci"]
+    assert low <= cost["cpu_ratio"] <= high
+    low, high = cost["added_median_ms_ci"]
+    assert low <= cost["added_median_ms"] <= high
+    assert "95% CI" in result["targets"][1]["target"]
     guess = result["prediction"]
     assert guess["compared"] == guess["requests"] > 0
     moved = sum(d["requests"] for d in guess["disagreements"])
@@ -42,3 +55,43 @@ def test_bench_shadow_smoke_measures_the_overhead_and_the_prediction(
     assert all(math.isfinite(e) for e in guess["error"].values())
     assert "bench fidelity" in guess["predicted_effect"]["calibration"]["source"]
     assert [t["limit"] for t in result["targets"]] == [1.0, 1.03, 0.2, 0.2, 0.2]
+
+
+def test_the_median_of_paired_ratios_comes_with_a_bootstrap_interval() -> None:
+    steady = [1.02] * 40
+    assert median_ci(steady) == (1.02, 1.02, 1.02)
+    spread = [1.0 + 0.01 * (i % 11) for i in range(40)]  # 1.00 .. 1.10
+    middle, low, high = median_ci(spread)
+    assert middle == pytest.approx(1.045)  # the 20th and 21st of 40: 1.04, 1.05
+    assert 1.0 < low < middle < high < 1.10
+    assert median_ci(spread) == (middle, low, high)  # seeded: a run reproduces its interval
+    # More pairs, a narrower interval.
+    more_low, more_high = median_ci(spread * 4)[1:]
+    assert more_high - more_low < high - low
+
+
+def cost(ratio: float, low: float, high: float) -> dict[str, object]:
+    return {
+        "overhead": {
+            "rounds": 40,
+            "confidence": 0.95,
+            "added_median_ms": 0.02,
+            "added_median_ms_ci": [0.01, 0.03],
+            "cpu_ratio": ratio,
+            "cpu_ratio_ci": [low, high],
+        }
+    }
+
+
+def test_the_cpu_verdict_says_whether_its_interval_resolves_the_limit() -> None:
+    def said(ratio: float, low: float, high: float) -> tuple[bool, str]:
+        found = targets(cost(ratio, low, high))[1]
+        assert found["limit"] == MAX_CPU_RATIO
+        return found["met"], found["target"]
+
+    met, text = said(1.01, 1.0, 1.02)
+    assert met and "met at this confidence" in text and "1.000x-1.020x" in text
+    met, text = said(1.05, 1.04, 1.07)
+    assert not met and "missed at this confidence" in text
+    met, text = said(1.025, 1.01, 1.04)
+    assert met and "not resolved" in text
