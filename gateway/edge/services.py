@@ -158,7 +158,13 @@ class Gateway:
         admission = Admission(store, metrics, log, poll_interval_s=settings.state.poll_interval_s)
         upstream = Upstream()
         keys = cls.engine_keys_for(settings)
-        events = EngineEvents(settings, metrics, log, pool)
+
+        # An endpoint going down: the approximate prefix index forgets it (a restart empties
+        # its engine's cache). ``pipeline`` is bound below, before any event can arrive.
+        def on_down(url: str) -> None:
+            pipeline.prefixes.engine_down(url)
+
+        events = EngineEvents(settings, metrics, log, pool, on_down=on_down)
         pipeline = Pipeline(
             Policy(settings, counter, keys, ClientAuth.from_settings(settings.auth)),
             pool,
@@ -239,7 +245,13 @@ class Gateway:
         self.monitor = EngineMonitor(
             self.pool,
             probe_plans(settings, self.pipeline.policy.engine_keys),
-            EngineEvents(settings, self.metrics, self.log, self.pool),
+            EngineEvents(
+                settings,
+                self.metrics,
+                self.log,
+                self.pool,
+                on_down=self.pipeline.prefixes.engine_down,
+            ),
         )
         if self._monitor_scope is not None:
             self._monitor_scope.cancel()

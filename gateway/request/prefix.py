@@ -5,6 +5,7 @@
                                         the prefix tokens it is believed to hold (Seen.cached)
     prefixes.learn(views)               the endpoints' KV capacities, bounding their records
     prefixes.sent(seen, url)            the request went to ``url``: remember its blocks there
+    prefixes.engine_down(url)           ``url`` went down: forget what was sent there
 
 The blocks are the prompt as the engine receives it, in order: a chat request's messages as
 JSON (so two requests share blocks up to their first differing byte: the system prompt and the
@@ -121,6 +122,18 @@ class Prefixes:
         """The endpoints' KV capacities as their views carry them: each endpoint's record is
         bounded by its own (engine_pool/prefix_index.py ``learn``)."""
         self.index.learn(views)
+
+    def engine_down(self, url: str) -> None:
+        """``url`` went down: its engine may restart with an empty cache, so the approximate
+        record of what was sent there is dropped (an engine publishing KV events says itself
+        what it holds after a restart). Forgetting costs one prefill a prefix at worst;
+        believing a restarted engine still holds them sends follow-ups to a cold home."""
+        blocks = self.index.held().get(url, 0)
+        if not blocks:
+            return
+        self.index.forget(url)
+        self._metrics.prefix_index_blocks.set(self.index.blocks)
+        log.info("prefix_index.forgotten", endpoint=url, blocks=blocks, reason="engine_down")
 
     def sending(self, seen: Seen, key: str, url: str) -> Callable[[], None]:
         """Request ``key`` goes to ``url``: its prompt less the prefix the endpoint is believed

@@ -6,8 +6,9 @@ A cluster is probed with the health settings of the lane(s) it serves. When it s
 be judged by a fast lane's clock.
 
 Events become: ``engine.state_changed`` (once per transition, with evidence: a warning when the
-engine goes down or is ``misconfigured``, info otherwise) and ``shapegate_engine_up``; the state
-``misconfigured`` when an endpoint's own /v1/models (or KV cache) cannot hold what its lanes
+engine goes down or is ``misconfigured``, info otherwise) and ``shapegate_engine_up``, an
+endpoint going down also passed on (``on_down``: the approximate prefix index forgets it); the
+state ``misconfigured`` when an endpoint's own /v1/models (or KV cache) cannot hold what its lanes
 admit, and back to ``up`` when it can, with ``shapegate_engine_misconfigured`` and
 ``shapegate_engine_misconfigurations_total``; ``engine.slow`` (a warning and
 ``watchdog_events{kind=probe_timeout}``, an alert that evicts nothing); load gauges. Every
@@ -25,7 +26,7 @@ when one turns slow, ``engine.slow_recovered`` when it no longer is, ``shapegate
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import anyio
 
@@ -116,14 +117,21 @@ def slow_start(log: Logger, cluster: str, url: str, window_s: float, why: str) -
 
 
 class EngineEvents:
-    """Turns monitor events into log lines and metrics."""
+    """Turns monitor events into log lines and metrics; ``on_down(url)`` is told of every
+    endpoint that goes down (its engine may restart, and what it cached with it)."""
 
     def __init__(
-        self, settings: Settings, metrics: Metrics, log: Logger, pool: EnginePool | None = None
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        log: Logger,
+        pool: EnginePool | None = None,
+        on_down: Callable[[str], None] | None = None,
     ) -> None:
         self._settings = settings
         self._metrics = metrics
         self._log = log
+        self._on_down = on_down
         self._failing: set[tuple[str, str]] = set()
         # The gauges start from what the pool knows (a reload keeps a down or misconfigured
         # endpoint's state, whose change will not be reported again), else up and fine.
@@ -154,6 +162,8 @@ class EngineEvents:
             )
             if event.new.routable and event.slow_start_s > 0:
                 slow_start(self._log, event.cluster, event.url, event.slow_start_s, "recovered")
+            if not event.new.routable and self._on_down is not None:
+                self._on_down(event.url)
         elif isinstance(event, CapabilityChange):
             self._log.warning(
                 "engine.state_changed",

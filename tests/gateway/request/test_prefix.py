@@ -12,10 +12,13 @@ import httpx
 import pytest
 from structlog.testing import capture_logs
 
+from engine_pool.cluster import EngineState
+from engine_pool.registry import StateChange
+from gateway.edge.services import Gateway
 from gateway.observe.metrics import Metrics
 from gateway.protocols.openai import ChatPrompt, CompletionPrompt
 from gateway.request.prefix import Prefixes, prompt_data
-from gateway.settings import PrefixIndexSettings
+from gateway.settings import PrefixIndexSettings, parse_settings
 from tests.conftest import lanes_config
 from tests.support.fake_engine import FakeEngine
 from tests.support.prom import parse
@@ -139,6 +142,36 @@ def test_a_shared_prefix_is_found_up_to_its_last_whole_block() -> None:
     assert later.cached == {"http://a": 12}
     other = prefixes.look(CompletionPrompt(texts=("zbcdefgh12345678",)))
     assert other.cached == {}
+
+
+def test_an_endpoint_that_went_down_is_forgotten_and_said(counter: Any) -> None:
+    """A down engine may restart with an empty cache: believing it still holds a prefix sends
+    the follow-ups to a cold home. Wired from the engine events the gateway builds (the monitor's
+    and failover's, and a reloaded monitor's)."""
+    settings = parse_settings(lanes_config(["http://a", "http://b"], ["http://c"]), environ={})
+    gateway = Gateway.build(settings, counter)
+    prefixes = gateway.pipeline.prefixes
+    prompt = CompletionPrompt(texts=("abcdefgh" * 64,))
+    for url in ("http://a", "http://b"):
+        prefixes.sent(prefixes.look(prompt), url)
+    assert set(prefixes.look(prompt).cached) == {"http://a", "http://b"}
+    with capture_logs() as logs:
+        gateway.monitor._on_event(  # what the health monitor reports
+            StateChange("fast", "http://a", EngineState.UP, EngineState.DOWN, "refused")
+        )
+        gateway.monitor._on_event(
+            StateChange("fast", "http://b", EngineState.UP, EngineState.SLOW, "probe 3s")
+        )
+    assert set(prefixes.look(prompt).cached) == {"http://b"}  # slow is still its cache
+    [event] = [e for e in logs if e["event"] == "prefix_index.forgotten"]
+    assert event["endpoint"] == "http://a" and event["reason"] == "engine_down"
+    assert event["blocks"] > 0
+    gateway.adopt(settings)  # a reload's monitor, and failover's ejections, tell it too
+    for on_event in (gateway.monitor._on_event, gateway.pipeline.failover._on_change):
+        prefixes.sent(prefixes.look(prompt), "http://b")
+        on_event(StateChange("fast", "http://b", EngineState.UP, EngineState.DOWN, "ejected"))
+        assert prefixes.look(prompt).cached == {}
+    assert gateway.metrics.registry.get_sample_value("shapegate_prefix_index_blocks") == 0
 
 
 def test_the_index_keeps_at_most_max_blocks_and_exports_its_size() -> None:

@@ -323,6 +323,17 @@ async def test_an_engine_slow_to_first_token_among_its_peers_is_shown_slow_and_s
     assert [e["endpoint"] for e in warned] == [slow.url]
 
 
+def test_an_engine_going_down_is_passed_on_and_nothing_else_is() -> None:
+    settings = parse_settings(lanes_config(["http://a"], ["http://b"]), environ={})
+    down: list[str] = []
+    events = engines.EngineEvents(settings, Metrics(), get_logger("test"), on_down=down.append)
+    events(StateChange("fast", "http://a", EngineState.UP, EngineState.SLOW, "probe 3s"))
+    events(StateChange("fast", "http://a", EngineState.SLOW, EngineState.DOWN, "refused"))
+    events(StateChange("fast", "http://a", EngineState.DOWN, EngineState.UP, "answers"))
+    events(StateChange("heavy", "http://b", EngineState.UP, EngineState.DOWN, "ejected: 5xx"))
+    assert down == ["http://a", "http://b"]
+
+
 def test_an_engine_going_down_is_a_warning_and_coming_back_is_info() -> None:
     """An engine leaving routing is what an operator must see: warning level (it was info)."""
     settings = parse_settings(lanes_config(["http://a"], ["http://b"]), environ={})
