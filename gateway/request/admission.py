@@ -4,6 +4,8 @@
         ...  # the request runs here; the slots are released when the block exits, however
         await admission.move(held, lane, candidates, limit_of)  # fail over, slot and all
 
+(``Want``, ``Held`` and ``Slot``, the context ``slot`` returns: gateway/request/slot.py.)
+
 Contract:
 - A request first tries the store at once if nobody is queued ahead of it in its lane.
 - Otherwise, with ``on_full: reject`` it gets ``Overloaded`` (429); with ``wait`` it joins the
@@ -66,7 +68,6 @@ from gateway.errors import Overloaded, QueueTimeout
 from gateway.observe.log import Logger, swallowed
 from gateway.observe.metrics import Metrics
 from gateway.request.borrowing import (
-    Loan,
     merge_loans,
 )
 from gateway.request.classes import (
@@ -78,65 +79,12 @@ from gateway.request.classes import (
     retry_after_s,
 )
 from gateway.request.lending import Lending
-from gateway.settings import ClassSettings, LaneSettings
+from gateway.request.slot import NO_CLASSES, Held, LimitOf, Slot, Want
+from gateway.settings import LaneSettings
 from gateway.slots.store import SlotStore
 
 # Without a shared store, local releases wake waiters; this only bounds a missed health change.
 LOCAL_POLL_S = 0.25
-
-
-LimitOf = Callable[[EngineView], int]
-NO_CLASSES = ClassSettings()
-
-
-@dataclass(frozen=True, slots=True)
-class Want:
-    """What a request brings to admission besides its lane: its class and the loans open to it
-    (``lent()`` lists the lenders' endpoints as (view, loan), asked on every try)."""
-
-    priority: str = NO_CLASSES.default
-    classes: ClassSettings = NO_CLASSES
-    loans: tuple[Loan, ...] = ()
-    lent: Callable[[], Sequence[tuple[EngineView, Loan]]] = lambda: ()
-
-    @property
-    def rank(self) -> int:
-        return self.classes.names.index(self.priority)
-
-
-class Held:
-    """A granted slot as the request holds it: the current grant, which ``move`` may replace."""
-
-    __slots__ = ("_stack", "grant", "moves")
-
-    def __init__(self, grant: Grant) -> None:
-        self.grant = grant
-        self.moves = 0
-        self._stack = AsyncExitStack()
-
-    @property
-    def token(self) -> str:
-        return self.grant.token
-
-    @property
-    def lane(self) -> str:
-        return self.grant.lane
-
-    @property
-    def cluster(self) -> str:
-        return self.grant.cluster
-
-    @property
-    def url(self) -> str:
-        return self.grant.url
-
-    @property
-    def keys(self) -> tuple[str, ...]:
-        return self.grant.keys
-
-    @property
-    def queued_s(self) -> float:
-        return self.grant.queued_s
 
 
 @dataclass(eq=False, slots=True)
@@ -149,89 +97,6 @@ class _Waiter:
     wants: frozenset[str] | None = None
     # At its try: the endpoints the holding waiters it passes wait for (empty: it is the head).
     passing: frozenset[str] = frozenset()
-
-
-class Slot:
-    """``Admission.slot``'s context: a class, not an ``asynccontextmanager`` (its generator,
-    the loop's async-generator hook and two ``anext`` a request). ``__aexit__`` runs on every
-    way out of the block, an exception or a cancellation included, as a generator's ``finally``
-    did: the structural release."""
-
-    __slots__ = (
-        "_admission",
-        "_candidates",
-        "_held",
-        "_lane",
-        "_leased",
-        "_lender",
-        "_limit_of",
-        "_token",
-        "_want",
-    )
-
-    def __init__(
-        self,
-        admission: Admission,
-        lane: LaneSettings,
-        candidates: Callable[[], Sequence[EngineView]],
-        token: str,
-        limit_of: LimitOf,
-        want: Want | None,
-    ) -> None:
-        self._admission, self._lane, self._candidates = admission, lane, candidates
-        self._token, self._limit_of, self._want = token, limit_of, want
-        self._held: Held | None = None
-        self._lender: str | None = None
-        self._leased = False
-
-    async def __aenter__(self) -> Held:
-        admission, lane, token = self._admission, self._lane, self._token
-        want = self._want or Want()
-        try:
-            held = Held(
-                await admission._acquire(lane, self._candidates, token, self._limit_of, want)
-            )
-        finally:
-            # Granted, refused, timed out or cancelled: a reservation never outlives the wait.
-            if admission.lending.holds(token):
-                await admission.lending.unreserve(token, lane.name)
-        grant = held.grant
-        lender = self._lender = grant.lender
-        m = admission._metrics
-        m.child(m.slots_in_use, grant.lane, grant.cluster).inc()
-        if lender is not None:
-            m.borrowed.labels(lane=grant.lane, lender=lender).inc()
-            m.borrowers_in_flight.labels(lane=grant.lane, lender=lender).inc()
-            key = (grant.lane, lender)
-            admission.borrowing[key] = admission.borrowing.get(key, 0) + 1
-        self._held = held
-        # Only a shared store has a lease to renew: an in-process store's hold is empty, and its
-        # context (two generator context managers a request) is skipped.
-        if admission.store.shared:
-            self._leased = True
-            try:
-                await held._stack.enter_async_context(admission.store.hold(grant.token, grant.keys))
-            except BaseException:
-                await self.__aexit__(None, None, None)
-                raise
-        return held
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        held, lender, leased = self._held, self._lender, self._leased
-        assert held is not None, "exited a slot never entered"
-        self._held = None
-        admission = self._admission
-        m = admission._metrics
-        try:
-            if leased:
-                await held._stack.aclose()
-        finally:
-            grant = held.grant  # the one it holds now: a failover may have moved it
-            m.child(m.slots_in_use, grant.lane, grant.cluster).dec()
-            await admission._release(grant.token, grant.keys, lane=grant.lane)
-            if lender is not None:
-                m.borrowers_in_flight.labels(lane=grant.lane, lender=lender).dec()
-                admission.borrowing[(grant.lane, lender)] -= 1
 
 
 class Admission:
@@ -282,7 +147,12 @@ class Admission:
         """``async with admission.slot(...) as held``: the slots, waited for, held for the
         block, released on every way out of it (``Slot``)."""
         return Slot(
-            self, lane, candidates, token, limit_of or (lambda _: lane.slots.per_endpoint), want
+            self,
+            lane,
+            candidates,
+            token,
+            limit_of or (lambda _: lane.slots.per_endpoint),
+            want or Want(),
         )
 
     async def move(

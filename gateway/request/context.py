@@ -26,9 +26,9 @@ from gateway.count.usage import ExactCount
 from gateway.observe.record import Record
 from gateway.protocols.openai import RoutedRequest
 from gateway.protocols.routes import EngineRoute
-from gateway.request.admission import Want
 from gateway.request.policy import Policy
 from gateway.request.relay import Relay
+from gateway.request.slot import Want
 from gateway.settings import ClusterSettings, LaneSettings, ModelSettings
 
 

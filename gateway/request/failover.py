@@ -41,8 +41,9 @@ from engine_pool.registry import EnginePool, StateChange
 from gateway.errors import EngineUnreachable
 from gateway.observe.log import Logger
 from gateway.observe.metrics import Metrics
-from gateway.request.admission import Admission, Held
+from gateway.request.admission import Admission
 from gateway.request.migration import Continuation
+from gateway.request.slot import Held
 from gateway.settings import ClusterSettings, LaneSettings
 
 

@@ -55,7 +55,7 @@ from gateway.observe.record import Record, Routed
 from gateway.observe.recorder import Recorder
 from gateway.protocols.openai import Prompt, RoutedRequest
 from gateway.protocols.routes import EngineRoute
-from gateway.request.admission import Admission, Held
+from gateway.request.admission import Admission
 from gateway.request.context import RequestContext, Target
 from gateway.request.endpoints import endpoint_chain, views_holding
 from gateway.request.failover import Attempts, Failover
@@ -78,6 +78,7 @@ from gateway.request.read import new_id, read_request, request_id_from
 from gateway.request.relay import Relay
 from gateway.request.response_affinity import MemoryAffinity, ResponseAffinity, pin
 from gateway.request.shadow_live import ShadowLive
+from gateway.request.slot import Held
 from gateway.request.want import want_of
 from gateway.settings import LaneSettings
 from gateway.upstream.proxy import Upstream

@@ -12,10 +12,10 @@ from engine_pool.picker import order_endpoints
 from engine_pool.registry import EnginePool
 from gateway.core.exchange import header
 from gateway.errors import BadRequest
-from gateway.request.admission import Want
 from gateway.request.borrowing import Loan, loans_for
 from gateway.request.classes import UnknownClass, bearer_digest, class_of
 from gateway.request.context import RequestContext
+from gateway.request.slot import Want
 
 
 def want_of(ctx: RequestContext, pool: EnginePool) -> Want:

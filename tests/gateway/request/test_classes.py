@@ -15,7 +15,7 @@ from gateway.errors import Overloaded
 from gateway.observe.log import get_logger
 from gateway.observe.metrics import Metrics
 from gateway.observe.trace import TraceRecord
-from gateway.request.admission import Admission, Want
+from gateway.request.admission import Admission
 from gateway.request.classes import (
     PASS_AHEAD,
     DrainMeter,
@@ -28,6 +28,7 @@ from gateway.request.classes import (
     passing,
     retry_after_s,
 )
+from gateway.request.slot import Want
 from gateway.settings import ClassSettings, ConfigError, LaneSettings, parse_settings
 from gateway.shipped import resolve_policy
 from gateway.slots.store import MemorySlotStore

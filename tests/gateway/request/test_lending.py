@@ -17,7 +17,8 @@ async def test_admission_reserves_for_the_lender_and_drops_the_reservation_when_
     from gateway.core.slots import reserve_key
     from gateway.observe.log import get_logger
     from gateway.observe.metrics import Metrics
-    from gateway.request.admission import Admission, Want
+    from gateway.request.admission import Admission
+    from gateway.request.slot import Want
     from gateway.slots.store import MemorySlotStore
 
     settings = one_heavy_engine(max_drain_s=60)
