@@ -11,7 +11,6 @@ TTFT, e2e and in-flight carry the endpoint (the policy's endpoints: a bounded la
 from __future__ import annotations
 
 import platform
-from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, TypeVar
@@ -20,11 +19,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
-from prometheus_client.values import MutexValue
 
 if TYPE_CHECKING:
     from prometheus_client import Metric
 
+from gateway.observe.direct import direct
 from gateway.observe.events import EventRing
 
 # 1 ms .. 30 min: fast-lane TTFT lives at the bottom, heavy-lane prefill at the top.
@@ -359,8 +358,8 @@ class Metrics:
 
     def child(self, metric: M, *labels: str) -> M:
         """``metric.labels(*labels)`` (values in declaration order), remembered, and for a
-        counter, gauge or histogram its direct form (``_direct``): ``inc``, ``dec``, ``set``
-        and ``observe`` as the child's own, on the same values.
+        counter, gauge or histogram its direct form (gateway/observe/direct.py): ``inc``,
+        ``dec``, ``set`` and ``observe`` as the child's own, on the same values.
 
         prometheus_client validates and takes a lock on every ``labels`` call; the request path
         makes about ten a request (and one per streamed chunk). Label values come from the
@@ -369,7 +368,7 @@ class Metrics:
         key = (metric, labels)  # a metric hashes by identity: no id() call
         found = self._children.get(key)
         if found is None:
-            found = self._children[key] = _direct(metric.labels(*labels))
+            found = self._children[key] = direct(metric.labels(*labels))
         return found  # type: ignore[return-value]
 
     def watch_in_flight(self, read: Callable[[], Iterable[tuple[str, str, int]]]) -> None:
@@ -378,86 +377,6 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-class _DirectCounter:
-    """A counter child's ``inc`` on its value, under the value's own lock: prometheus_client's
-    ``inc`` checks observability and the sign in two more calls first (four calls a counter,
-    about a dozen counters and histograms a request: the largest library share of the profile)."""
-
-    __slots__ = ("_value",)
-
-    def __init__(self, value: MutexValue) -> None:
-        self._value = value
-
-    def inc(self, amount: float = 1) -> None:
-        if amount < 0:
-            raise ValueError("Counters can only be incremented by non-negative amounts.")
-        value = self._value
-        with value._lock:
-            value._value += amount
-
-
-class _DirectGauge:
-    """A gauge child's ``inc``, ``dec`` and ``set`` on its value, as ``_DirectCounter``."""
-
-    __slots__ = ("_value",)
-
-    def __init__(self, value: MutexValue) -> None:
-        self._value = value
-
-    def inc(self, amount: float = 1) -> None:
-        value = self._value
-        with value._lock:
-            value._value += amount
-
-    def dec(self, amount: float = 1) -> None:
-        value = self._value
-        with value._lock:
-            value._value -= amount
-
-    def set(self, amount: float) -> None:
-        value = self._value
-        with value._lock:
-            value._value = float(amount)
-
-
-class _DirectHistogram:
-    """A histogram child's ``observe``: the sum and the first bucket whose bound is at or above
-    the amount (a bisection, where prometheus_client walks the bounds), each under its value's
-    lock; an amount above every finite bound falls in +Inf, a NaN in none (as the library)."""
-
-    __slots__ = ("_buckets", "_sum", "_upper_bounds")
-
-    def __init__(self, child: Histogram) -> None:
-        self._sum: MutexValue = child._sum
-        self._buckets: list[MutexValue] = child._buckets
-        self._upper_bounds: list[float] = child._upper_bounds
-
-    def observe(self, amount: float) -> None:
-        total = self._sum
-        with total._lock:
-            total._value += amount
-        if amount != amount:  # noqa: PLR0124 - NaN (a comparison, not a call): below no bound
-            return
-        bucket = self._buckets[bisect_left(self._upper_bounds, amount)]
-        with bucket._lock:
-            bucket._value += 1
-
-
-def _direct(child: MetricWrapperBase) -> object:
-    """The direct form of a labelled child whose values are in-process (``MutexValue``); any
-    other (prometheus_client's multiprocess values) is its own child, unchanged."""
-    if isinstance(child, Histogram):
-        values = [child._sum, *child._buckets]
-        if all(type(v) is MutexValue for v in values):
-            return _DirectHistogram(child)
-    elif type(getattr(child, "_value", None)) is MutexValue:
-        if isinstance(child, Counter):
-            return _DirectCounter(child._value)
-        if isinstance(child, Gauge) and not child._is_most_recent:
-            return _DirectGauge(child._value)
-    return child
 
 
 def _version() -> str:
