@@ -7,7 +7,7 @@ Outcome).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from gateway.settings import LaneSettings
 
@@ -22,8 +22,10 @@ Reason = Literal[
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
+class Decision(NamedTuple):
+    """The lane decision (a named tuple, not a frozen dataclass: made once a request, twice
+    with a shadow policy, and ~3x cheaper to make)."""
+
     lane: LaneSettings | None
     # Clusters to use, in preference order: the primaries that are healthy, or the emergencies.
     clusters: tuple[str, ...]

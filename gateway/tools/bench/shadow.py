@@ -158,7 +158,7 @@ def overhead(rate: float, seconds: float, rounds: int) -> dict[str, Any]:
                     settle = open_loop(
                         "127.0.0.1", rig.gateway_port, PATH, BODIES["json"], rate, SETTLE_S
                     )
-                    runner.run(settle)
+                    settled = runner.run(settle).sent
                     before = rig.gateway.cpu_s()
                     load = open_loop(
                         "127.0.0.1", rig.gateway_port, PATH, BODIES["json"], rate, seconds
@@ -168,7 +168,9 @@ def overhead(rate: float, seconds: float, rounds: int) -> dict[str, Any]:
                     cpu[mode] += spent
                     round_cpu[mode].append(spent / max(1, result.sent))
                     if mode == "on":
-                        compared += _admin(url, "DELETE", "/admin/shadow")["report"]["compared"]
+                        # The settling requests were compared too: only the window's count.
+                        report = _admin(url, "DELETE", "/admin/shadow")["report"]
+                        compared += report["compared"] - settled
                     medians[mode].append(percentile(result.total, 0.5))
                     sent[mode] += result.sent
                     errors[mode] += result.errors
