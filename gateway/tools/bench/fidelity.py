@@ -92,16 +92,41 @@ def _free(port: int) -> bool:
     return True
 
 
-def one_scale(scale: float, trace: Any, prompts: Any, settings: Any) -> dict[str, Any]:
-    port, base = _ports()
-    with tempfile.TemporaryDirectory(prefix="shapegate-fidelity-") as folder:
+# The demo exits naming a port another process took between our check and its bind.
+_PORT_TAKEN = ("already in use", "Address already in use", "Errno 98")
+
+
+def start_demo(scale: float, folder: Path, attempts: int = 3) -> tuple[Child, int, int]:
+    """The demo on free ports, ready: (its process, the gateway's port, the engines' base).
+    The ports are free when chosen and bound by the demo's processes a moment later; one taken
+    in between (an outgoing connection's ephemeral port, another test's server) makes the demo
+    exit naming it, and it is started again on new ports, at most ``attempts`` times. Any
+    other exit is raised at once."""
+    for attempt in range(1, attempts + 1):
+        port, base = _ports()
         argv = [sys.executable, "-m", "gateway.tools.cli", "demo", "--port", str(port)]
         argv += ["--engine-port-base", str(base), "--time-scale", str(scale)]
-        demo = Child.start("demo", argv, Path(folder) / "demo.log", None)
+        log = folder / f"demo-{attempt}.log"
+        demo = Child.start("demo", argv, log, None)
+        try:
+            # Starting the demo's five processes on a loaded 2-core machine takes a while.
+            harness.wait_http(f"http://127.0.0.1:{port}/readyz", demo, 180)
+        except RuntimeError:
+            demo.stop(30)
+            said = log.read_text(errors="replace") if log.is_file() else ""
+            if attempt == attempts or not any(words in said for words in _PORT_TAKEN):
+                raise
+            print(f"demo: a port was taken before it bound (attempt {attempt}); new ports")
+            continue
+        return demo, port, base
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def one_scale(scale: float, trace: Any, prompts: Any, settings: Any) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="shapegate-fidelity-") as folder:
+        demo, port, base = start_demo(scale, Path(folder))
         try:
             url = f"http://127.0.0.1:{port}"
-            # Starting the demo's five processes on a loaded 2-core machine takes a while.
-            harness.wait_http(url + "/readyz", demo, 180)
             load_before = os.getloadavg()[0]
             engines = tuple(f"http://127.0.0.1:{base + k}" for k in (1, 2, 11, 12))
             live = play_and_predict(

@@ -34,7 +34,6 @@ import math
 import os
 import random
 import statistics
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,10 +45,8 @@ import yaml
 from gateway.observe.trace import synthesize
 from gateway.settings import parse_settings
 from gateway.shipped import configs_dir
-from gateway.tools.bench import harness
-from gateway.tools.bench.fidelity import _ports
+from gateway.tools.bench.fidelity import start_demo
 from gateway.tools.bench.harness import (
-    Child,
     gateway_policy,
     gateway_rig,
     machine,
@@ -219,21 +216,17 @@ def _trace(duration: float, seed: int, monsters: bool) -> list[Any]:
 
 
 def prediction(scale: float, duration: float, seed: int, monsters: bool) -> dict[str, Any]:
-    port, base = _ports()
-    config = demo_config(port, base)
-    active = parse_settings(config, environ={})
-    shadow_yaml = candidate(demo_config(port, base))
-    promoted = parse_settings(yaml.safe_load(shadow_yaml), environ={})
-    trace = _trace(duration, seed, monsters)
-    prompts = build_prompts(active, trace, None)
-    deadline = default_deadline(trace, scale)
-    url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="shapegate-bench-shadow-") as folder:
-        argv = [sys.executable, "-m", "gateway.tools.cli", "demo", "--port", str(port)]
-        argv += ["--engine-port-base", str(base), "--time-scale", str(scale)]
-        demo = Child.start("demo", argv, Path(folder) / "demo.log", None)
+        demo, port, base = start_demo(scale, Path(folder))
         try:
-            harness.wait_http(url + "/readyz", demo, 180)
+            config = demo_config(port, base)
+            active = parse_settings(config, environ={})
+            shadow_yaml = candidate(demo_config(port, base))
+            promoted = parse_settings(yaml.safe_load(shadow_yaml), environ={})
+            trace = _trace(duration, seed, monsters)
+            prompts = build_prompts(active, trace, None)
+            deadline = default_deadline(trace, scale)
+            url = f"http://127.0.0.1:{port}"
             load_before = os.getloadavg()[0]
             _admin(url, "POST", "/admin/shadow", shadow_yaml)
             first = play_and_predict(active, trace, prompts, Target(url, scale), deadline, None)
