@@ -119,7 +119,7 @@ def plan_prompt(entry: Model, prompt: Prompt, exact_above: int) -> Plan | None:
     bounds = bounds_of(raw)
     if not vocab.bound_sound:
         bounds = [2**62]  # no provable bound: every count is exact
-    elif vocab.nfc and sum(bounds) < exact_above and any(d is not None for d in encoded):
+    elif vocab.nfc and sum(bounds) < exact_above and encoded.count(None) < len(encoded):
         # (ASCII is its own NFC form: an all-ASCII prompt's bound needs no second pass.)
         bounds = bounds_of([_nfc_len(piece, n) for piece, n in zip(pieces, raw, strict=True)])
     return Plan(

@@ -20,7 +20,8 @@ Contract:
      ``<|im_start|>`` (one piece a ChatML message); special tokens are split out before any BPE
      runs, so piece counts add up exactly to the whole (tested against the full render). The LRU
      is keyed by SHA-256 of (tokenizer, piece): an agent's system prompt and earlier turns are
-     counted once.
+     counted once. A small prompt (up to ``DIRECT_MAX_BYTES``) is looked up first by one key a
+     sequence, its pieces joined (a piece like any other: the same count), then by piece.
   3. ``exact``: the missing pieces are encoded. With gigatoken in its child process
      (``tokenizers/worker.py``, the default) a worker thread waits for the child, so the event
      loop never does; in-process, small ones inline and large ones in a worker thread with
@@ -93,6 +94,8 @@ class Unfinished:
     keys: list[bytes]
     texts: list[str]
     started: float
+    # A small prompt's sequence keys (``_whole``), stored with the count once it is known.
+    whole: list[bytes] | None = None
 
 
 class TokenCounter:
@@ -347,14 +350,51 @@ class TokenCounter:
 
     def _resume(self, plan: Plan, started: float) -> TokenCount | Unfinished:
         """A plan's answer from the cache, else what is left to encode."""
+        whole = self._whole_keys(plan)
+        if whole is not None:
+            sizes = [self._cache.get(k) for k in whole]
+            if None not in sizes:
+                totals = [n + plan.extra for n in sizes if n is not None]
+                return self._done(
+                    sum(totals),
+                    "cache",
+                    plan.vocab.id,
+                    plan.prompt_bytes,
+                    started,
+                    largest=_many(totals),
+                )
         counts, misses, keys = self._lookup(plan)
         if not misses:
+            self._store_whole(plan, counts, whole)
             return self._total(plan, counts, "cache", started)
         texts = [plan.pieces[i] for i in misses]
-        return Unfinished(plan, counts, misses, keys, texts, started)
+        return Unfinished(plan, counts, misses, keys, texts, started, whole)
+
+    def _whole_keys(self, plan: Plan) -> list[bytes] | None:
+        """A small prompt's cache keys, one a sequence (its pieces joined): one hash where the
+        pieces take one each. A sequence's text counts what its pieces add up to (special
+        tokens split before any BPE), so it is a piece entry like any other, in the same
+        bounded cache. None when caching is off, the prompt is large (a miss would hash it
+        twice) or every sequence is one piece (its key is that piece's)."""
+        if (
+            self._cache.max_entries <= 0
+            or plan.prompt_bytes > DIRECT_MAX_BYTES
+            or len(plan.pieces) == len(plan.sequences)
+        ):
+            return None
+        vocab_id, pieces = plan.vocab.id, plan.pieces
+        return [
+            cache.key(vocab_id, "".join(pieces[a:b]).encode("utf-8")) for a, b in plan.sequences
+        ]
+
+    def _store_whole(self, plan: Plan, counts: list[int | None], whole: list[bytes] | None) -> None:
+        if whole is not None:
+            for digest, (a, b) in zip(whole, plan.sequences, strict=True):
+                self._cache.put(digest, sum(counts[i] or 0 for i in range(a, b)))
 
     def _end(self, step: Unfinished, found: list[int]) -> TokenCount:
         self._store(step.counts, step.misses, step.keys, found)
+        self._store_whole(step.plan, step.counts, step.whole)
         return self._total(step.plan, step.counts, "exact", step.started)
 
     def _lookup(self, plan: Plan) -> tuple[list[int | None], list[int], list[bytes]]:

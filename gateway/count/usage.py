@@ -167,7 +167,7 @@ class ExactCount:
         # The figure the lane was decided by, and the UTF-8 bound when that was it (a bound is
         # never to be reported as tokens).
         self.decided_by = count.tokens
-        self.bound = count.tokens if count.exact is None else None
+        self.bound = count.tokens if count.method == "bound" else None
         # The count running in the counting worker while the engine works, when it could not be
         # had inline (an out-of-process encoder, large missing pieces, the encoder busy).
         self._pending: asyncio.Task[TokenCount] | None = None
@@ -177,7 +177,7 @@ class ExactCount:
     def meanwhile(self) -> None:
         """The request is on its way to the engine: count now, inline when that is cheap, else
         start the count in the worker so that it overlaps the engine's work."""
-        if self._count.exact is not None or self._pending is not None:
+        if self._count.method != "bound" or self._pending is not None:
             return
         step = self._counter.start_exact(self._count)
         if isinstance(step, TokenCount):
@@ -189,7 +189,7 @@ class ExactCount:
         """The exact count for the response headers, waiting at most ``wait_s`` for the worker:
         a congested counter never delays the first byte past that (None then: the headers carry
         the bound under its own name only, and the count is still taken at ``settle``)."""
-        if self._count.exact is None:
+        if self._count.method == "bound":
             self.meanwhile()
         pending = self._pending
         if pending is not None:
@@ -218,7 +218,7 @@ class ExactCount:
             else:
                 self._pending = None
                 pending.cancel()
-        elif self._count.exact is None:
+        elif self._count.method == "bound":
             step = self._counter.start_exact(self._count)
             if isinstance(step, TokenCount):  # else it needs the worker: abandoned, as above
                 self._count = step

@@ -229,6 +229,11 @@ def _part(part: Any, fmt: ContentFormat) -> Any:
 
 
 def _content(content: Any, role: str, fmt: ContentFormat) -> Any:
+    if isinstance(content, str) and not (role == "system" and content.startswith(BILLING_HEADER)):
+        # One text, the common case, is what the general path below makes of it.
+        if fmt == "string" or role == "tool":
+            return content
+        return [{"type": "text", "text": content}]  # (kept when empty, as a part is)
     if content is None:
         parts: list[Any] = []
     elif isinstance(content, str):
@@ -284,17 +289,19 @@ def _message(message: dict[str, Any], fmt: ContentFormat) -> dict[str, Any]:
             out["reasoning"] = out["reasoning_content"] = reasoning
     elif role == "tool" and "tool_call_id" in message:
         out["tool_call_id"] = message["tool_call_id"]
-    for name in ("name", "task"):
-        if isinstance(message.get(name), str):
-            out[name] = message[name]
+    if "name" in message or "task" in message:
+        for name in ("name", "task"):
+            if isinstance(message.get(name), str):
+                out[name] = message[name]
     if role == "developer":
         out["tools"] = message.get("tools")
-    calls = out.get("tool_calls")
-    if isinstance(calls, list):
-        if calls:
-            out["tool_calls"] = _tool_calls(calls)
-        else:
-            del out["tool_calls"]
+    if "tool_calls" in out:  # an assistant's
+        calls = out["tool_calls"]
+        if isinstance(calls, list):
+            if calls:
+                out["tool_calls"] = _tool_calls(calls)
+            else:
+                del out["tool_calls"]
     return out
 
 
@@ -330,6 +337,8 @@ def conversation(
 ) -> list[dict[str, Any]]:
     """The messages vLLM hands the template (see the module docstring)."""
     messages = [_message(message, fmt) for message in prompt.messages]
-    if not developer_role and any(m["role"] == "developer" for m in messages):
-        messages = _developer_as_system(messages)
+    if not developer_role:
+        for message in messages:
+            if message["role"] == "developer":
+                return _developer_as_system(messages)
     return messages

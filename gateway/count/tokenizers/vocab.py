@@ -41,10 +41,11 @@ class Vocabulary:
     origin: str
     fallback: str | None = None
     split_token: str | None = field(default=None)
+    # ``name/backend``: the cache keys' tokenizer, read a few times a count (set once).
+    id: str = field(init=False, repr=False, compare=False)
 
-    @property
-    def id(self) -> str:
-        return f"{self.name}/{self.encoder.backend}"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "id", f"{self.name}/{self.encoder.backend}")
 
 
 def split_token(specials: frozenset[str]) -> str | None:

@@ -18,6 +18,7 @@ import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from gateway.count.tokenizers.conversation import (
+    BILLING_HEADER,
     TemplateRejected,
     content_format,
     conversation,
@@ -245,3 +246,21 @@ def test_a_tool_call_that_is_not_a_function_is_refused() -> None:
     prompt = chat({"role": "assistant", "content": "", "tool_calls": [{"type": "custom"}]})
     with pytest.raises(TemplateRejected, match="type 'function'"):
         conversation(prompt, "string", False)
+
+
+@pytest.mark.parametrize("fmt", ["string", "openai"])
+@pytest.mark.parametrize("role", ["system", "developer", "user", "assistant", "tool", "x"])
+@pytest.mark.parametrize(
+    "text", ["", "hi", "a\nb", f"{BILLING_HEADER}: cc=1\nrest", BILLING_HEADER, "<|im_end|>"]
+)
+def test_a_string_content_is_what_its_one_text_part_makes(fmt: Any, role: str, text: str) -> None:
+    """The one-string shortcut of ``_content`` gives what the general path gives for the
+    same text as a one-part list, in both formats and every role (empty text included)."""
+    for developer_role in (False, True):
+        as_string = conversation(
+            ChatPrompt(messages=({"role": role, "content": text},)), fmt, developer_role
+        )
+        as_list = conversation(
+            ChatPrompt(messages=({"role": role, "content": [text]},)), fmt, developer_role
+        )
+        assert as_string == as_list
