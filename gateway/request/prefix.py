@@ -120,8 +120,10 @@ class Prefixes:
 
     def learn(self, views: Sequence[EngineView]) -> None:
         """The endpoints' KV capacities as their views carry them: each endpoint's record is
-        bounded by its own (engine_pool/prefix_index.py ``learn``)."""
+        bounded by its own (engine_pool/prefix_index.py ``learn``). A smaller capacity may
+        shrink the record at once, so the gauge is set again."""
         self.index.learn(views)
+        self._metrics.prefix_index_blocks.set(self.index.blocks)
 
     def engine_down(self, url: str) -> None:
         """``url`` went down: its engine may restart with an empty cache, so the approximate

@@ -145,8 +145,9 @@ async def test_dead_engine_dies_as_vllm_does(sim: SimServer) -> None:
                 await client.get("/health")
             except httpx.ConnectError:
                 return True
-            except httpx.RemoteProtocolError:
-                return False  # a kept-alive connection reset as the server exits: try anew
+            except (httpx.RemoteProtocolError, httpx.ReadError):
+                # A kept-alive connection closed or reset as the server exits: try anew.
+                return False
             return False
 
         await wait_for(refused, 3, what="the server exits")

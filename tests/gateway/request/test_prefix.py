@@ -12,7 +12,7 @@ import httpx
 import pytest
 from structlog.testing import capture_logs
 
-from engine_pool.cluster import EngineState
+from engine_pool.cluster import EngineState, EngineView
 from engine_pool.registry import StateChange
 from gateway.edge.services import Gateway
 from gateway.observe.metrics import Metrics
@@ -183,6 +183,25 @@ def test_the_index_keeps_at_most_max_blocks_and_exports_its_size() -> None:
         prefixes.sent(prefixes.look(CompletionPrompt(texts=(f"{i:04d}" * 4,))), "http://a")
     assert prefixes.index.blocks == 5
     assert metrics.registry.get_sample_value("shapegate_prefix_index_blocks") == 5
+
+
+def test_a_smaller_kv_capacity_shrinks_the_record_and_its_gauge_at_once() -> None:
+    """An engine that reports a smaller KV cache (a restart with another --gpu-memory-utilization)
+    bounds its record at once, and the exported size follows without waiting for a send."""
+    metrics = Metrics()
+    prefixes = Prefixes(
+        PrefixIndexSettings(block_tokens=2, bytes_per_token=1, max_blocks=100), metrics
+    )
+    for i in range(10):
+        prefixes.sent(prefixes.look(CompletionPrompt(texts=(f"{i:04d}" * 4,))), "http://a")
+    assert prefixes.index.held_by("http://a") > 8
+    assert metrics.registry.get_sample_value("shapegate_prefix_index_blocks") == (
+        prefixes.index.blocks
+    )
+    view = EngineView("fast", "http://a", EngineState.UP, 0, kv_capacity_tokens=2 * 8)
+    prefixes.learn([view])
+    assert prefixes.index.held_by("http://a") == 8
+    assert metrics.registry.get_sample_value("shapegate_prefix_index_blocks") == 8
 
 
 async def test_route_decision_carries_the_chosen_endpoints_score_and_cached_tokens(
