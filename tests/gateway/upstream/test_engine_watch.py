@@ -389,7 +389,13 @@ async def test_an_engine_restarted_between_two_probes_is_forgotten_by_the_prefix
                 state = (await client.get(url + "/admin/state")).json()
                 return dict(state["prefix_index"]["endpoints"])
 
-            await asyncio.sleep(0.3)  # both engines' start times read once
+            async def scraped() -> bool:
+                state = (await client.get(url + "/admin/state")).json()
+                ages = [e["load_age_s"] for c in state["clusters"] for e in c["endpoints"]]
+                return all(age is not None for age in ages)
+
+            # Both engines' start times read once before one of them moves.
+            await wait_for(scraped, 5, what="both engines scraped")
             for agent in range(20):  # until both hold some prefix
                 body = {
                     "model": "qwen3.6",
