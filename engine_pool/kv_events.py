@@ -4,6 +4,9 @@
     blocks = EngineBlocks(url)
     step = blocks.apply(batch)              OK, GAP (ask the replay socket from blocks.next_seq)
                                             or RESTART (the engine started over: rebuilt)
+    blocks.restarted()                      the engine restarted (told from outside, e.g. its
+                                            process start time): forget all, and read the new
+                                            process's events from sequence 0
     blocks.match(hashes) -> blocks          leading blocks of a prompt's chained hashes it holds
     reader = KvEventsReader(blocks, endpoint, replay_endpoint)
     await reader.run()                      the I/O: SUB socket, DEALER to the replay ROUTER
@@ -218,6 +221,16 @@ class EngineBlocks:
         self.last_ts = batch.ts
         self.applied_at = clock()
         return step
+
+    def restarted(self) -> None:
+        """The engine's process restarted (the monitor saw a new start time): everything is
+        forgotten and the next batch is read as a stream's first, so any batch after sequence
+        0 is a GAP and the reader asks the replay socket from 0 (the new process's start,
+        sequences counting from 0 again): blocks the new process stored before this was told
+        are read again, not lost."""
+        self.clear()
+        self.rebuilds += 1
+        self.next_seq = None
 
     def restart_from(self, seq: int) -> None:
         """The replay cannot give what was missed: forget everything, go on from ``seq``."""

@@ -17,6 +17,11 @@ Contract:
   probe interval, with the KV capacity the scraper found in ``vllm:cache_config_info``, and
   holds it against the plan's ``needs`` (its lanes): ``CapabilityChange`` when the endpoint
   turns misconfigured or no longer is; ``CapabilityUnread`` when the engine did not answer.
+- A scrape whose ``process_start_time_seconds`` (``Load.started_s``) differs from the
+  endpoint's previous one means the engine's server process restarted between two scrapes,
+  however quickly (its probes may never have failed): ``EngineRestarted`` once, before that
+  scrape's ``LoadRead``. The first value read is no restart; an engine that stops exporting
+  it keeps its last value, so exporting it again with the same start is none either.
 - An endpoint that goes DOWN has its in-flight requests cancelled by the pool (see
   ``EnginePool.set_state``), so they end with an error and free their slots at once.
 """
@@ -83,6 +88,15 @@ class ScrapeFailed:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineRestarted:
+    cluster: str
+    url: str
+    # The server process's start times (Unix seconds) before and now.
+    previous_started_s: float
+    started_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class CapabilityUnread:
     cluster: str
     url: str
@@ -97,7 +111,17 @@ MonitorEvent = (
     | ScrapeFailed
     | CapabilityChange
     | CapabilityUnread
+    | EngineRestarted
 )
+
+
+def restarted(
+    cluster: str, url: str, previous: float | None, started: float | None
+) -> EngineRestarted | None:
+    """A restart, when two start times read from the same endpoint differ (pure)."""
+    if previous is None or started is None or started == previous:
+        return None
+    return EngineRestarted(cluster, url, previous, started)
 
 
 class EngineMonitor:
@@ -115,6 +139,8 @@ class EngineMonitor:
         self._probe_ok_at: dict[tuple[str, str], float] = {}
         # KV cache capacity (tokens) each engine's /metrics last reported, if it does.
         self._kv_tokens: dict[tuple[str, str], int | None] = {}
+        # Each engine's server process start (Unix seconds), as its /metrics last said.
+        self._started: dict[tuple[str, str], float] = {}
 
     async def run(self) -> None:
         limits = httpx.Limits(max_connections=3 * len(self._plans) + 4)
@@ -204,5 +230,11 @@ class EngineMonitor:
                     waiting=load.waiting,
                     kv_usage=load.kv_usage,
                 )
+                key = (plan.cluster, plan.url)
+                restart = restarted(plan.cluster, plan.url, self._started.get(key), load.started_s)
+                if load.started_s is not None:
+                    self._started[key] = load.started_s
+                if restart is not None:
+                    self._on_event(restart)
                 self._on_event(LoadRead(plan.cluster, plan.url, load))
             await anyio.sleep(plan.scrape_interval_s)

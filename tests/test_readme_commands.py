@@ -189,6 +189,7 @@ EXCLUDED: dict[str, str] = {
     "shapegate bench shadow": "a benchmark suite (minutes); tests/gateway/tools/test_bench_shadow.py runs it small",
     "shapegate bench prefix": "a benchmark suite (minutes); tests/gateway/tools/test_bench_prefix.py runs it small",
     "shapegate bench prefix --seeds 50": "a benchmark suite (minutes); tests/gateway/tools/test_bench_prefix.py runs it small",
+    "shapegate bench prefix-soak": "ten minutes of unique-prefix traffic; tests/gateway/tools/test_bench_prefix_soak.py runs it for 6 s",
     "shapegate trace synth agent-storm": NAMED,
     "shapegate demo --time-scale 0.1 &": "`shapegate demo` (run here) in the background, for the `replay --live` after it",
     "shapegate replay --config configs/demo.yaml cut.jsonl --live http://127.0.0.1:8000 --time-scale 0.1 --simulate --engine http://127.0.0.1:9101 --engine http://127.0.0.1:9102 --engine http://127.0.0.1:9111 --engine http://127.0.0.1:9112": "plays 300 s of traffic at time scale 0.1 (minutes, monsters included); tests/gateway/tuning/test_live_replay.py plays a live replay",

@@ -10,11 +10,17 @@ whose labels are the cache configuration: ``block_size`` and ``num_gpu_blocks``,
 is the KV capacity; ``log_metrics_info`` in vLLM's loggers.py) and the API server's
 ``http_requests_total{handler, method, status}`` (prometheus-fastapi-instrumentator: status
 grouped as ``2xx``/``4xx``; /metrics, /health, /load, /ping, /version and /server_info not
-counted), which counts every request the engine received, refused ones included.
+counted), which counts every request the engine received, refused ones included; and
+``process_start_time_seconds`` (prometheus_client's process collector, which a vLLM server
+exports: when its process started, Unix seconds), here when the engine was built, moved to
+now by ``restarted()`` (the server listening again after a crash or an engine-core death: a
+new process, as far as anyone watching can tell).
 One registry per engine: no module-level state.
 """
 
 from __future__ import annotations
+
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -66,6 +72,12 @@ class SimMetrics:
             ("handler", "method", "status"),
             registry=r,
         )
+        self._started = Gauge(
+            "process_start_time_seconds",
+            "Start time of the process since unix epoch in seconds.",
+            registry=r,
+        )
+        self._started.set(time.time())
         if kv_capacity_tokens is not None:
             Gauge(
                 "vllm:cache_config_info",
@@ -104,6 +116,10 @@ class SimMetrics:
         self.generation_tokens = Counter(
             "vllm:generation_tokens", "Number of generation tokens processed.", LABELS, registry=r
         ).labels(*values)
+
+    def restarted(self, at: float | None = None) -> None:
+        """The server came back as a new process would: its start time is now (or ``at``)."""
+        self._started.set(time.time() if at is None else at)
 
     def render(self, snapshot: SchedulerSnapshot) -> bytes:
         """The exposition text, with the gauges read from the scheduler right now."""

@@ -7,7 +7,8 @@ Contract:
   process exit would (no graceful drain: tests must not wait on hung streams).
 - ``await set_faults(spec)`` replaces the faults. ``crash`` closes the listening socket
   (connection refused) and resets every open connection, as a dead process would; clearing it
-  (or ``restart_after_s``) listens again on the same port with the same engine records.
+  (or ``restart_after_s``) listens again on the same port with the same engine records, its
+  ``process_start_time_seconds`` moved to that moment (a restarted vLLM is a new process).
   ``dead`` is vLLM's engine-core death: every running request ends at once (streams with an
   error event), the server keeps answering (new generations 500, ``/health`` 200) for
   ``exit_after_s``, then exits as ``crash`` does; ``restart_after_s`` brings it back after that.
@@ -95,6 +96,8 @@ class SimServer:
         self._restart: asyncio.Task[None] | None = None
         self._deferred: asyncio.Task[None] | None = None
         self._dying: asyncio.Task[None] | None = None
+        # Listening again after this is a restart (a new process start time on /metrics).
+        self._listened = False
         self.engine.on_failure = lambda: self._die(0.5, restart_after_s=None)
 
     @property
@@ -217,6 +220,9 @@ class SimServer:
                 raise RuntimeError(f"simulated engine failed to listen on {self.url}")
             await asyncio.sleep(0.002)
         self._server, self._task = server, task
+        if self._listened:
+            self.engine.metrics.restarted()
+        self._listened = True
 
     async def _close(self) -> None:
         server, task = self._server, self._task

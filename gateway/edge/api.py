@@ -15,7 +15,8 @@ exchange to the pipeline; the rest answer from config or from snapshots of the g
     POST /admin/engines/drain, /undrain          ``{"url": ...}``: take an endpoint out of routing
                                                  (its requests finish, or past its cluster's
                                                  drain_s migrate), or bring it back
-    GET  /admin/state                            lanes, clusters, slots, queues, recent decisions
+    GET  /admin/state                            lanes, clusters, slots, queues, recent decisions,
+                                                 the prefix index (entries, bound, blocks, lag)
     POST/GET/DELETE /admin/shadow, POST /admin/shadow/promote
                                                  a candidate policy deciding on live traffic
                                                  beside the active one (edge/shadow_routes.py)
@@ -173,6 +174,7 @@ async def admin_state(gateway: Gateway) -> dict[str, Any]:
         "lanes": lanes,
         "clusters": clusters,
         "decisions": gateway.recorder.snapshot(),
+        "prefix_index": gateway.pipeline.prefixes.state(),
     }
     if gateway.group is not None:
         state["worker"] = {"index": gateway.group.index, "pid": os.getpid()}

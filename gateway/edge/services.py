@@ -164,7 +164,10 @@ class Gateway:
         def on_down(url: str) -> None:
             pipeline.prefixes.engine_down(url)
 
-        events = EngineEvents(settings, metrics, log, pool, on_down=on_down)
+        def on_restart(url: str) -> None:
+            pipeline.prefixes.engine_restarted(url)
+
+        events = EngineEvents(settings, metrics, log, pool, on_down=on_down, on_restart=on_restart)
         pipeline = Pipeline(
             Policy(settings, counter, keys, ClientAuth.from_settings(settings.auth)),
             pool,
@@ -251,6 +254,7 @@ class Gateway:
                 self.log,
                 self.pool,
                 on_down=self.pipeline.prefixes.engine_down,
+                on_restart=self.pipeline.prefixes.engine_restarted,
             ),
         )
         if self._monitor_scope is not None:

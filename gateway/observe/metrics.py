@@ -280,6 +280,12 @@ class Metrics:
             ["cluster", "endpoint"],
             registry=r,
         )
+        self.engine_restarts = Counter(
+            "shapegate_engine_restarts",
+            "Times the endpoint's engine restarted (its process_start_time_seconds changed).",
+            ["cluster", "endpoint"],
+            registry=r,
+        )
         self.engine_check_failures = Counter(
             "shapegate_engine_check_failures",
             "Failed health probes and metrics scrapes (an engine's failures, not the gateway's).",

@@ -6,6 +6,9 @@
     prefixes.learn(views)               the endpoints' KV capacities, bounding their records
     prefixes.sent(seen, url)            the request went to ``url``: remember its blocks there
     prefixes.engine_down(url)           ``url`` went down: forget what was sent there
+    prefixes.engine_restarted(url)      ``url``'s engine restarted: forget what it held, and
+                                        read its KV events again from sequence 0
+    prefixes.state()                    the index as ``/admin/state`` shows it (``prefix_index``)
 
 The blocks are the prompt as the engine receives it, in order: a chat request's messages as
 JSON (so two requests share blocks up to their first differing byte: the system prompt and the
@@ -31,6 +34,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 import structlog
@@ -136,6 +140,64 @@ class Prefixes:
         self.index.forget(url)
         self._metrics.prefix_index_blocks.set(self.index.blocks)
         log.info("prefix_index.forgotten", endpoint=url, blocks=blocks, reason="engine_down")
+
+    def state(self) -> dict[str, Any]:
+        """The index as ``/admin/state`` shows it: ``entries`` (the approximate record's
+        (block, endpoint) entries) against its ``bound`` (``prefix_index.max_blocks``), the
+        age of its oldest entry, what it evicted, expired and cut to an engine's KV capacity;
+        per endpoint its blocks (and KV capacity in blocks, when known) or, for an engine
+        publishing KV events, the blocks it reports and how far its events lag (``lag_s``, the
+        highest of those: null without any)."""
+        index = self.index
+        endpoints: dict[str, dict[str, Any]] = {
+            url: {"source": "approximate", "blocks": n, "capacity_blocks": index.capacity(url)}
+            for url, n in index.held().items()
+        }
+        for url, blocks in self.engines.items():
+            endpoints[url] = {
+                "source": "kv_events",
+                "blocks": blocks.blocks,
+                "lag_s": round(blocks.lag_s(), 3),
+                "rebuilds": blocks.rebuilds,
+            }
+        lags = [e["lag_s"] for e in endpoints.values() if "lag_s" in e]
+        return {
+            "source": self.settings.source,
+            "block_tokens": self.settings.block_tokens,
+            "entries": index.blocks,
+            "bound": index.max_blocks,
+            "oldest_age_s": round(index.oldest_age_s(), 3),
+            "evicted": index.evicted,
+            "expired": index.expired,
+            "overflowed": index.overflowed,
+            "lag_s": max(lags) if lags else None,
+            "endpoints": endpoints,
+        }
+
+    def engine_restarted(self, url: str) -> None:
+        """``url``'s engine restarted (its ``process_start_time_seconds`` changed): its cache
+        is empty, whether or not its probes ever failed. The approximate record of what was
+        sent there is dropped; for an engine publishing KV events, its blocks are cleared and
+        its reader goes back to the new process's sequence 0 (``EngineBlocks.restarted``:
+        its next batch asks the replay socket from 0), so what the new process stored before
+        the reader noticed is rebuilt rather than lost."""
+        blocks = self.index.held().get(url, 0)
+        engine = self.engines.get(url)
+        if engine is not None:
+            blocks += engine.blocks
+            engine.restarted()
+            # Its rebuild is counted by the reader's next step (``readers``' on_step counts
+            # ``EngineBlocks.rebuilds`` as it grows): counting it here too would count it twice.
+            self._metrics.kv_events_blocks.labels(url).set(0)
+        self.index.forget(url)
+        self._metrics.prefix_index_blocks.set(self.index.blocks)
+        log.info(
+            "prefix_index.forgotten",
+            endpoint=url,
+            blocks=blocks,
+            reason="engine_restarted",
+            kv_events=engine is not None,
+        )
 
     def sending(self, seen: Seen, key: str, url: str) -> Callable[[], None]:
         """Request ``key`` goes to ``url``: its prompt less the prefix the endpoint is believed

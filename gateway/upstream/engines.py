@@ -10,7 +10,10 @@ engine goes down or is ``misconfigured``, info otherwise) and ``shapegate_engine
 endpoint going down also passed on (``on_down``: the approximate prefix index forgets it); the
 state ``misconfigured`` when an endpoint's own /v1/models (or KV cache) cannot hold what its lanes
 admit, and back to ``up`` when it can, with ``shapegate_engine_misconfigured`` and
-``shapegate_engine_misconfigurations_total``; ``engine.slow`` (a warning and
+``shapegate_engine_misconfigurations_total``; ``engine.restarted`` (a warning, with the old
+and new process start times) and ``shapegate_engine_restarts_total`` when an engine's
+``process_start_time_seconds`` changed, the restart also passed on (``on_restart``: the prefix
+index forgets what it believed that engine held); ``engine.slow`` (a warning and
 ``watchdog_events{kind=probe_timeout}``, an alert that evicts nothing); load gauges. Every
 failed probe, scrape and /v1/models read counts in
 ``shapegate_engine_check_failures_total{cluster, endpoint, check}``: an engine failing is the
@@ -35,6 +38,7 @@ from engine_pool.health import Thresholds
 from engine_pool.latency import judge
 from engine_pool.monitor import (
     CapabilityUnread,
+    EngineRestarted,
     LoadRead,
     MonitorEvent,
     ProbeFailed,
@@ -118,7 +122,8 @@ def slow_start(log: Logger, cluster: str, url: str, window_s: float, why: str) -
 
 class EngineEvents:
     """Turns monitor events into log lines and metrics; ``on_down(url)`` is told of every
-    endpoint that goes down (its engine may restart, and what it cached with it)."""
+    endpoint that goes down (its engine may restart, and what it cached with it), and
+    ``on_restart(url)`` of every engine that restarted (its cache is empty)."""
 
     def __init__(
         self,
@@ -127,11 +132,13 @@ class EngineEvents:
         log: Logger,
         pool: EnginePool | None = None,
         on_down: Callable[[str], None] | None = None,
+        on_restart: Callable[[str], None] | None = None,
     ) -> None:
         self._settings = settings
         self._metrics = metrics
         self._log = log
         self._on_down = on_down
+        self._on_restart = on_restart
         self._failing: set[tuple[str, str]] = set()
         # The gauges start from what the pool knows (a reload keeps a down or misconfigured
         # endpoint's state, whose change will not be reported again), else up and fine.
@@ -180,6 +187,19 @@ class EngineEvents:
                 self._metrics.engine_misconfigurations.labels(
                     cluster=event.cluster, endpoint=event.url
                 ).inc()
+        elif isinstance(event, EngineRestarted):
+            # A warning: nobody asked for it, and whatever it held (its prefix cache, requests
+            # in flight at the time) is gone, possibly between two probes.
+            self._log.warning(
+                "engine.restarted",
+                cluster=event.cluster,
+                endpoint=event.url,
+                previous_started_s=event.previous_started_s,
+                started_s=event.started_s,
+            )
+            self._metrics.engine_restarts.labels(cluster=event.cluster, endpoint=event.url).inc()
+            if self._on_restart is not None:
+                self._on_restart(event.url)
         elif isinstance(event, CapabilityUnread):
             self._metrics.engine_check_failures.labels(
                 cluster=event.cluster, endpoint=event.url, check="models"

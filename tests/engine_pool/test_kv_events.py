@@ -93,6 +93,57 @@ def test_gap_old_and_restart_by_sequence() -> None:
     assert blocks.match(digests(PROMPT)) == 0 and blocks.rebuilds == 1
 
 
+def test_an_engine_restart_told_from_outside_replays_from_sequence_0() -> None:
+    """The monitor saw a new process start time: what was held is gone, and the next batch is
+    read as a stream's first, so one past sequence 0 asks the replay socket from 0 (the new
+    process's start), whatever sequence the old process had reached."""
+    blocks = EngineBlocks("e")
+    assert blocks.apply(decoded(0, stored([b"a"], None, PROMPT[:4]))) is Step.OK
+    assert blocks.apply(decoded(1, stored([b"b"], b"a", PROMPT[4:8]))) is Step.OK
+    blocks.restarted()
+    assert blocks.match(digests(PROMPT)) == 0 and blocks.rebuilds == 1
+    assert blocks.next_seq is None
+    # The new process's batch 3 arrives first: 0-2 must be replayed before it.
+    assert blocks.apply(decoded(3, stored([b"x"], None, PROMPT[:4]))) is Step.GAP
+    assert blocks.apply(decoded(0, stored([b"a2"], None, PROMPT[:4]))) is Step.OK
+    assert blocks.match(digests(PROMPT)) == 1 and blocks.next_seq == 1
+
+
+def test_the_reader_resubscribes_from_0_after_a_restart_told_from_outside() -> None:
+    async def main() -> None:
+        publisher = Publisher()
+        blocks = EngineBlocks("e")
+        reader = KvEventsReader(
+            blocks,
+            f"tcp://127.0.0.1:{publisher.port}",
+            f"tcp://127.0.0.1:{publisher.replay_port}",
+        )
+        task = asyncio.create_task(reader.run())
+        try:
+            for seq, (name, parent, part) in enumerate(
+                [(b"a", None, PROMPT[:4]), (b"b", b"a", PROMPT[4:8]), (b"c", b"b", PROMPT[8:12])]
+            ):
+                # Before the reader subscribed: its start's replay gives them.
+                publisher.publish(wire(seq, stored([name], parent, part)), send=False)
+            await until(lambda: blocks.match(digests(PROMPT)) == 3, publisher)
+            # The engine restarted: its new process publishes from 0 again, and the reader
+            # (told by the monitor) missed its first batches on the PUB socket.
+            publisher.buffer.clear()
+            blocks.restarted()
+            publisher.publish(wire(0, stored([b"n"], None, PROMPT[:4])), send=False)
+            await asyncio.sleep(0.3)  # the SUB socket's subscription reaches the PUB
+            publisher.publish(wire(1, stored([b"m"], b"n", PROMPT[4:8])))
+            await until(lambda: blocks.match(digests(PROMPT)) == 2, publisher)
+            assert blocks.next_seq == 2 and blocks.rebuilds == 1
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            publisher.close()
+
+    asyncio.run(main())
+
+
 async def until(check: Any, publisher: Publisher, timeout_s: float = 5.0) -> None:
     for _ in range(int(timeout_s / 0.02)):
         publisher.serve_replay()

@@ -9,7 +9,8 @@ from engine_pool.load import NAMES, parse_load
 
 
 def _whole_page_sums(text: str) -> dict[str, float]:
-    """The reference: split and parse every line (what the scraper did before)."""
+    """The reference: split and parse every line (what the scraper did before); a process
+    start time is the highest, not a sum."""
     sums: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line[0] == "#":
@@ -23,7 +24,11 @@ def _whole_page_sums(text: str) -> dict[str, float]:
             value = float(value_part[0]) if value_part else math.nan
         except ValueError:
             continue
-        if math.isfinite(value):
+        if not math.isfinite(value):
+            continue
+        if name == "process_start_time_seconds":
+            sums[name] = max(sums.get(name, value), value)
+        else:
             sums[name] = sums.get(name, 0.0) + value
     return sums
 
@@ -66,3 +71,26 @@ def test_the_load_read_from_the_wanted_lines_equals_a_parse_of_the_whole_page() 
         load = parse_load(kind, text)  # type: ignore[arg-type]
         assert (load.running, load.waiting, load.kv_usage) == expected, text
         assert load.tokens_total == (sum(tokens) if tokens else None), text
+        assert load.started_s == sums.get("process_start_time_seconds"), text
+
+
+# As a vLLM 0.32 API server's /metrics has it (prometheus_client's process collector).
+VLLM_PAGE = (
+    ("# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n")
+    + """# TYPE process_start_time_seconds gauge
+process_start_time_seconds 1.76489101234e+09
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+vllm:num_requests_running{engine="0",model_name="qwen3.6"} 2.0
+vllm:num_requests_waiting{engine="0",model_name="qwen3.6"} 1.0
+"""
+)
+
+
+def test_the_engines_process_start_time_is_read_and_never_summed() -> None:
+    load = parse_load("vllm", VLLM_PAGE)
+    assert load.started_s == 1_764_891_012.34 and load.running == 2.0
+    assert parse_load("sglang", "process_start_time_seconds 12.5\n").started_s == 12.5
+    # Two processes' lines (a multi-process page): the newest start, not 2x a date.
+    two = "process_start_time_seconds 100.0\nprocess_start_time_seconds 250.0\n"
+    assert parse_load("vllm", two).started_s == 250.0
+    assert parse_load("vllm", "vllm:num_requests_running 1\n").started_s is None

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from engine_pool.load import parse_load
 from engine_pool.sim.faults import FaultError, FaultSpec, parse_fault_arg
 from engine_pool.sim.server import SimServer, run_sim
 from engine_pool.sim.wire import ENGINE_DEAD_MESSAGE
@@ -91,6 +92,31 @@ async def test_crash_over_http_then_restart_after(sim: SimServer) -> None:
         await asyncio.sleep(0.5)
         assert (await client.get("/health")).status_code == 200
         assert (await client.get("/sim/faults")).json()["faults"] == {}
+
+
+async def test_a_restart_is_a_new_process_start_time_on_metrics(sim: SimServer) -> None:
+    """As a vLLM server's process collector exports it: constant while the server lives, new
+    once it comes back after a crash or an engine-core death (what the gateway's monitor reads
+    as a restart, engine_pool/load.py ``started_s``)."""
+
+    async def started() -> float | None:
+        try:  # a new connection each time: a crash resets kept-alive ones
+            async with httpx.AsyncClient(base_url=sim.url) as client:
+                return parse_load("vllm", (await client.get("/metrics")).text).started_s
+        except httpx.HTTPError:
+            return None  # not listening
+
+    async def moved_from(before: float) -> float | None:
+        now = await started()
+        return now if now is not None and now > before else None
+
+    first = await started()
+    assert first is not None and abs(first - time.time()) < 60
+    assert await started() == first
+    await sim.set_faults({"crash": True, "restart_after_s": 0.2})
+    after_crash = await wait_for(lambda: moved_from(first), 5, what="a new start after a crash")
+    await sim.set_faults({"dead": True, "exit_after_s": 0.05, "restart_after_s": 0.1})
+    await wait_for(lambda: moved_from(after_crash), 5, what="a new start after a death")
 
 
 async def test_crash_at_start_never_listens(start_sim: SimFactory) -> None:

@@ -3,6 +3,8 @@ and admin state counting what the real engines served."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 
 from tests.real.engines import MODEL, Real
@@ -21,6 +23,12 @@ async def test_real_metrics_are_parsed_with_no_swallowed_error(real: Real) -> No
         for series in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
             assert scrape.has(series, model_name=MODEL), (name, series)
         assert scrape.has("vllm:kv_cache_usage_perc", model_name=MODEL), name
+        # The process start time the monitor reads as a restart when it changes
+        # (engine_pool/load.py ``started_s``): exported, a recent date, steady while it lives.
+        started = scrape.value("process_start_time_seconds")
+        assert scrape.has("process_start_time_seconds"), name
+        assert 0 < time.time() - started < 86_400, (name, started)
+        assert real.engines[name].metrics().value("process_start_time_seconds") == started
     async with httpx.AsyncClient(timeout=60) as client:
         for stream in (False, True):
             answer = await client.post(
@@ -51,6 +59,8 @@ async def test_real_metrics_are_parsed_with_no_swallowed_error(real: Real) -> No
     assert scrape.value("shapegate_engine_up") == 2
     assert scrape.value("shapegate_prompt_tokens_count", lane="fast") >= 2
     assert scrape.value("shapegate_output_tokens_count", lane="fast", source="usage") >= 2
+    # Steady start times over several scrapes: no restart seen where there was none.
+    assert scrape.value("shapegate_engine_restarts_total") == 0
 
 
 def test_the_admin_state_holds_no_slot_when_idle(real: Real) -> None:

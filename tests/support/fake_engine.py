@@ -60,6 +60,8 @@ class FakeEngine:
         # (block_size, num_gpu_blocks): /metrics exports vllm:cache_config_info and /v1/models
         # answers, as vLLM does; None: neither (the capability stays unread).
         self.cache_config: tuple[int, int] | None = None
+        # /metrics exports process_start_time_seconds with this value (None: not at all).
+        self.started_s: float | None = None
         self.generated = 0
 
     async def _get(self, path: str, send: Any) -> None:
@@ -77,6 +79,8 @@ class FakeEngine:
                 f'vllm:kv_cache_usage_perc{{model_name="qwen3.6"}} 0.25\n'
                 f'vllm:generation_tokens_total{{model_name="qwen3.6"}} {self.generated}\n'
             ).encode()
+            if self.started_s is not None:
+                payload += f"process_start_time_seconds {self.started_s}\n".encode()
             if self.cache_config is not None:
                 block, blocks = self.cache_config
                 payload += (

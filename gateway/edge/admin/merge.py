@@ -15,6 +15,9 @@ Contract:
   decisions interleaved by time. Percentiles cannot be merged from percentiles: the merged
   p50/p95/p99 are the highest of the workers' (an upper bound), with ``n`` summed.
   ``workers`` lists each worker's index, pid, in-flight, accepting and policy version.
+  Each worker keeps its own prefix index (gateway/request/prefix.py): the merged
+  ``prefix_index`` sums their entries, bounds, evictions and each endpoint's blocks (the
+  gateway's memory holds them all), and takes the highest oldest age and KV-events lag.
 """
 
 from __future__ import annotations
@@ -170,8 +173,40 @@ def _interleave(lists: Sequence[list[dict[str, Any]]], key: str | None, limit: i
     return rows[:limit]
 
 
+def _prefix_index(states: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """Every worker's prefix index summed (each worker holds its own), ages and lags at their
+    highest; None when no worker reports one."""
+    parts = [s["prefix_index"] for s in states if s.get("prefix_index")]
+    if not parts:
+        return None
+    endpoints: dict[str, dict[str, Any]] = {}
+    for part in parts:
+        for url, row in part.get("endpoints", {}).items():
+            merged = endpoints.get(url)
+            if merged is None:
+                endpoints[url] = dict(row)
+                continue
+            merged["blocks"] = (merged.get("blocks") or 0) + (row.get("blocks") or 0)
+            for key in ("capacity_blocks", "lag_s"):
+                if key in row or key in merged:
+                    merged[key] = _max([merged.get(key), row.get(key)])
+            if "rebuilds" in row or "rebuilds" in merged:
+                merged["rebuilds"] = (merged.get("rebuilds") or 0) + (row.get("rebuilds") or 0)
+    return {
+        **parts[0],
+        **{
+            key: _sum(parts, key)
+            for key in ("entries", "bound", "evicted", "expired", "overflowed")
+        },
+        "oldest_age_s": _max([p.get("oldest_age_s") for p in parts]),
+        "lag_s": _max([p.get("lag_s") for p in parts]),
+        "endpoints": endpoints,
+    }
+
+
 def merge_admin_state(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
     first = states[0]
+    prefix_index = _prefix_index(states)
     return {
         **first,
         "in_flight": _sum(states, "in_flight"),
@@ -181,6 +216,7 @@ def merge_admin_state(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
         # Each worker's ring (server.decision_ring_size), worker by worker.
         "decisions": _interleave(_tagged(states, "decisions"), None, MAX_ROWS * len(states)),
         "workers": _workers(states),
+        **({"prefix_index": prefix_index} if prefix_index is not None else {}),
     }
 
 

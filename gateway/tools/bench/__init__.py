@@ -27,6 +27,7 @@ SUITES: tuple[str, ...] = (
     "gateway.tools.bench.monsters",  # shapegate bench monsters
     "gateway.tools.bench.shadow",  # shapegate bench shadow
     "gateway.tools.bench.prefix",  # shapegate bench prefix
+    "gateway.tools.bench.prefix_soak",  # shapegate bench prefix-soak
     # one module path a line
 )
 

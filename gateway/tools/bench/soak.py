@@ -33,7 +33,6 @@ import contextlib
 import dataclasses
 import random
 import signal
-import statistics
 import subprocess
 import tempfile
 import time
@@ -45,7 +44,15 @@ import httpx
 import orjson
 
 from gateway.tools.bench.harness import Child, free_port, machine, start_gateway, write_json
-from gateway.tools.bench.soak_traffic import SoakOptions, Tally, faults, traffic
+from gateway.tools.bench.soak_traffic import (
+    SoakOptions,
+    Tally,
+    add_length_args,
+    faults,
+    memory_fit,
+    seconds_of,
+    traffic,
+)
 
 if TYPE_CHECKING:
     from engine_pool.sim.counting import PromptCounter
@@ -57,18 +64,12 @@ FLAT_MB = 24.0
 
 def register(suites: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = suites.add_parser("soak", help="long mixed load with faults and disconnects")
-    length = parser.add_mutually_exclusive_group()
-    length.add_argument("--minutes", type=float, default=None, help="how long (default 10)")
-    length.add_argument("--seconds", type=float, default=None, help="how long, in seconds")
-    parser.add_argument("--rate", type=float, default=40.0, help="requests per second offered")
-    parser.add_argument("--seed", type=int, default=1, help="seed of the traffic mix")
-    parser.add_argument("--out", default="bench-results", help="folder for soak.json")
+    add_length_args(parser, rate=40.0)
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    seconds = args.seconds if args.seconds is not None else 60.0 * (args.minutes or 10.0)
-    options = SoakOptions(seconds=seconds, rate=args.rate, seed=args.seed)
+    options = SoakOptions(seconds=seconds_of(args), rate=args.rate, seed=args.seed)
     result = asyncio.run(soak(options))
     path = write_json(Path(args.out), "soak", result)
     print(table(result))
@@ -165,21 +166,7 @@ async def _watch(url: str, gateway: Child, per_endpoint: dict[str, int], tally: 
 
 def memory(samples: list[tuple[float, float]], seconds: float) -> dict[str, float]:
     """Baseline after warm-up (the first fifth, at least 5 s), final, peak, growth, slope."""
-    warm = max(5.0, seconds / 5)
-    after = [(t, mb) for t, mb in samples if t >= warm] or samples
-    tenth = max(1, len(after) // 10)
-    baseline = statistics.median(mb for _, mb in after[:tenth])
-    final = statistics.median(mb for _, mb in after[-tenth:])
-    slope = 0.0
-    if len(after) > 2:
-        slope = statistics.linear_regression([t for t, _ in after], [mb for _, mb in after]).slope
-    return {
-        "baseline_mb": round(baseline, 1),
-        "final_mb": round(final, 1),
-        "peak_mb": round(max(mb for _, mb in samples), 1),
-        "growth_mb": round(final - baseline, 1),
-        "slope_mb_per_min": round(slope * 60, 2),
-    }
+    return memory_fit(samples, max(5.0, seconds / 5))
 
 
 async def soak(options: SoakOptions, counter: PromptCounter | None = None) -> dict[str, Any]:

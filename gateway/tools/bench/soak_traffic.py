@@ -1,23 +1,33 @@
-"""The traffic of ``shapegate bench soak`` (soak.py): open-loop clients and injected faults.
+"""The traffic of ``shapegate bench soak`` (soak.py) and ``bench prefix-soak``
+(prefix_soak.py): open-loop clients, injected faults, their shared options and memory fit.
 
-- ``traffic``: requests at ``rate`` a second (exponential gaps) until ``until``: 85% short
-  prompts (fast lane), 15% prompts of 3k-12k tokens (heavy lane); 60% streaming; 8-80 output
-  tokens; a ``disconnect_share`` of the clients reset their connection (an RST) at a random
-  moment (queued, prefill, decode or waiting for a plain answer). Each outcome is tallied.
+- ``traffic``: requests at ``rate`` a second (exponential gaps) until ``until``, each body made
+  by ``body_of(rng, serial)`` (by default ``mixed_body``: 85% short prompts (fast lane), 15%
+  prompts of 3k-12k tokens (heavy lane); 60% streaming; 8-80 output tokens); a
+  ``disconnect_share`` of the clients reset their connection (an RST) at a random moment
+  (queued, prefill, decode or waiting for a plain answer). Each outcome is tallied.
 - ``faults``: every engine answers 4% of requests with a 500 and 3% with a 429, and every
   ``episode_every_s`` one engine has an episode of a crash (restarting), a hang, a stall
   mid-stream, dropped connections or a slow first byte.
+- ``add_length_args(parser, rate)`` / ``seconds_of(args)``: ``--minutes`` (default 10) or
+  ``--seconds``, ``--rate``, ``--seed``, ``--out``, as both soaks take them.
+- ``memory_fit(samples, from_s)``: a memory series (seconds, MB) from ``from_s`` on: its
+  baseline (median of the first tenth), final (of the last tenth), peak, growth, and the slope
+  of a least-squares line (MB/min).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import random
 import socket
+import statistics
 import struct
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -61,18 +71,54 @@ class Tally:
     episodes: Counter[str] = field(default_factory=Counter)
 
 
-def _body(rng: random.Random, serial: int) -> tuple[bytes, bool]:
+# A request body from the traffic's random source and the request's serial number.
+BodyOf = Callable[[random.Random, int], bytes]
+
+
+def add_length_args(parser: argparse.ArgumentParser, *, rate: float) -> None:
+    """The options both soaks take: how long, how fast, which traffic, where to write."""
+    length = parser.add_mutually_exclusive_group()
+    length.add_argument("--minutes", type=float, default=None, help="how long (default 10)")
+    length.add_argument("--seconds", type=float, default=None, help="how long, in seconds")
+    parser.add_argument("--rate", type=float, default=rate, help="requests per second offered")
+    parser.add_argument("--seed", type=int, default=1, help="seed of the traffic mix")
+    parser.add_argument("--out", default="bench-results", help="folder for the JSON")
+
+
+def seconds_of(args: argparse.Namespace) -> float:
+    return float(args.seconds) if args.seconds is not None else 60.0 * (args.minutes or 10.0)
+
+
+def memory_fit(samples: list[tuple[float, float]], from_s: float) -> dict[str, float]:
+    """Baseline, final, peak, growth and slope (MB/min) of ``samples`` (s, MB) from ``from_s``
+    on (all of them when none is that late); the peak is over every sample."""
+    after = [(t, mb) for t, mb in samples if t >= from_s] or samples
+    tenth = max(1, len(after) // 10)
+    baseline = statistics.median(mb for _, mb in after[:tenth])
+    final = statistics.median(mb for _, mb in after[-tenth:])
+    slope = 0.0
+    if len(after) > 2:
+        slope = statistics.linear_regression([t for t, _ in after], [mb for _, mb in after]).slope
+    return {
+        "baseline_mb": round(baseline, 1),
+        "final_mb": round(final, 1),
+        "peak_mb": round(max(mb for _, mb in samples), 1),
+        "growth_mb": round(final - baseline, 1),
+        "slope_mb_per_min": round(slope * 60, 2),
+    }
+
+
+def mixed_body(rng: random.Random, serial: int) -> bytes:
     heavy = rng.random() < 0.15
     tokens = rng.randrange(3000, 12000) if heavy else rng.randrange(50, 1500)
     text = f"soak {serial} " + " ".join(f"w{rng.randrange(100_000)}" for _ in range(tokens // 3))
-    stream = rng.random() < 0.6
     body = {
         "model": "qwen3.6",
-        "stream": stream,
+        "stream": rng.random() < 0.6,
         "max_tokens": rng.randrange(8, 80),
         "messages": [{"role": "user", "content": text}],
     }
-    return orjson.dumps(body), stream
+    return orjson.dumps(body)
 
 
 async def _finish_normally(client: httpx.AsyncClient, url: str, body: bytes, tally: Tally) -> None:
@@ -115,7 +161,12 @@ async def _leave_early(url: str, body: bytes, hold_s: float, tally: Tally) -> No
 
 
 async def traffic(
-    url: str, options: SoakOptions, rng: random.Random, tally: Tally, until: float
+    url: str,
+    options: SoakOptions,
+    rng: random.Random,
+    tally: Tally,
+    until: float,
+    body_of: BodyOf = mixed_body,
 ) -> None:
     # Idle client connections are dropped well before the gateway's 5 s keep-alive closes them:
     # reusing one the server closes at that very moment is a ReadError of the load generator's,
@@ -127,7 +178,7 @@ async def traffic(
         while due < until:
             due += rng.expovariate(options.rate)
             await asyncio.sleep(max(0.0, due - time.monotonic()))
-            body, _ = _body(rng, tally.requests)
+            body = body_of(rng, tally.requests)
             tally.requests += 1
             if rng.random() < options.disconnect_share:
                 tally.disconnects += 1

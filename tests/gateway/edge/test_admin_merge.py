@@ -99,3 +99,53 @@ def test_dashboard_rates_add_up_percentiles_take_the_highest() -> None:
     assert merged["unrouted"] == {"refused": 2}
     assert merged["totals"]["swallowed"] == {"x": 2.0}
     assert [d["request_id"] for d in merged["decisions"]] == ["r1", "r0"]  # newest first
+
+
+def prefix_index(entries: int, a: int, lag: float | None, oldest: float) -> dict[str, Any]:
+    endpoints: dict[str, Any] = {
+        "http://a": {"source": "approximate", "blocks": a, "capacity_blocks": 64},
+    }
+    if lag is not None:
+        endpoints["http://k"] = {"source": "kv_events", "blocks": 7, "lag_s": lag, "rebuilds": 1}
+    return {
+        "source": "kv_events",
+        "block_tokens": 128,
+        "entries": entries,
+        "bound": 1000,
+        "oldest_age_s": oldest,
+        "evicted": 3,
+        "expired": 1,
+        "overflowed": 2,
+        "lag_s": lag,
+        "endpoints": endpoints,
+    }
+
+
+def test_admin_state_sums_each_workers_prefix_index() -> None:
+    """Each worker holds its own index: the gateway's holds them all (entries, bounds, blocks
+    per endpoint summed), its oldest entry and worst KV-events lag are the highest."""
+    one = {**admin(0, 0, 0, 0.0, 0), "prefix_index": prefix_index(40, 40, 0.2, 5.0)}
+    two = {**admin(1, 0, 0, 0.0, 0), "prefix_index": prefix_index(25, 25, 0.5, 9.0)}
+    merged = merge_admin_state([one, two])["prefix_index"]
+    assert (merged["entries"], merged["bound"]) == (65, 2000)
+    assert (merged["evicted"], merged["expired"], merged["overflowed"]) == (6, 2, 4)
+    assert merged["oldest_age_s"] == 9.0 and merged["lag_s"] == 0.5
+    assert merged["endpoints"]["http://a"] == {
+        "source": "approximate",
+        "blocks": 65,
+        "capacity_blocks": 64,
+    }
+    assert merged["endpoints"]["http://k"] == {
+        "source": "kv_events",
+        "blocks": 14,
+        "lag_s": 0.5,
+        "rebuilds": 2,
+    }
+    assert merged["source"] == "kv_events" and merged["block_tokens"] == 128
+    # A worker's endpoint the first never recorded is kept; no lag anywhere stays null.
+    three = {**admin(2, 0, 0, 0.0, 0), "prefix_index": prefix_index(3, 3, None, 1.0)}
+    three["prefix_index"]["endpoints"]["http://b"] = {"source": "approximate", "blocks": 3}
+    alone = merge_admin_state([three, three])["prefix_index"]
+    assert alone["lag_s"] is None and alone["endpoints"]["http://b"]["blocks"] == 6
+    # States from a build without one merge as before.
+    assert "prefix_index" not in merge_admin_state([admin(0, 0, 0, 0.0, 0)])

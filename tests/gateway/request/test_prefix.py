@@ -13,6 +13,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from engine_pool.cluster import EngineState, EngineView
+from engine_pool.kv_events import Batch, EngineBlocks, Step, Stored
 from engine_pool.registry import StateChange
 from gateway.edge.services import Gateway
 from gateway.observe.metrics import Metrics
@@ -174,6 +175,36 @@ def test_an_endpoint_that_went_down_is_forgotten_and_said(counter: Any) -> None:
     assert gateway.metrics.registry.get_sample_value("shapegate_prefix_index_blocks") == 0
 
 
+def test_a_restarted_engine_is_forgotten_and_its_kv_events_read_again_from_0() -> None:
+    """A restart empties the engine's cache whether or not it ever went down: the approximate
+    record of what was sent there is dropped, and an engine publishing KV events has its
+    blocks cleared and its next batch read as the new process's first (a gap to replay from
+    sequence 0); the other endpoints keep theirs."""
+    metrics = Metrics()
+    prefixes = Prefixes(PrefixIndexSettings(block_tokens=2, bytes_per_token=1), metrics)
+    prompt = CompletionPrompt(texts=("abcdefgh" * 4,))
+    for url in ("http://a", "http://b"):
+        prefixes.sent(prefixes.look(prompt), url)
+    kv = prefixes.engines.setdefault("http://k", EngineBlocks("http://k"))
+    kv.apply(Batch(0, 1.0, (Stored((b"h1",), None, (1, 2), 2),)))
+    kv.apply(Batch(1, 2.0, (Stored((b"h2",), b"h1", (3, 4), 2),)))
+    assert kv.blocks == 2 and kv.next_seq == 2
+    with capture_logs() as logs:
+        prefixes.engine_restarted("http://a")
+        prefixes.engine_restarted("http://k")
+    assert set(prefixes.look(prompt).cached) == {"http://b"}
+    assert kv.blocks == 0 and kv.next_seq is None and kv.rebuilds == 1
+    # The new process's batch 5 first: 0-4 are asked of the replay socket.
+    assert kv.apply(Batch(5, 3.0, ())) is Step.GAP
+    assert [(e["endpoint"], e["reason"], e["blocks"], e["kv_events"]) for e in logs] == [
+        ("http://a", "engine_restarted", 16, False),
+        ("http://k", "engine_restarted", 2, True),
+    ]
+    assert metrics.registry.get_sample_value("shapegate_prefix_index_blocks") == 16
+    blocks = {"endpoint": "http://k"}
+    assert metrics.registry.get_sample_value("shapegate_kv_events_blocks", blocks) == 0
+
+
 def test_the_index_keeps_at_most_max_blocks_and_exports_its_size() -> None:
     metrics = Metrics()
     prefixes = Prefixes(
@@ -183,6 +214,28 @@ def test_the_index_keeps_at_most_max_blocks_and_exports_its_size() -> None:
         prefixes.sent(prefixes.look(CompletionPrompt(texts=(f"{i:04d}" * 4,))), "http://a")
     assert prefixes.index.blocks == 5
     assert metrics.registry.get_sample_value("shapegate_prefix_index_blocks") == 5
+    state = prefixes.state()
+    assert (state["entries"], state["bound"]) == (5, 5)
+    assert state["evicted"] == prefixes.index.evicted > 0
+    assert state["endpoints"] == {
+        "http://a": {"source": "approximate", "blocks": 5, "capacity_blocks": None}
+    }
+    assert state["lag_s"] is None  # no engine publishes KV events here
+
+
+def test_the_state_shows_each_kv_events_engines_blocks_and_lag() -> None:
+    prefixes = Prefixes(PrefixIndexSettings(source="kv_events", block_tokens=2), Metrics())
+    blocks = prefixes.engines.setdefault("http://k", EngineBlocks("http://k"))
+    stored = Stored((b"h1", b"h2"), None, (1, 2, 3, 4), 2)
+    blocks.apply(Batch(0, 100.0, (stored,)), clock=lambda: 100.25)
+    state = prefixes.state()
+    assert state["endpoints"]["http://k"] == {
+        "source": "kv_events",
+        "blocks": 2,
+        "lag_s": 0.25,
+        "rebuilds": 0,
+    }
+    assert state["lag_s"] == 0.25 and state["source"] == "kv_events"
 
 
 def test_a_smaller_kv_capacity_shrinks_the_record_and_its_gauge_at_once() -> None:
@@ -319,6 +372,10 @@ async def test_an_endpoints_record_is_bounded_by_the_kv_cache_its_engine_reports
                 held = parse((await client.get(url + "/metrics")).text)
                 assert held.value("shapegate_prefix_index_blocks") <= 64
             assert held.value("shapegate_prefix_index_blocks") >= 56  # full, not emptied
+            index = (await client.get(url + "/admin/state")).json()["prefix_index"]
+            assert index["endpoints"][a]["capacity_blocks"] == 64
+            assert index["entries"] == index["endpoints"][a]["blocks"] >= 56
+            assert index["bound"] == 250_000 and index["overflowed"] > 0
             with capture_logs() as logs:
                 assert (await client.post(chat, json=_body(11, 1, 0.0))).status_code == 200
                 assert (await client.post(chat, json=_body(0, 1, 0.0))).status_code == 200

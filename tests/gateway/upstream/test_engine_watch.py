@@ -14,6 +14,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from engine_pool.cluster import EngineState
+from engine_pool.monitor import EngineRestarted
 from engine_pool.registry import StateChange
 from engine_pool.sim.server import run_sim
 from gateway.count.tokens import TokenCounter
@@ -347,3 +348,82 @@ def test_an_engine_going_down_is_a_warning_and_coming_back_is_info() -> None:
         ("up", "info"),
         ("slow", "info"),
     ]
+
+
+def test_an_engine_restart_is_a_warning_counted_and_passed_on() -> None:
+    settings = parse_settings(lanes_config(["http://a"], ["http://b"]), environ={})
+    metrics = Metrics()
+    told: list[str] = []
+    events = engines.EngineEvents(settings, metrics, get_logger("test"), on_restart=told.append)
+    with capture_logs() as logs:
+        events(EngineRestarted("fast", "http://a", 100.0, 250.0))
+    assert told == ["http://a"]
+    [line] = logs
+    assert (line["event"], line["log_level"], line["endpoint"]) == (
+        "engine.restarted",
+        "warning",
+        "http://a",
+    )
+    assert (line["previous_started_s"], line["started_s"]) == (100.0, 250.0)
+    sample = metrics.registry.get_sample_value(
+        "shapegate_engine_restarts_total", {"cluster": "fast", "endpoint": "http://a"}
+    )
+    assert sample == 1
+
+
+async def test_an_engine_restarted_between_two_probes_is_forgotten_by_the_prefix_index(
+    gateway_at: Any,
+) -> None:
+    """A restart too quick for any probe to fail: only the engine's new process start time on
+    /metrics tells it. What the prefix index believed that engine held is dropped, said once
+    and counted; the other engine's record stays."""
+    a, b = FakeEngine(), FakeEngine()
+    a.started_s = b.started_s = 1_764_000_000.0
+    async with serve_asgi(a) as url_a, serve_asgi(b) as url_b:
+        config = lanes_config([url_a, url_b], [url_b])
+        config["lanes"][0]["weights"] = {"prefix": 1.0}
+        config["lanes"][0]["health"] = {"interval_s": 0.1, "scrape_interval_s": 0.05}
+        async with gateway_at(config) as (url, _), httpx.AsyncClient(timeout=10) as client:
+
+            async def held() -> dict[str, Any]:
+                state = (await client.get(url + "/admin/state")).json()
+                return dict(state["prefix_index"]["endpoints"])
+
+            async def scraped() -> bool:
+                state = (await client.get(url + "/admin/state")).json()
+                ages = [e["load_age_s"] for c in state["clusters"] for e in c["endpoints"]]
+                return all(age is not None for age in ages)
+
+            # Both engines' start times read once before one of them moves.
+            await wait_for(scraped, 5, what="both engines scraped")
+            for agent in range(20):  # until both hold some prefix
+                body = {
+                    "model": "qwen3.6",
+                    "messages": [{"role": "system", "content": f"agent {agent}. " * 200}],
+                }
+                assert (
+                    await client.post(url + "/v1/chat/completions", json=body)
+                ).status_code == 200
+                if a.seen and b.seen:
+                    break
+            home, other = url_a, url_b
+            before = await held()
+            assert before[url_a]["blocks"] > 0 and before[url_b]["blocks"] > 0, before
+            with capture_logs() as logs:
+                a.started_s = 1_764_000_500.0
+                await wait_for(
+                    lambda: _forgotten(held, home), 5, what="the restarted engine forgotten"
+                )
+            assert (await held())[other]["blocks"] == before[other]["blocks"]
+            metrics = parse((await client.get(url + "/metrics")).text)
+            assert metrics.value("shapegate_engine_restarts_total", endpoint=home) == 1
+            assert metrics.value("shapegate_engine_restarts_total", endpoint=other) == 0
+    [restart] = [e for e in logs if e["event"] == "engine.restarted"]
+    assert restart["endpoint"] == home and restart["started_s"] == 1_764_000_500.0
+    [forgot] = [e for e in logs if e["event"] == "prefix_index.forgotten"]
+    assert forgot["reason"] == "engine_restarted" and forgot["blocks"] > 0
+
+
+async def _forgotten(held: Any, url: str) -> bool:
+    """Whether ``url`` holds no block any more."""
+    return bool((await held()).get(url, {}).get("blocks", 0) == 0)
