@@ -170,6 +170,9 @@ class CoalescedCycle(WatchedCycle):
 
     _held: _Gathered | None = None
     _flush_handle: asyncio.Handle | None = None
+    # The connection's loop (the protocol sets it): in Python 3.11 ``get_running_loop`` is a
+    # getpid system call, once a response otherwise.
+    _loop: asyncio.AbstractEventLoop | None = None
 
     async def send(self, message: Any) -> None:
         real = self.transport
@@ -190,7 +193,8 @@ class CoalescedCycle(WatchedCycle):
                 held.parts.append(self._head(message))
             if held.parts:
                 self._held = held
-                self._flush_handle = asyncio.get_running_loop().call_soon(self._flush)
+                loop = self._loop or asyncio.get_running_loop()
+                self._flush_handle = loop.call_soon(self._flush)
             return
         self.transport = held  # type: ignore[assignment]
         try:
@@ -323,7 +327,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             # The cycle's task has not run yet; the subclasses only change how it sends and
             # let a callback watch for the disconnect.
             http10 = self.scope.get("http_version") == "1.0"
-            cycle.__class__ = Http10Cycle if http10 else CoalescedCycle
+            if http10:
+                cycle.__class__ = Http10Cycle
+            else:
+                cycle.__class__ = CoalescedCycle
+                cycle._loop = self.loop  # type: ignore[attr-defined]
             self.scope["extensions"] = {DISCONNECT_HOOK: _Hook(cycle)}  # type: ignore[arg-type, dict-item]
 
     def on_body(self, body: bytes) -> None:

@@ -258,3 +258,21 @@ async def test_a_finished_request_leaves_no_cyclic_garbage() -> None:
             gc.enable()
         writer.close()
     assert cycles == []
+
+
+async def test_a_response_does_not_ask_for_the_running_loop(monkeypatch: Any) -> None:
+    """The cycle holds its connection's loop: in Python 3.11 ``get_running_loop`` is a getpid
+    system call."""
+    async with serve_asgi(_answer, http=guarded_protocol(ServerSettings())) as url:
+        asked: list[None] = []
+        real = asyncio.get_running_loop
+
+        def counting() -> asyncio.AbstractEventLoop:
+            asked.append(None)
+            return real()
+
+        monkeypatch.setattr("gateway.edge.http_protocol.asyncio.get_running_loop", counting)
+        first, _, rest = await _get(url)
+        monkeypatch.undo()
+    assert (first + rest).endswith(BODY)
+    assert asked == []
