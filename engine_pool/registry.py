@@ -32,9 +32,9 @@ Contract:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Protocol
 
 from engine_pool.capability import Capability
@@ -348,16 +348,38 @@ class EnginePool:
         engine.slow = latency.slow
         return changed
 
-    @contextmanager
-    def track(self, cluster: str, url: str, scope: Cancellable) -> Iterator[Engine]:
-        engine = self._engines.get((cluster, url)) or self._retired[(cluster, url)]
-        scopes = self._scopes[(cluster, url)]
-        engine.in_flight += 1
-        scopes.add(scope)
-        try:
-            yield engine
-        finally:
-            scopes.discard(scope)
-            engine.in_flight -= 1
-            if self._retired:
-                self._drop_idle_retired()
+    def track(self, cluster: str, url: str, scope: Cancellable) -> Tracked:
+        """``with pool.track(...) as engine:`` counts the request in flight on the endpoint
+        and registers ``scope`` until the block exits."""
+        return Tracked(self, cluster, url, scope)
+
+
+class Tracked:
+    """One request in flight on an endpoint (``EnginePool.track``), as a class rather than a
+    generator context manager: entered on every attempt of every request, where the
+    generator, its two resumptions and ``contextlib``'s wrapper cost several calls."""
+
+    __slots__ = ("_engine", "_pool", "_scope", "_scopes")
+
+    def __init__(self, pool: EnginePool, cluster: str, url: str, scope: Cancellable) -> None:
+        key = (cluster, url)
+        self._pool = pool
+        self._engine = pool._engines.get(key) or pool._retired[key]
+        self._scopes = pool._scopes[key]
+        self._scope = scope
+
+    def __enter__(self) -> Engine:
+        self._engine.in_flight += 1
+        self._scopes.add(self._scope)
+        return self._engine
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._scopes.discard(self._scope)
+        self._engine.in_flight -= 1
+        if self._pool._retired:
+            self._pool._drop_idle_retired()

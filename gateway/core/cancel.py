@@ -29,7 +29,15 @@ _IDLE, _ENTERED, _CANCELLING, _EXITED = 0, 1, 2, 3
 
 
 class CancelScope:
-    __slots__ = ("_cancelling", "_handle", "_state", "_task", "cancel_called", "cancelled_caught")
+    __slots__ = (
+        "_cancelling",
+        "_handle",
+        "_loop",
+        "_state",
+        "_task",
+        "cancel_called",
+        "cancelled_caught",
+    )
 
     def __init__(self, deadline_s: float | None = None) -> None:
         self._task: asyncio.Task[object] | None = None
@@ -38,12 +46,15 @@ class CancelScope:
         self.cancel_called = False
         self.cancelled_caught = False
         self._handle: asyncio.TimerHandle | None = None
+        # The loop, when known, finds the task without asking for the running loop again: in
+        # Python 3.11 every ``get_running_loop`` (``current_task`` asks too) is a getpid call.
+        self._loop: asyncio.AbstractEventLoop | None = None
         if deadline_s is not None:
-            loop = asyncio.get_running_loop()
+            loop = self._loop = asyncio.get_running_loop()
             self._handle = loop.call_at(loop.time() + max(deadline_s, 0.0), self.cancel)
 
     def __enter__(self) -> CancelScope:
-        task = asyncio.current_task()
+        task = asyncio.current_task(self._loop)
         if task is None:
             raise RuntimeError("CancelScope is entered inside a task")
         self._task = task

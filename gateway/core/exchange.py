@@ -22,10 +22,10 @@ in one function, with the client's disconnect visible in every phase:
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from gateway.core.cancel import CancelScope
 from gateway.errors import (
     BadRequest,
     BodyTooLarge,
@@ -58,11 +58,29 @@ class ClientGone(Exception):
     """The client disconnected before the request was complete."""
 
 
+# Where ``header_map`` keeps a request's headers by name, in its scope (a dict per request).
+HEADER_MAP = "shapegate.header_map"
+
+
+def header_map(scope: Scope) -> dict[bytes, bytes]:
+    """The request's headers by lower-case name (the first of a repeated name), read from the
+    scope's list once a request and kept in the scope: a proxied request asks for six (its id,
+    authorization twice, content type and length, priority class), which were six scans of the
+    list, each lowering every name it passed."""
+    found: dict[bytes, bytes] | None = scope.get(HEADER_MAP)
+    if found is None:
+        found = {}
+        for key, value in scope.get("headers", ()):
+            name = key.lower()
+            if name not in found:
+                found[name] = value if type(value) is bytes else bytes(value)
+        scope[HEADER_MAP] = found
+    return found
+
+
 def header(scope: Scope, name: bytes) -> bytes | None:
-    for key, value in scope.get("headers", ()):
-        if key.lower() == name:
-            return bytes(value)
-    return None
+    """The first value of header ``name`` (lower case), None when absent."""
+    return header_map(scope).get(name)
 
 
 JSON = frozenset({"application/json"})
@@ -94,23 +112,22 @@ async def read_body(scope: Scope, receive: Receive, limit: int, timeout_s: float
             raise BodyTooLarge(f"request body of {int(declared)} bytes exceeds {limit} bytes")
     parts: list[bytes] = []
     size = 0
-    # asyncio's own timeout, not anyio's: this runs on every request, before any anyio scope of
-    # the request exists, and anyio's scopes cost several times more (backend lookup per call).
-    try:
-        async with asyncio.timeout(timeout_s):
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    raise ClientGone
-                chunk: bytes = message.get("body", b"")
-                size += len(chunk)
-                if size > limit:
-                    raise BodyTooLarge(f"request body exceeds {limit} bytes")
-                parts.append(chunk)
-                if not message.get("more_body", False):
-                    return b"".join(parts)
-    except TimeoutError:
-        raise BadRequest(f"request body not received within {timeout_s:g}s") from None
+    # Our cancel scope (gateway/core/cancel.py): asyncio's own cancellation, as
+    # ``asyncio.timeout`` does it, without its state machine; this runs on every request.
+    with CancelScope(deadline_s=timeout_s):
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone
+            chunk: bytes = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(f"request body exceeds {limit} bytes")
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(parts)
+    # Only the deadline ends the scope without a return or an exception.
+    raise BadRequest(f"request body not received within {timeout_s:g}s")
 
 
 async def watch_disconnect(receive: Receive, on_disconnect: Callable[[], None]) -> None:

@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -72,6 +73,24 @@ class WatchedCycle(RequestResponseCycle):
 
 def _nothing() -> None:
     return None
+
+
+class _Hook:
+    """The scope's ``DISCONNECT_HOOK``: ``WatchedCycle.watch`` of its cycle, reached through a
+    weak reference. The cycle holds the scope; a bound method in the scope would hold the cycle
+    back (cycle -> scope -> extensions -> hook -> cycle), so every finished request (its cycle,
+    scope, event, deque, headers: about 9 objects) would wait for the cyclic collector, which
+    then ran about once every 10 requests. Weakly held, a finished exchange is freed by
+    reference counting. A cycle already gone has nothing left to watch."""
+
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle: WatchedCycle) -> None:
+        self._cycle = weakref.ref(cycle)
+
+    def __call__(self, callback: Callable[[], None]) -> Callable[[], None]:
+        cycle = self._cycle()
+        return _nothing if cycle is None else cycle.watch(callback)
 
 
 class Http10Cycle(WatchedCycle):
@@ -151,6 +170,9 @@ class CoalescedCycle(WatchedCycle):
 
     _held: _Gathered | None = None
     _flush_handle: asyncio.Handle | None = None
+    # The connection's loop (the protocol sets it): in Python 3.11 ``get_running_loop`` is a
+    # getpid system call, once a response otherwise.
+    _loop: asyncio.AbstractEventLoop | None = None
 
     async def send(self, message: Any) -> None:
         real = self.transport
@@ -171,7 +193,8 @@ class CoalescedCycle(WatchedCycle):
                 held.parts.append(self._head(message))
             if held.parts:
                 self._held = held
-                self._flush_handle = asyncio.get_running_loop().call_soon(self._flush)
+                loop = self._loop or asyncio.get_running_loop()
+                self._flush_handle = loop.call_soon(self._flush)
             return
         self.transport = held  # type: ignore[assignment]
         try:
@@ -304,8 +327,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             # The cycle's task has not run yet; the subclasses only change how it sends and
             # let a callback watch for the disconnect.
             http10 = self.scope.get("http_version") == "1.0"
-            cycle.__class__ = Http10Cycle if http10 else CoalescedCycle
-            self.scope["extensions"] = {DISCONNECT_HOOK: cycle.watch}  # type: ignore[attr-defined]
+            if http10:
+                cycle.__class__ = Http10Cycle
+            else:
+                cycle.__class__ = CoalescedCycle
+                cycle._loop = self.loop  # type: ignore[attr-defined]
+            self.scope["extensions"] = {DISCONNECT_HOOK: _Hook(cycle)}  # type: ignore[arg-type, dict-item]
 
     def on_body(self, body: bytes) -> None:
         if not self._refused:

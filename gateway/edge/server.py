@@ -10,7 +10,11 @@ about 100,000 objects. Without it each full (generation 2) collection walked all
 tens of milliseconds during which the event loop answered nothing: the periodic tail stall of
 issue 21 (p99 9x p50 at a steady 100 requests/s). Objects made while serving are collected as
 before; frozen ones are still freed by reference counting, only a cycle among them waits for
-``gc.unfreeze``.
+``gc.unfreeze``. It also raises the young generation's threshold to ``YOUNG_COLLECT_AT``
+(CPython's default is 700 allocations): a request allocates a few hundred tracked objects and
+frees almost all of them by reference counting, so at 700 the young generation was collected
+every few requests for nothing; cyclic garbage (a traceback, an exception's frames) is still
+collected, a little later. Both ``serve`` and each worker of ``serve --workers`` settle so.
 ``serve_worker`` runs one worker of ``shapegate serve --workers N`` (gateway/edge/workers.py): the
 same server on its own SO_REUSEPORT socket on the port the supervisor reserved, plus a private
 unix socket the other workers reach it on for the gateway-wide views (gateway/edge/peers.py). A
@@ -66,13 +70,20 @@ def uvicorn_config(
 # of 4 x 1M-token prompts uses about this much while it is counted.
 KEEP_HEAP_MB = 128
 
+# Allocations (of objects the cyclic collector tracks) between two young collections.
+YOUNG_COLLECT_AT = 10_000
+
 
 def settle_heap() -> int:
     """Collect, then freeze every object alive now out of the cyclic collector's walks, give
     what start-up freed back to the system, then hold the heap a monster burst grows (the boot
-    rehearsal grows it before the first request); the number of frozen objects."""
+    rehearsal grows it before the first request); the young generation collected every
+    ``YOUNG_COLLECT_AT`` allocations from then on (the older ones' thresholds kept); the number
+    of frozen objects."""
     gc.collect()
     gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(YOUNG_COLLECT_AT, older, oldest)
     trim_heap()
     hold_heap(KEEP_HEAP_MB)
     return gc.get_freeze_count()
@@ -81,14 +92,17 @@ def settle_heap() -> int:
 def serve(settings: Settings, config_path: Path | None = None) -> int:
     # One process, configured once: its loggers may keep what they assembled on first use.
     configure_logging(settings.logging.level, settings.logging.json_output, cache=True, batch=True)
-    server = uvicorn.Server(uvicorn_config(settings, config_path))
+    _run(uvicorn.Server(uvicorn_config(settings, config_path)))
+    return 0
+
+
+def _run(server: uvicorn.Server, sockets: list[socket.socket] | None = None) -> None:
     settle_heap()  # after the app, its policy and its tokenizers are built
     # uvicorn re-raises the signal that stopped it once it has drained; a drained shutdown is a
     # clean exit, so the re-raised SIGTERM/SIGINT lands on a handler that lets us return 0.
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: None)
-    server.run()
-    return 0
+    server.run(sockets=sockets)
 
 
 def serve_worker(settings: Settings, config_path: Path | None, group: WorkerGroup) -> int:
@@ -109,10 +123,8 @@ def serve_worker(settings: Settings, config_path: Path | None, group: WorkerGrou
     os.chmod(path, 0o600)
     private.listen(128)
     server = uvicorn.Server(uvicorn_config(settings, config_path, group))
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: None)
     threading.Thread(target=_stop_when_orphaned, args=(os.getppid(),), daemon=True).start()
-    server.run(sockets=[listener, private])
+    _run(server, [listener, private])
     return 0
 
 

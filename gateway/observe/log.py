@@ -241,6 +241,18 @@ def get_logger(component: str) -> Logger:
     return logger
 
 
+def assembled(log: Logger) -> Logger:
+    """The logger ``log`` stands for, assembled now where loggers are cached (``shapegate serve``
+    configures once: ``configure_logging(cache=True)``), so a hot caller skips the lazy proxy's
+    ``__getattr__`` and ``bind`` (two calls an event: the recorder logs two events a request).
+    The proxy would keep the same logger on first use. ``log`` itself otherwise: tests configure
+    logging between cases, and an assembled logger keeps the configuration it was made with."""
+    if structlog.get_config()["cache_logger_on_first_use"] is True:
+        bound: Logger = log.bind()
+        return bound
+    return log
+
+
 def swallowed(
     log: Logger,
     metrics: Metrics | None,

@@ -39,7 +39,7 @@ from gateway.core.decision import Grant
 from gateway.core.watchdog import DeadlineHit
 from gateway.errors import GatewayError
 from gateway.observe.drift import DriftWatch
-from gateway.observe.log import Logger
+from gateway.observe.log import Logger, assembled
 from gateway.observe.metrics import Metrics, status_class
 from gateway.observe.record import Record, Routed
 from gateway.observe.stats import RollingWindow
@@ -66,7 +66,7 @@ class Recorder:
         self.metrics = metrics
         self.tracing = tracing
         self.latency = latency
-        self.log = log
+        self.log = assembled(log)  # the decision log's two events a request
         self.recent: deque[Record] = deque(maxlen=ring_size)
         self.trace = TraceWriter(Path(trace_file)) if trace_file else None
         self.window = RollingWindow()

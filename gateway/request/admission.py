@@ -216,9 +216,14 @@ class Admission:
         want: Want,
     ) -> Grant:
         started = time.monotonic()
-        queue = self._queues.setdefault(lane.name, deque())
+        # Made once a lane, not a request (``setdefault`` would build a spare each time).
+        queue = self._queues.get(lane.name)
+        if queue is None:
+            queue = self._queues[lane.name] = deque()
         self._starvation_s[lane.name] = want.classes.starvation_s
-        meter = self._drain.setdefault(lane.name, DrainMeter())
+        meter = self._drain.get(lane.name)
+        if meter is None:
+            meter = self._drain[lane.name] = DrainMeter()
         if not queue:
             grant = await self._try(lane, candidates, token, started, limit_of, want)
             if grant is not None:

@@ -91,6 +91,8 @@ def passing(ahead: Sequence[frozenset[str] | None]) -> frozenset[str] | None:
 def class_lane_limit(classes: ClassSettings, name: str, lane_slots: int) -> int:
     """Lane slots a request of class ``name`` may fill: all but those reserved for higher
     classes (shares rounded up), at least one."""
+    if not classes.reserved:  # the default: nothing to rank (every admission asks)
+        return max(1, lane_slots)
     mine = rank(classes, name)
     kept = sum(
         math.ceil(share * lane_slots)

@@ -97,3 +97,23 @@ async def test_it_is_entered_inside_a_task_only() -> None:
 
     loop.call_soon(outside_a_task)
     assert "inside a task" in str(await raised)
+
+
+async def test_a_deadline_scope_asks_for_the_running_loop_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In Python 3.11 each ``get_running_loop`` is a getpid system call; the scope made with a
+    deadline already knows its loop when it is entered."""
+    asked: list[None] = []
+    real = asyncio.events.get_running_loop
+
+    def counting() -> asyncio.AbstractEventLoop:
+        asked.append(None)
+        return real()
+
+    monkeypatch.setattr(asyncio.events, "get_running_loop", counting)
+    monkeypatch.setattr(asyncio, "get_running_loop", counting)
+    with CancelScope(deadline_s=5.0) as scope:
+        await asyncio.sleep(0)
+    assert not scope.cancelled_caught
+    assert len(asked) == 1

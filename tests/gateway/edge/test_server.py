@@ -3,20 +3,30 @@
 from __future__ import annotations
 
 import gc
+import signal
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from gateway.edge.server import settle_heap
+from gateway.edge import server as server_module
+from gateway.edge.server import serve, serve_worker, settle_heap
 from gateway.observe.log import configure_logging, get_logger
+from gateway.settings import Settings, parse_settings
+from gateway.slots.host import WorkerGroup
+from tests.conftest import lanes_config
+from tests.support.servers import free_port
 
 
 @pytest.fixture
 def unfrozen() -> Iterator[None]:
+    threshold = gc.get_threshold()
     yield
     gc.unfreeze()  # the test process goes on collecting what it froze
+    gc.set_threshold(*threshold)
 
 
 def test_settle_heap_takes_start_up_objects_out_of_every_later_full_collection(
@@ -51,3 +61,55 @@ def test_cached_loggers_still_reach_capture_and_default_is_uncached() -> None:
     finally:
         configure_logging("info", json_output=True)
     assert structlog.get_config()["cache_logger_on_first_use"] is False
+
+
+class _Server:
+    """uvicorn's ``Server`` as ``serve`` uses it: ``run`` notes the collector's state it starts
+    serving with, and returns at once."""
+
+    seen: list[tuple[int, int, int]] = []
+
+    def __init__(self, config: Any) -> None:
+        pass
+
+    def run(self, sockets: Any = None) -> None:
+        self.seen.append(gc.get_threshold())
+        for sock in sockets or ():
+            sock.close()
+
+
+@pytest.fixture
+def fake_server(monkeypatch: pytest.MonkeyPatch, unfrozen: None) -> Iterator[list[Any]]:
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    monkeypatch.setattr(server_module, "uvicorn_config", lambda *a, **k: None)
+    monkeypatch.setattr(server_module.uvicorn, "Server", _Server)
+    monkeypatch.setattr(server_module, "configure_logging", lambda *a, **k: None)
+    monkeypatch.setattr(server_module, "_stop_when_orphaned", lambda parent: None)
+    _Server.seen = []
+    gc.set_threshold(700, 10, 10)  # CPython's defaults
+    yield _Server.seen
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+    structlog.contextvars.clear_contextvars()
+
+
+def _settings() -> Settings:
+    settings = parse_settings(lanes_config(["http://e"], ["http://e"]), environ={})
+    listen = settings.server.model_copy(update={"host": "127.0.0.1", "port": free_port()})
+    return settings.model_copy(update={"server": listen})
+
+
+def test_serve_collects_the_young_generation_every_10_000_allocations(
+    fake_server: list[Any],
+) -> None:
+    """A request frees what it allocates by reference counting: at CPython's 700 the young
+    generation was collected every few requests for nothing. The older thresholds stay."""
+    assert serve(_settings()) == 0
+    assert fake_server == [(10_000, 10, 10)]  # YOUNG_COLLECT_AT
+
+
+def test_each_worker_settles_its_heap_too(fake_server: list[Any], tmp_path: Path) -> None:
+    frozen_before = gc.get_freeze_count()
+    assert serve_worker(_settings(), None, WorkerGroup(0, 2, tmp_path)) == 0
+    assert fake_server == [(10_000, 10, 10)]
+    assert gc.get_freeze_count() > frozen_before

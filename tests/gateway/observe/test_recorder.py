@@ -5,13 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import orjson
+import structlog
 from structlog.testing import capture_logs
 
 from gateway.core.count import TokenCount
 from gateway.core.decision import Decision, Grant
 from gateway.core.watchdog import DeadlineHit
 from gateway.errors import BadRequest, NoHealthyCluster, UpstreamError
-from gateway.observe.log import get_logger
+from gateway.observe.log import configure_logging, get_logger
 from gateway.observe.metrics import Metrics
 from gateway.observe.record import Record, Routed
 from gateway.observe.recorder import Recorder
@@ -153,3 +154,23 @@ def test_a_deadline_that_migrated_a_stream_is_still_a_watchdog_event() -> None:
     [event] = m.events.recent()
     assert (event["kind"], event["decision"]) == ("watchdog", "migrated")
     assert event["fields"]["endpoint"] == "http://e:2" and record.migrations == 2
+
+
+def test_a_serving_process_recorder_logs_through_a_logger_assembled_once() -> None:
+    """Where loggers are cached (``shapegate serve``), the recorder holds the assembled logger,
+    not the lazy proxy (two calls an event less); its events still reach a capture. Where they
+    are not (tests reconfigure), it keeps the proxy."""
+    proxy = type(structlog.get_logger())
+    configure_logging("info", json_output=True, cache=True)
+    try:
+        served = recorder()
+        assert not isinstance(served.log, proxy)
+        record = Record(request_id="r1", route="chat")
+        served.decided(record, routed())
+        with capture_logs() as events:
+            served.admitted(record, grant())
+        assert [e["event"] for e in events] == ["route.decision"]
+        assert events[0]["component"] == "test"
+    finally:
+        configure_logging("info", json_output=True)
+    assert isinstance(recorder().log, proxy)

@@ -9,6 +9,7 @@ from gateway.core.slots import Limit
 from gateway.errors import Overloaded, QueueTimeout
 from gateway.observe.log import get_logger
 from gateway.observe.metrics import Metrics
+from gateway.request import admission as admission_module
 from gateway.request.admission import Admission
 from gateway.settings import LaneSettings
 from gateway.slots.store import MemorySlotStore
@@ -203,3 +204,24 @@ async def test_a_waiter_holding_for_its_home_does_not_hold_the_queue_behind_it()
     assert passed[:2] == ["behind@b", "head@a"] and passed[2].startswith("third@")  # once freed
     fifo = await run(lane(**spec))
     assert fifo[:2] == ["head@a", "behind@b"] and fifo[2].startswith("third@")
+
+
+async def test_a_lanes_queue_and_drain_meter_are_made_once_not_a_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    made: list[object] = []
+
+    class Counted(admission_module.DrainMeter):
+        __slots__ = ()
+
+        def __init__(self) -> None:
+            made.append(self)
+            super().__init__()
+
+    monkeypatch.setattr(admission_module, "DrainMeter", Counted)
+    adm = admission()
+    for token in ("a", "b", "c"):
+        async with adm.slot(lane(), lambda: VIEWS, token):
+            pass
+    assert len(made) == 1
+    assert adm.drain_rate("fast") > 0  # the one meter counted all three grants

@@ -15,6 +15,7 @@ from gateway.errors import Overloaded
 from gateway.observe.log import get_logger
 from gateway.observe.metrics import Metrics
 from gateway.observe.trace import TraceRecord
+from gateway.request import classes as classes_module
 from gateway.request.admission import Admission
 from gateway.request.classes import (
     PASS_AHEAD,
@@ -219,3 +220,15 @@ def test_batch_is_never_starved_past_its_bound_by_an_interactive_flood() -> None
     bounded = batch_wait(starvation_s=5)
     # Let in as soon as a slot frees after the bound (a slot's turn is about a second here).
     assert 5 <= bounded <= 5 + 2.0, (bounded, starved)
+
+
+def test_with_nothing_reserved_every_class_may_fill_the_lane_without_ranking(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_rank(classes: ClassSettings, name: str) -> int:
+        raise AssertionError("ranked with nothing reserved")
+
+    monkeypatch.setattr(classes_module, "rank", no_rank)
+    for name in ("interactive", "standard", "batch"):
+        assert class_lane_limit(ClassSettings(), name, 100) == 100
+    assert class_lane_limit(ClassSettings(), "batch", 0) == 1  # never below one
