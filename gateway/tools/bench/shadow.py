@@ -406,6 +406,20 @@ def table(result: dict[str, Any]) -> str:
     return with_targets(lines, result["targets"])
 
 
+def _keep_skipped(path: Path, result: dict[str, Any]) -> None:
+    """A part skipped this run keeps its figures from the file's earlier run, said with when
+    (``kept_from``): one part can be measured again without losing the others."""
+    if not path.is_file() or result.get("smoke"):
+        return
+    earlier = json.loads(path.read_text())
+    for part in ("overhead", "prediction", "instructions"):
+        if part not in result and part in earlier:
+            result[part] = earlier[part]
+            result.setdefault("kept_from", {})[part] = earlier.get("kept_from", {}).get(
+                part, earlier["machine"]["at"]
+            )
+
+
 def run(args: argparse.Namespace) -> int:
     info = machine()
     result: dict[str, Any] = {"machine": info, "smoke": bool(args.smoke)}
@@ -421,14 +435,8 @@ def run(args: argparse.Namespace) -> int:
         if not available():
             print("--instructions needs valgrind and callgrind_control on PATH")
             return 2
-        counted = instructions(args.ir_requests, args.ir_warm, candidate)
-        counted["at"] = info["at"]
-        if args.skip_overhead and args.skip_prediction:
-            # This count alone: the file's other sections (an earlier run's) are kept.
-            earlier = Path(args.out) / "shadow.json"
-            if earlier.is_file():
-                result = json.loads(earlier.read_text())
-        result["instructions"] = counted
+        result["instructions"] = instructions(args.ir_requests, args.ir_warm, candidate)
+    _keep_skipped(Path(args.out) / "shadow.json", result)
     result["targets"] = targets(result)
     path = write_json(Path(args.out), "shadow", result)
     print(table(result))
