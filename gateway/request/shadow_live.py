@@ -53,7 +53,7 @@ from engine_pool.registry import EnginePool
 from gateway.core.exchange import Scope, header
 from gateway.observe.log import Logger, swallowed
 from gateway.observe.metrics import Metrics
-from gateway.observe.record import Record, Routed
+from gateway.observe.record import Record
 from gateway.protocols.openai import RoutedRequest
 from gateway.request.classes import bearer_digest
 from gateway.request.prefix import NOTHING, Prefixes
@@ -109,10 +109,8 @@ class _Views(Mapping[str, Sequence[EngineView]]):
 # Kept from ``observe`` to ``finished``: the policy, the figure when already final (tokens,
 # longest) and the inputs.
 _Kept = tuple[ShadowPolicy, tuple[int, int] | None, _Inputs]
-# Queued from ``finished`` to the flush: the figure when final, the inputs, the route, the
-# exact prompt tokens, whether it was admitted, its output tokens, when it started (monotonic),
-# its id (for a failure's log line).
-_Done = tuple[tuple[int, int] | None, _Inputs, Routed, int | None, bool, int | None, float, str]
+# Queued from ``finished`` to the flush: the figure when final, the inputs, the finished record.
+_Done = tuple[tuple[int, int] | None, _Inputs, Record]
 _NONE_PENDING: Mapping[str, int] = {}
 
 
@@ -199,7 +197,7 @@ class ShadowLive:
                 request.max_tokens,
                 multipart,
                 healthy,
-                tuple([views(c) for c in policy.clusters]),
+                tuple(map(views, policy.clusters)),
                 digest,
                 asked,
                 prefix,
@@ -224,25 +222,11 @@ class ShadowLive:
         found = self._kept.pop(id(record), None)
         if found is None:
             return
-        routed = record.routed
-        if found[0] is not self.policy or routed is None:
+        if found[0] is not self.policy or record.routed is None:
             return
-        output = record.output_tokens
-        if output is None:
-            output = record.output_tokens_estimate
         queue = self._queue
-        queue.append(
-            (
-                found[1],
-                found[2],
-                routed,
-                record.prompt_tokens,
-                record.admitted,
-                output,
-                record.started,
-                record.request_id,
-            )
-        )
+        # The record is final now: read at the flush.
+        queue.append((found[1], found[2], record))
         if len(queue) >= BATCH or time.monotonic() - self._flushed >= FLUSH_S:
             self.flush()
         elif self._timer is None:
@@ -271,9 +255,46 @@ class ShadowLive:
         # Wall seconds at a monotonic zero: a request's arrival in wall seconds (replicas'
         # windows merge by it) from when it started.
         wall = time.time() - self._flushed
-        for done in queue:
+        names, trace, decided = policy.model_names, self._report.trace, self._decide
+        # Requests of one active lane decided alike, counted at once: their prompt tokens.
+        alike: dict[tuple[str, ShadowDecision, bool], list[int]] = {}
+        for figure, inputs, record in queue:
             try:
-                self._count(policy, wall, done)
+                routed = record.routed
+                assert routed is not None  # finished queues only routed requests
+                count = routed.count
+                exact = record.prompt_tokens
+                if exact is not None:
+                    tokens, known = exact, True
+                else:
+                    tokens, known = count.tokens, count.method == "none"
+                if figure is None:
+                    largest = count.largest
+                    longest = tokens if largest is None else largest
+                    decision = decided(policy, tokens, longest, known, inputs)
+                else:
+                    decision = decided(policy, figure[0], figure[1], True, inputs)
+                if exact is not None and record.admitted:
+                    output = record.output_tokens
+                    if output is None:
+                        output = record.output_tokens_estimate
+                    trace.append(
+                        (
+                            round(wall + record.started, 3),
+                            names.get(routed.model, routed.model),
+                            exact,
+                            count.prompt_bytes,
+                            output or 0,
+                            routed.stream,
+                            routed.priority,
+                        )
+                    )
+                group = (routed.lane, decision, known)
+                found = alike.get(group)
+                if found is None:
+                    alike[group] = [tokens]
+                else:
+                    found.append(tokens)
             except Exception as exc:  # noqa: BLE001 - the shadow never fails a live request
                 swallowed(
                     self.log,
@@ -281,8 +302,13 @@ class ShadowLive:
                     "shadow.finished",
                     exc,
                     decision="not_compared",
-                    request_id=done[-1],
+                    request_id=record.request_id,
                 )
+        pairs = self.metrics.shadow_decisions
+        for (lane, decision, known), prompts in alike.items():
+            self._report.add_alike(lane, decision, prompts, known)
+            pair = (lane, decision.lane)
+            pairs[pair] = pairs.get(pair, 0) + len(prompts)
 
     def _decide(
         self, policy: ShadowPolicy, tokens: int, longest: int, exact: bool, inputs: _Inputs
@@ -298,7 +324,7 @@ class ShadowLive:
                 inputs.max_tokens,
                 inputs.multipart,
                 tuple(inputs.healthy.items()),
-                tuple([tuple(v) for v in inputs.views]),
+                tuple(map(tuple, inputs.views)),
                 inputs.key_digest,
                 inputs.class_header,
                 inputs.priority,
@@ -327,28 +353,3 @@ class ShadowLive:
                 self._memo.clear()
             self._memo[key] = decision
         return decision
-
-    def _count(self, policy: ShadowPolicy, wall: float, done: _Done) -> None:
-        figure, inputs, routed, exact, admitted, output, started, _ = done
-        count = routed.count
-        tokens = exact if exact is not None else count.tokens
-        known = exact is not None or count.method == "none"
-        if figure is None:
-            longest = tokens if count.largest is None else count.largest
-            decision = self._decide(policy, tokens, longest, known, inputs)
-        else:
-            decision = self._decide(policy, figure[0], figure[1], True, inputs)
-        shape = None
-        if exact is not None and admitted:
-            shape = (
-                round(wall + started, 3),
-                policy.model_names.get(routed.model, routed.model),
-                exact,
-                count.prompt_bytes,
-                output or 0,
-                routed.stream,
-                routed.priority,
-            )
-        self._report.add(routed.lane, decision, tokens, known, shape)
-        pairs, pair = self.metrics.shadow_decisions, (routed.lane, decision.lane)
-        pairs[pair] = pairs.get(pair, 0) + 1
