@@ -181,6 +181,14 @@ def instructions(
     }
 
 
+def pair_ratios(windows: list[dict[str, Any]]) -> list[float]:
+    """Each (off, on) pair of windows' on/off ratio, in order: how far apart two runs of the
+    same count land (a garbage collection falls in one window and not the other)."""
+    off = [w["instructions"] for w in windows if w["mode"] == "off"]
+    on = [w["instructions"] for w in windows if w["mode"] == "on"]
+    return [round(b / a, 4) for a, b in zip(off, on, strict=True)]
+
+
 def _version() -> str:
     found = subprocess.run(
         ["valgrind", "--version"],  # noqa: S607 - found on PATH

@@ -100,12 +100,22 @@ def test_the_cpu_verdict_says_whether_its_interval_resolves_the_limit() -> None:
 
 def test_the_instruction_verdict_is_named_for_what_it_counts() -> None:
     result = cost(1.02, 1.0, 1.05) | {
-        "instructions": {"requests": 200, "instruction_ratio": 1.012},
+        "instructions": {
+            "requests": 200,
+            "instruction_ratio": 1.012,
+            "windows": [
+                {"mode": "off", "instructions": 1000},
+                {"mode": "on", "instructions": 1010},
+                {"mode": "off", "instructions": 1002},
+                {"mode": "on", "instructions": 1016},
+            ],
+        },
     }
     found = targets(result)[2]
     assert found["limit"] == MAX_CPU_RATIO and found["value"] == 1.012 and found["met"]
     assert "instructions per request" in found["target"]
     assert "not CPU seconds" in found["target"]
+    assert "pairs 1.0100x, 1.0140x" in found["target"]
     result["instructions"]["instruction_ratio"] = 1.031
     assert not targets(result)[2]["met"]
     # The wall-CPU figure stays beside it.
