@@ -99,12 +99,16 @@ class _InFlight(Collector):
 
 
 class _ShadowDecisions(Collector):
-    """``shapegate_shadow_decisions_total``, read from its dict at scrape time."""
+    """``shapegate_shadow_decisions_total``, read from its dict at scrape time, after
+    ``before`` (the shadow's flush of the requests it has queued: the scrape counts them)."""
 
     def __init__(self, counts: dict[tuple[str, str], int]) -> None:
         self._counts = counts
+        self.before: Callable[[], None] | None = None
 
     def collect(self) -> Iterator[Metric]:
+        if self.before is not None:
+            self.before()
         family = CounterMetricFamily(
             "shapegate_shadow_decisions",
             "Live requests a shadow policy decided too, by the active lane and the shadow's.",
@@ -166,7 +170,8 @@ class Metrics:
         # dict the request path adds to, exported at scrape time (a labelled counter's lock and
         # lookup per request were a third of the shadow's cost).
         self.shadow_decisions: dict[tuple[str, str], int] = {}
-        r.register(_ShadowDecisions(self.shadow_decisions))
+        self.shadow_scrape = _ShadowDecisions(self.shadow_decisions)
+        r.register(self.shadow_scrape)
         self.borrowers_in_flight = Gauge(
             "shapegate_borrowers_in_flight",
             "Borrowed requests running on a lending lane's engines.",

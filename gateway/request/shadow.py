@@ -281,10 +281,11 @@ class _Range:
     min_tokens: int | None = None
     max_tokens: int | None = None
 
-    def add(self, tokens: int) -> None:
-        self.requests += 1
-        self.min_tokens = tokens if self.min_tokens is None else min(self.min_tokens, tokens)
-        self.max_tokens = tokens if self.max_tokens is None else max(self.max_tokens, tokens)
+    def add(self, tokens: Sequence[int]) -> None:
+        low, high = min(tokens), max(tokens)
+        self.requests += len(tokens)
+        self.min_tokens = low if self.min_tokens is None else min(self.min_tokens, low)
+        self.max_tokens = high if self.max_tokens is None else max(self.max_tokens, high)
 
 
 class ShadowReport:
@@ -310,20 +311,30 @@ class ShadowReport:
         exact: bool,
         shape: Shape | None,
     ) -> None:
-        self.compared += 1
-        self.by_bound += not exact
+        self.add_alike(active_lane, decision, [tokens], exact)
+        if shape is not None:
+            self.trace.append(shape)
+
+    def add_alike(
+        self, active_lane: str, decision: ShadowDecision, tokens: Sequence[int], exact: bool
+    ) -> None:
+        """Requests of one active lane the shadow decided alike (``tokens``: each one's prompt
+        tokens), counted at once (``request/shadow_live.py`` adds a batch this way); their
+        shapes go to ``trace`` directly."""
+        n = len(tokens)
+        self.compared += n
+        if not exact:
+            self.by_bound += n
         if decision.lane == active_lane:
-            self.agreed[active_lane] = self.agreed.get(active_lane, 0) + 1
+            self.agreed[active_lane] = self.agreed.get(active_lane, 0) + n
         else:
             self.disagreed.setdefault((active_lane, decision.lane), _Range()).add(tokens)
         if decision.rejected is not None:
-            self.rejected[decision.rejected] = self.rejected.get(decision.rejected, 0) + 1
+            self.rejected[decision.rejected] = self.rejected.get(decision.rejected, 0) + n
         if decision.lender is not None:
-            self.borrowed[decision.lender] = self.borrowed.get(decision.lender, 0) + 1
+            self.borrowed[decision.lender] = self.borrowed.get(decision.lender, 0) + n
         if decision.endpoint is not None:
-            self.endpoints[decision.endpoint] = self.endpoints.get(decision.endpoint, 0) + 1
-        if shape is not None:
-            self.trace.append(shape)
+            self.endpoints[decision.endpoint] = self.endpoints.get(decision.endpoint, 0) + n
 
     def as_json(self, window: bool = True) -> dict[str, Any]:
         out: dict[str, Any] = {

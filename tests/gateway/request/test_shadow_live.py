@@ -6,6 +6,8 @@ policy as the shadow."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -14,6 +16,11 @@ import pytest
 import yaml
 
 import gateway.request.shadow_live as shadow_live
+from gateway.edge.app import create_app
+from gateway.request.prefix import NOTHING
+from gateway.request.shadow import Seen, ShadowDecision, ShadowPolicy, decide
+from gateway.request.shadow_live import ShadowLive
+from gateway.settings import parse_settings
 from gateway.tuning.fleet_model import LiveCosts
 from tests.conftest import ADMIN, JSON, lanes_config
 from tests.support.fake_engine import FakeEngine
@@ -117,13 +124,17 @@ async def test_the_shadow_decides_every_request_and_touches_no_engine_and_no_slo
     assert counted == len(moved)
 
 
+@pytest.mark.parametrize(
+    ("broken_part", "where"), [("decide", "shadow.finished"), ("_Inputs", "shadow.observe")]
+)
 async def test_a_failing_shadow_is_logged_and_counted_and_the_request_is_served(
-    gateway_at: Any, monkeypatch: pytest.MonkeyPatch
+    gateway_at: Any, monkeypatch: pytest.MonkeyPatch, broken_part: str, where: str
 ) -> None:
     def broken(*_: Any) -> Any:
         raise RuntimeError("shadow bug")
 
-    monkeypatch.setattr(shadow_live, "decide", broken)
+    # The decision (made in the batch, after the request) or the snapshot (at the decision).
+    monkeypatch.setattr(shadow_live, broken_part, broken)
     fast, heavy = FakeEngine(), FakeEngine()
     async with serve_asgi(fast) as fast_url, serve_asgi(heavy) as heavy_url:
         active = config(fast_url, heavy_url, ACTIVE_AT)
@@ -133,15 +144,14 @@ async def test_a_failing_shadow_is_logged_and_counted_and_the_request_is_served(
             report = (await client.get(url + "/admin/shadow")).json()
             metrics = (await client.get(url + "/metrics")).text
     assert report["compared"] == 0
-    # Decided at once (exact or a small bound) or at the end (a bound past the shadow's 1,000):
-    # either way logged and counted once a request, and every request served.
+    # Logged and counted once a request, where it failed, and every request served.
     scrape = parse(metrics)
     swallowed = {
-        where: scrape.value("shapegate_swallowed_errors_total", where=where)
-        for where in ("shadow.observe", "shadow.finished")
+        part: scrape.value("shapegate_swallowed_errors_total", where=part)
+        for part in ("shadow.observe", "shadow.finished")
     }
+    assert swallowed[where] == len(WORDS)
     assert sum(swallowed.values()) == len(WORDS)
-    assert swallowed["shadow.observe"] > 0 and swallowed["shadow.finished"] > 0
 
 
 async def test_a_shadow_is_validated_as_a_reload_and_guarded_as_admin(gateway_at: Any) -> None:
@@ -282,3 +292,110 @@ async def test_a_shadow_weighing_prefixes_decides_with_the_engines_kv_events_too
         None,
         0,
     )
+
+
+# -- batches, flushes and the memo -------------------------------------------------------------
+
+
+@asynccontextmanager
+async def shadowed(counter: Any) -> AsyncIterator[tuple[str, ShadowLive, httpx.AsyncClient]]:
+    """A gateway with the shadow (its fast lane ending at ``SHADOW_AT``) running; its URL, its
+    shadow and a client."""
+    fast, heavy = FakeEngine(), FakeEngine()
+    async with serve_asgi(fast) as fast_url, serve_asgi(heavy) as heavy_url:
+        app = create_app(
+            parse_settings(config(fast_url, heavy_url, ACTIVE_AT), environ={}), counter
+        )
+        async with serve_asgi(app) as url, httpx.AsyncClient(timeout=30) as client:
+            await start_shadow(client, url, config(fast_url, heavy_url, SHADOW_AT))
+            yield url, app.gateway.pipeline.shadow, client
+
+
+async def send(client: httpx.AsyncClient, url: str, words: int, n: int) -> None:
+    for _ in range(n):
+        answer = await client.post(url + "/v1/chat/completions", json=prompt(words), headers=JSON)
+        assert answer.status_code == 200, answer.text
+
+
+@pytest.mark.parametrize("reader", ["report", "scrape", "stop"])
+async def test_every_read_of_the_counts_flushes_the_queued_requests_first(
+    counter: Any, monkeypatch: pytest.MonkeyPatch, reader: str
+) -> None:
+    """Fewer requests than a batch, no timer in the test's time: the report, a scrape and the
+    stop's last report each count them all (each fails without its own flush)."""
+    monkeypatch.setattr(shadow_live, "FLUSH_S", 3600.0)
+    async with shadowed(counter) as (url, shadow, client):
+        await send(client, url, 200, 5)
+        await send(client, url, 3000, 3)
+        assert shadow._report.compared == 0  # queued, not yet decided
+        if reader == "report":
+            report = (await client.get(url + "/admin/shadow")).json()
+            assert report["compared"] == 8
+            assert report["disagreements"][0]["requests"] == 3
+        elif reader == "scrape":
+            scrape = parse((await client.get(url + "/metrics")).text)
+            assert scrape.value("shapegate_shadow_decisions_total") == 8
+            assert scrape.value("shapegate_shadow_decisions_total", shadow_lane="heavy") == 3
+        else:
+            stopped = (await client.delete(url + "/admin/shadow", headers=ADMIN)).json()
+            assert stopped["report"]["compared"] == 8
+
+
+async def test_a_full_batch_is_counted_at_once_and_a_quiet_gateway_within_flush_s(
+    counter: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(shadow_live, "BATCH", 4)
+    monkeypatch.setattr(shadow_live, "FLUSH_S", 0.2)
+    async with shadowed(counter) as (url, shadow, client):
+        await send(client, url, 200, 6)
+        assert shadow._report.compared == 4  # one batch; two wait (read nothing: no flush)
+        await asyncio.sleep(0.6)  # the timer armed by the fifth
+        assert shadow._report.compared == 6
+
+
+async def test_alike_requests_are_decided_once_and_a_new_policy_decides_afresh(
+    counter: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+
+    def counted(policy: ShadowPolicy, seen: Seen) -> ShadowDecision:
+        calls.append(seen.tokens)
+        return decide(policy, seen)
+
+    monkeypatch.setattr(shadow_live, "decide", counted)
+    async with shadowed(counter) as (url, shadow, client):
+        await send(client, url, 200, 10)
+        await send(client, url, 3000, 10)
+        report = (await client.get(url + "/admin/shadow")).json()
+        # One request at a time: the same figure, health and idle endpoints each time.
+        assert len(calls) == 2 and calls[0] < SHADOW_AT <= calls[1]
+        assert report["compared"] == 20
+        assert report["agreed_by_lane"] == {"fast": 10}
+        assert report["disagreements"][0]["requests"] == 10
+        assert sum(report["endpoints"].values()) == 20
+        policy = shadow.policy
+        assert policy is not None
+        shadow.start(policy.settings, policy.version + 1, policy.settings)
+        await send(client, url, 200, 3)
+        assert (await client.get(url + "/admin/shadow")).json()["compared"] == 3
+        assert len(calls) == 3
+
+
+async def test_the_memo_tells_a_full_endpoint_from_an_idle_one(counter: Any) -> None:
+    """The same request against the same endpoints, but one of them full: the views are in the
+    memo's key, so the second is not answered from the first's decision."""
+    settings = parse_settings(config("http://a", "http://b", ACTIVE_AT), environ={})
+    app = create_app(settings, counter)
+    shadow = app.gateway.pipeline.shadow
+    policy = shadow.start(settings, 1, settings)
+    views = tuple(app.gateway.pool.views(c) for c in policy.clusters)
+    full = tuple([v._replace(in_flight=10**6) for v in vs] for vs in views)
+    inputs = shadow_live._Inputs(
+        "qwen3.6", 8, False, {"fast": True, "heavy": True}, views, None, None, NOTHING, None, {}
+    )
+    first = shadow._decide(policy, 100, 100, True, inputs)
+    second = shadow._decide(policy, 100, 100, True, inputs._replace(views=full))
+    again = shadow._decide(policy, 100, 100, True, inputs)
+    assert first.endpoint == "http://a" and second.endpoint is None
+    assert again is first
+    assert len(shadow._memo) == 2

@@ -13,6 +13,7 @@ import yaml
 from gateway.tools.bench.shadow import (
     MAX_CPU_RATIO,
     SHADOW_FAST_ENDS,
+    _keep_skipped,
     candidate,
     demo_config,
     median_ci,
@@ -95,3 +96,52 @@ def test_the_cpu_verdict_says_whether_its_interval_resolves_the_limit() -> None:
     assert not met and "missed at this confidence" in text
     met, text = said(1.025, 1.01, 1.04)
     assert met and "not resolved" in text
+
+
+def test_the_instruction_verdict_is_named_for_what_it_counts() -> None:
+    result = cost(1.02, 1.0, 1.05) | {
+        "instructions": {
+            "requests": 200,
+            "instruction_ratio": 1.012,
+            "windows": [
+                {"mode": "off", "instructions": 1000},
+                {"mode": "on", "instructions": 1010},
+                {"mode": "off", "instructions": 1002},
+                {"mode": "on", "instructions": 1016},
+            ],
+        },
+    }
+    found = targets(result)[2]
+    assert found["limit"] == MAX_CPU_RATIO and found["value"] == 1.012 and found["met"]
+    assert "instructions per request" in found["target"]
+    assert "not CPU seconds" in found["target"]
+    assert "pairs 1.0100x, 1.0140x" in found["target"]
+    result["instructions"]["instruction_ratio"] = 1.031
+    assert not targets(result)[2]["met"]
+    # The wall-CPU figure stays beside it.
+    assert "CPU per request" in targets(result)[1]["target"]
+
+
+def test_a_part_measured_alone_keeps_the_others_figures_from_the_earlier_run(
+    tmp_path: Path,
+) -> None:
+    earlier = {
+        "machine": {"at": "2026-12-05T07:54:17Z"},
+        "overhead": {"cpu_ratio": 1.018},
+        "prediction": {"compared": 103},
+    }
+    path = tmp_path / "shadow.json"
+    path.write_text(json.dumps(earlier))
+    now: dict[str, object] = {"machine": {"at": "later"}, "instructions": {"ratio": 1.01}}
+    _keep_skipped(path, now)
+    assert now["overhead"] == {"cpu_ratio": 1.018}
+    assert now["prediction"] == {"compared": 103}
+    assert now["instructions"] == {"ratio": 1.01}
+    assert now["kept_from"] == {
+        "overhead": "2026-12-05T07:54:17Z",
+        "prediction": "2026-12-05T07:54:17Z",
+    }
+    # A smoke run never mixes with a real run's figures.
+    smoke: dict[str, object] = {"machine": {"at": "later"}, "smoke": True}
+    _keep_skipped(path, smoke)
+    assert "overhead" not in smoke

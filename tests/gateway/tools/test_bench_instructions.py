@@ -1,0 +1,35 @@
+"""``bench shadow --instructions`` (gateway/tools/bench/instructions.py): the parts that need no
+valgrind run: the dump's total as callgrind writes it, and the quiet policy (no probe or scrape
+inside a counted window)."""
+
+from __future__ import annotations
+
+from gateway.settings import parse_settings
+from gateway.tools.bench.harness import gateway_policy
+from gateway.tools.bench.instructions import _TOTALS, QUIET_S, _quiet
+
+DUMP = b"""# callgrind format
+version: 1
+creator: callgrind-3.19.0
+cmd:  python -m gateway.tools.cli serve
+part: 3
+
+events: Ir
+fn=(1) main
+5 12
+summary: 123456789
+totals: 123456789
+"""
+
+
+def test_a_dumps_total_is_its_summary_line() -> None:
+    found = _TOTALS.search(DUMP)
+    assert found is not None and int(found.group(1)) == 123456789
+    assert _TOTALS.search(b"events: Ir\nfn=(1) x\n5 12\n") is None
+
+
+def test_the_counted_gateway_probes_and_scrapes_an_hour_apart() -> None:
+    policy = _quiet(gateway_policy(9000, 9001))
+    settings = parse_settings(policy, environ={})
+    for lane in settings.lanes:
+        assert lane.health.interval_s == lane.health.scrape_interval_s == QUIET_S
