@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -109,17 +110,29 @@ def test_an_engine_restart_told_from_outside_replays_from_sequence_0() -> None:
     assert blocks.match(digests(PROMPT)) == 1 and blocks.next_seq == 1
 
 
+@contextlib.asynccontextmanager
+async def reading(publisher: Publisher, blocks: EngineBlocks) -> AsyncIterator[KvEventsReader]:
+    """A reader of ``publisher`` into ``blocks``, running for the body; both closed after."""
+    reader = KvEventsReader(
+        blocks,
+        f"tcp://127.0.0.1:{publisher.port}",
+        f"tcp://127.0.0.1:{publisher.replay_port}",
+    )
+    task = asyncio.create_task(reader.run())
+    try:
+        yield reader
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        publisher.close()
+
+
 def test_the_reader_resubscribes_from_0_after_a_restart_told_from_outside() -> None:
     async def main() -> None:
         publisher = Publisher()
         blocks = EngineBlocks("e")
-        reader = KvEventsReader(
-            blocks,
-            f"tcp://127.0.0.1:{publisher.port}",
-            f"tcp://127.0.0.1:{publisher.replay_port}",
-        )
-        task = asyncio.create_task(reader.run())
-        try:
+        async with reading(publisher, blocks):
             for seq, (name, parent, part) in enumerate(
                 [(b"a", None, PROMPT[:4]), (b"b", b"a", PROMPT[4:8]), (b"c", b"b", PROMPT[8:12])]
             ):
@@ -135,11 +148,6 @@ def test_the_reader_resubscribes_from_0_after_a_restart_told_from_outside() -> N
             publisher.publish(wire(1, stored([b"m"], b"n", PROMPT[4:8])))
             await until(lambda: blocks.match(digests(PROMPT)) == 2, publisher)
             assert blocks.next_seq == 2 and blocks.rebuilds == 1
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            publisher.close()
 
     asyncio.run(main())
 
@@ -159,13 +167,7 @@ def test_reader_replays_what_it_missed_before_it_started_and_in_a_gap() -> None:
         blocks = EngineBlocks("e")
         # Published before the reader subscribed: only the replay socket has it.
         publisher.publish(wire(0, stored([b"a"], None, PROMPT[:4])), send=False)
-        reader = KvEventsReader(
-            blocks,
-            f"tcp://127.0.0.1:{publisher.port}",
-            f"tcp://127.0.0.1:{publisher.replay_port}",
-        )
-        task = asyncio.create_task(reader.run())
-        try:
+        async with reading(publisher, blocks) as reader:
             await until(lambda: blocks.match(digests(PROMPT)) == 1, publisher)
             await asyncio.sleep(0.3)  # the SUB socket's subscription reaches the PUB
             # Sequence 1 is lost on the PUB socket; 2 arrives and makes the reader replay 1.
@@ -173,10 +175,5 @@ def test_reader_replays_what_it_missed_before_it_started_and_in_a_gap() -> None:
             publisher.publish(wire(2, stored([b"c"], b"b", PROMPT[8:12])))
             await until(lambda: blocks.match(digests(PROMPT)) == 3, publisher)
             assert blocks.next_seq == 3 and reader.errors == 0
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            publisher.close()
 
     asyncio.run(main())

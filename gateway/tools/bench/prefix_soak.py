@@ -56,11 +56,13 @@ from gateway.tools.bench.harness import (
     write_json,
 )
 from gateway.tools.bench.soak_traffic import (
+    SOAK_HEALTH,
     SoakOptions,
     Tally,
     add_length_args,
     memory_fit,
     seconds_of,
+    soak_policy,
     traffic,
 )
 
@@ -104,32 +106,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def policy(endpoints: list[str], port: int, max_blocks: int) -> dict[str, Any]:
-    health = {"interval_s": 1.0, "timeout_s": 1.0, "up_after_successes": 2, "scrape_interval_s": 1}
-    return {
-        "server": {"host": "127.0.0.1", "port": port, "boot_probe": False, "drain_timeout_s": 5},
-        "logging": {"level": "info"},
-        "models": [
-            {
-                "name": "qwen3.6",
-                "tokenizer": {"source": "builtin", "name": "qwen3.6", "chat_template": "hf"},
-            }
-        ],
-        "clusters": [{"name": "fast", "endpoints": endpoints}],
-        "lanes": [
-            {
-                "name": "fast",
-                "max_prompt_tokens": 1_000_000,
-                "clusters": ["fast"],
-                "slots": {"lane": 96, "per_endpoint": 16},
-                "queue": {"depth": 256, "max_wait_s": 10},
-                "timeouts": {"connect_s": 1, "first_byte_s": 5, "idle_s": 3, "total_s": 30},
-                "health": health,
-                "weights": {"load": 1.0, "prefix": 1.0},
-            }
-        ],
-        # Only the bound forgets within the run: an hour's TTL, known or unknown capacity.
-        "prefix_index": {"max_blocks": max_blocks, "ttl_s": 3600, "backstop_ttl_s": 3600},
+    lane = {
+        "name": "fast",
+        "max_prompt_tokens": 1_000_000,
+        "clusters": ["fast"],
+        "slots": {"lane": 96, "per_endpoint": 16},
+        "queue": {"depth": 256, "max_wait_s": 10},
+        "timeouts": {"connect_s": 1, "first_byte_s": 5, "idle_s": 3, "total_s": 30},
+        "health": SOAK_HEALTH,
+        "weights": {"load": 1.0, "prefix": 1.0},
     }
+    config = soak_policy(port, [{"name": "fast", "endpoints": endpoints}], [lane])
+    # Only the bound forgets within the run: an hour's TTL, known or unknown capacity.
+    config["prefix_index"] = {"max_blocks": max_blocks, "ttl_s": 3600, "backstop_ttl_s": 3600}
+    return config
 
 
 def unique_prefix_body(rng: random.Random, serial: int) -> bytes:

@@ -45,12 +45,14 @@ import orjson
 
 from gateway.tools.bench.harness import Child, free_port, machine, start_gateway, write_json
 from gateway.tools.bench.soak_traffic import (
+    SOAK_HEALTH,
     SoakOptions,
     Tally,
     add_length_args,
     faults,
     memory_fit,
     seconds_of,
+    soak_policy,
     traffic,
 )
 
@@ -78,48 +80,35 @@ def run(args: argparse.Namespace) -> int:
 
 
 def policy(fast: list[str], heavy: list[str], port: int) -> dict[str, Any]:
-    health = {"interval_s": 1.0, "timeout_s": 1.0, "up_after_successes": 2, "scrape_interval_s": 1}
-    return {
-        "server": {"host": "127.0.0.1", "port": port, "boot_probe": False, "drain_timeout_s": 5},
-        "logging": {"level": "info"},
-        "models": [
-            {
-                "name": "qwen3.6",
-                "tokenizer": {"source": "builtin", "name": "qwen3.6", "chat_template": "hf"},
-            }
-        ],
-        "clusters": [
-            {"name": "fast", "endpoints": fast},
-            {"name": "heavy", "endpoints": heavy},
-        ],
-        "lanes": [
-            {
-                "name": "fast",
-                "max_prompt_tokens": HEAVY_FROM,
-                "clusters": ["fast"],
-                "slots": {"lane": 32, "per_endpoint": 16},
-                "queue": {"depth": 256, "max_wait_s": 10},
-                "timeouts": {"connect_s": 1, "first_byte_s": 2, "idle_s": 1.5, "total_s": 30},
-                "health": health,
+    clusters = [{"name": "fast", "endpoints": fast}, {"name": "heavy", "endpoints": heavy}]
+    lanes = [
+        {
+            "name": "fast",
+            "max_prompt_tokens": HEAVY_FROM,
+            "clusters": ["fast"],
+            "slots": {"lane": 32, "per_endpoint": 16},
+            "queue": {"depth": 256, "max_wait_s": 10},
+            "timeouts": {"connect_s": 1, "first_byte_s": 2, "idle_s": 1.5, "total_s": 30},
+            "health": SOAK_HEALTH,
+        },
+        {
+            "name": "heavy",
+            "min_prompt_tokens": HEAVY_FROM,
+            "max_prompt_tokens": 1_000_000,
+            "clusters": ["heavy"],
+            "slots": {"lane": 6, "per_endpoint": 3},
+            "queue": {"depth": 64, "max_wait_s": 20},
+            "timeouts": {
+                "connect_s": 1,
+                "first_byte_s": 3,
+                "first_byte_per_1k_tokens_s": 0.1,
+                "idle_s": 1.5,
+                "total_s": 60,
             },
-            {
-                "name": "heavy",
-                "min_prompt_tokens": HEAVY_FROM,
-                "max_prompt_tokens": 1_000_000,
-                "clusters": ["heavy"],
-                "slots": {"lane": 6, "per_endpoint": 3},
-                "queue": {"depth": 64, "max_wait_s": 20},
-                "timeouts": {
-                    "connect_s": 1,
-                    "first_byte_s": 3,
-                    "first_byte_per_1k_tokens_s": 0.1,
-                    "idle_s": 1.5,
-                    "total_s": 60,
-                },
-                "health": health,
-            },
-        ],
-    }
+            "health": SOAK_HEALTH,
+        },
+    ]
+    return soak_policy(port, clusters, lanes)
 
 
 def held(state: dict[str, Any]) -> int:

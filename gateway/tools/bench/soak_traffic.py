@@ -206,3 +206,26 @@ async def faults(
         await sim.set_faults(BASE_FAULTS)
     for sim in sims:
         await sim.set_faults({})
+
+
+# The probes and scrapes of a soak's lanes: every second, up after two answers.
+SOAK_HEALTH = {"interval_s": 1.0, "timeout_s": 1.0, "up_after_successes": 2, "scrape_interval_s": 1}
+
+
+def soak_policy(
+    port: int, clusters: list[dict[str, Any]], lanes: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A soak's gateway policy: loopback on ``port``, no boot probe, a 5 s drain, info logs,
+    qwen3.6 counted with its HF template, and the soak's own ``clusters`` and ``lanes``."""
+    return {
+        "server": {"host": "127.0.0.1", "port": port, "boot_probe": False, "drain_timeout_s": 5},
+        "logging": {"level": "info"},
+        "models": [
+            {
+                "name": "qwen3.6",
+                "tokenizer": {"source": "builtin", "name": "qwen3.6", "chat_template": "hf"},
+            }
+        ],
+        "clusters": clusters,
+        "lanes": lanes,
+    }
