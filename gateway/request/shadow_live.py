@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from engine_pool.cluster import EngineView
@@ -97,29 +97,6 @@ _Kept = tuple[ShadowDecision | None, _Figure | None, _Plain, _Extra, Record]
 _NONE_PENDING: Mapping[str, int] = {}
 
 
-class _Views(Mapping[str, Sequence[EngineView]]):
-    """The kept views by cluster name, for ``decide`` (made only when a decision is made)."""
-
-    __slots__ = ("_index", "_views")
-
-    def __init__(self, index: Mapping[str, int], views: tuple[Sequence[EngineView], ...]) -> None:
-        self._index, self._views = index, views
-
-    def __getitem__(self, cluster: str) -> Sequence[EngineView]:
-        return self._views[self._index[cluster]]
-
-    def get(self, cluster: str, default: object = None) -> Sequence[EngineView]:
-        """Every cluster of the policy has its views; any other has none (as the pool's)."""
-        at = self._index.get(cluster)
-        return () if at is None else self._views[at]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._index)
-
-    def __len__(self) -> int:
-        return len(self._index)
-
-
 class ShadowLive:
     def __init__(
         self, pool: EnginePool, metrics: Metrics, log: Logger, prefixes: Prefixes | None = None
@@ -136,7 +113,6 @@ class ShadowLive:
         self._timer: asyncio.TimerHandle | None = None
         self._memo: dict[_Key, ShadowDecision] = {}
         self._memo_max = MEMO_MAX
-        self._index: Mapping[str, int] = {}
         # A scrape counts every finished request: the queue is flushed first.
         metrics.shadow_scrape.before = self.flush
 
@@ -149,7 +125,6 @@ class ShadowLive:
     def start(self, settings: Settings, version: int, active: Settings) -> ShadowPolicy:
         self.flush()  # the last requests of a running shadow count in its own metric
         self.policy = ShadowPolicy.of(settings, version, active)
-        self._index = {c: i for i, c in enumerate(self.policy.clusters)}
         self._report = ShadowReport()
         # What was observed under the last policy is never compared (nor its memo read).
         self._kept.clear()
@@ -352,7 +327,7 @@ class ShadowLive:
             plain[1],
             plain[2],
             dict(plain[3]),
-            _Views(self._index, plain[4]),
+            dict(zip(policy.clusters, plain[4], strict=True)),
             plain[5],
             plain[6],
             prefix,
