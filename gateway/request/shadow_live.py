@@ -91,9 +91,10 @@ _Key = tuple[_Figure, _Plain]
 # The prompt's prefix as the index knew it and the pending prefill then: only for a policy that
 # weighs them (decided afresh every time, no memo); None for any other.
 _Extra = tuple[PrefixSeen, Mapping[str, int]] | None
-# Kept from ``observe`` to the flush: the decision when the memo already had it, the figure when
-# final, the inputs, the prefix, the record (read at the flush, when it is final).
-_Kept = tuple[ShadowDecision | None, _Figure | None, _Plain, _Extra, Record]
+# Kept from ``observe`` to the flush: the decision when the memo already had it (then nothing
+# else but the record), else the figure when final, the inputs and the prefix; the record (read
+# at the flush, when it is final).
+_Kept = tuple[ShadowDecision | None, _Figure | None, _Plain | None, _Extra, Record]
 _NONE_PENDING: Mapping[str, int] = {}
 
 
@@ -200,6 +201,9 @@ class ShadowLive:
                 figure = (tokens, tokens if largest is None else largest)
                 if extra is None:
                     decision = self._memo.get((figure, plain))
+                    if decision is not None:  # the inputs go now: fewer objects live a batch
+                        self._kept[id(record)] = (decision, None, None, None, record)
+                        return
             self._kept[id(record)] = (decision, figure, plain, extra, record)
         except Exception as exc:  # noqa: BLE001 - the shadow never fails a live request
             swallowed(
@@ -265,6 +269,7 @@ class ShadowLive:
                     tokens, known = count.tokens, count.method == "none"
                 decision = memoized
                 if decision is None:
+                    assert plain is not None  # kept whenever the decision was not
                     if figure is None:
                         largest = count.largest
                         longest = tokens if largest is None else largest

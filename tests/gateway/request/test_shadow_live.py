@@ -430,6 +430,7 @@ async def test_an_alike_request_takes_its_decision_when_seen_and_none_is_made_at
         await send(client, url, small, 5)
         kept = list(shadow._queue)
         assert len(kept) == 5 and all(k[0] is not None for k in kept)
+        assert all(k[2] is None for k in kept)  # nor are its inputs kept
         report = shadow.report
         assert report.compared == 8 and report.agreed == {"fast": 8}
         assert len(calls) == 3
