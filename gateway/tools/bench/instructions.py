@@ -18,6 +18,12 @@ branch mispredictions and frequency are not in it, and the wall-clock CPU ratio 
 rounds stays reported beside it. Callgrind's counts repeat run to run within a few parts in
 ten thousand (the two windows of a mode show it), so 3% is resolved by one run.
 
+The memo. The shadow decides once for alike requests (``request/shadow_live.py``: the key is
+the exact figure, the endpoints' views with their in-flight counts, the class inputs); these
+requests are all alike, so with the memo the "on" windows count a lookup, not a decision.
+``memo=False`` starts the gateway with ``shadow_live.MEMO_MAX = 0``: nothing is kept, every
+request is decided afresh, the cost where the memo never hits (varied or concurrent traffic).
+
 Requires ``valgrind`` (with ``callgrind_control``) on PATH; ``available()`` says whether it is.
 """
 
@@ -97,11 +103,20 @@ def _send(client: httpx.Client, url: str, n: int) -> None:
             raise RuntimeError(f"request failed: {answer.status_code} {answer.text}")
 
 
+# ``shapegate serve`` with the shadow's memo keeping nothing (``memo=False``): the same command,
+# the module constant set before the app is made (``ShadowLive`` reads it then).
+_SERVE_NO_MEMO = (
+    "import sys; import gateway.request.shadow_live as s; s.MEMO_MAX = 0; "
+    "from gateway.tools.cli import main; sys.exit(main(['serve', *sys.argv[1:]]))"
+)
+
+
 def instructions(
-    requests: int, warm: int, candidate: Callable[[dict[str, Any]], str]
+    requests: int, warm: int, candidate: Callable[[dict[str, Any]], str], memo: bool = True
 ) -> dict[str, Any]:
     """Instructions per request with the shadow off and on (see the module docstring);
-    ``candidate`` makes the shadow policy (YAML) from the rig's policy."""
+    ``candidate`` makes the shadow policy (YAML) from the rig's policy; ``memo=False``: every
+    request decided afresh."""
     with tempfile.TemporaryDirectory(prefix="shapegate-bench-ir-") as tmp:
         folder = Path(tmp)
         upstream, upstream_port = start_upstream(folder, None)
@@ -122,9 +137,7 @@ def instructions(
                 "--dump-line=no",
                 "--compress-strings=no",
                 sys.executable,
-                "-m",
-                "gateway.tools.cli",
-                "serve",
+                *(("-m", "gateway.tools.cli", "serve") if memo else ("-c", _SERVE_NO_MEMO)),
                 "--config",
                 str(config),
             ]
@@ -169,6 +182,7 @@ def instructions(
         "method": "callgrind instruction counts of the whole gateway process (every thread), "
         "requests one at a time, windows zeroed and dumped with callgrind_control; "
         "off, on, off, on",
+        "memo": "kept" if memo else "none (MEMO_MAX = 0): every request decided afresh",
         "requests": requests,
         "warm": warm,
         "windows": windows,

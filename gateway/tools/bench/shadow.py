@@ -30,7 +30,10 @@ foretells the policy once promoted (issue 34).
    machine whose CPU-seconds ratio is not (``instructions.py`` states the method). The verdict
    is named for what it counts; the wall-CPU ratio of part 1 stays beside it. With
    ``--skip-overhead --skip-prediction`` it updates ``shadow.json``'s ``instructions`` and
-   targets and keeps its other sections.
+   targets and keeps its other sections. ``--memo-miss`` counts a second gateway too, started
+   with the shadow's memo keeping nothing (``instructions_memo_miss``): every request decided
+   afresh, what the shadow costs where its memo never hits (the bench's requests are all alike,
+   so with the memo they are decided once).
 ``--smoke`` runs two short rounds and a 30-second window, for the test suite.
 """
 
@@ -98,6 +101,11 @@ def register(suites: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     parser.add_argument("--smoke", action="store_true", help="short rounds, a 30 s window")
     parser.add_argument(
         "--instructions", action="store_true", help="count instructions per request (callgrind)"
+    )
+    parser.add_argument(
+        "--memo-miss",
+        action="store_true",
+        help="with --instructions: also count a gateway whose shadow keeps no decision",
     )
     parser.add_argument("--ir-requests", type=int, default=400, help="requests a callgrind window")
     parser.add_argument("--ir-warm", type=int, default=20, help="unmeasured requests before one")
@@ -311,12 +319,17 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                 "met": cost["cpu_ratio"] <= MAX_CPU_RATIO,
             }
         )
-    counted = result.get("instructions")
-    if counted is not None:
+    for part, which in (
+        ("instructions", ""),
+        ("instructions_memo_miss", ", its memo missing every request (none kept)"),
+    ):
+        counted = result.get(part)
+        if counted is None:
+            continue
         found.append(
             {
-                "target": "shadow on costs at most 3% more gateway instructions per request "
-                f"(callgrind, whole process, {counted['requests']} requests a window, "
+                "target": f"shadow on{which} costs at most 3% more gateway instructions per "
+                f"request (callgrind, whole process, {counted['requests']} requests a window, "
                 f"off/on/off/on, pairs {_listed(pair_ratios(counted['windows']))}; "
                 "instructions, not CPU seconds)",
                 "value": counted["instruction_ratio"],
@@ -370,13 +383,15 @@ def table(result: dict[str, Any]) -> str:
             f"(median of pairs, 95% CI {cost['cpu_ratio_ci'][0]:.3f}x-"
             f"{cost['cpu_ratio_ci'][1]:.3f}x; over all rounds {cost['cpu_ratio_total']:.3f}x)",
         ]
-    counted = result.get("instructions")
-    if counted is not None:
+    for part, which in (("instructions", ""), ("instructions_memo_miss", ", memo missing")):
+        counted = result.get(part)
+        if counted is None:
+            continue
         per = counted["instructions_per_request"]
         pairs = _listed(pair_ratios(counted["windows"]))
         lines.append(
-            f"instructions (callgrind, {counted['requests']} requests a window, off/on/off/on): "
-            f"off {per['off']:,}  on {per['on']:,} a request  ratio "
+            f"instructions (callgrind, {counted['requests']} requests a window, off/on/off/on"
+            f"{which}): off {per['off']:,}  on {per['on']:,} a request  ratio "
             f"{counted['instruction_ratio']:.4f}x "
             f"(pairs {pairs}; idle share {counted['idle_share']:.2%})"
         )
@@ -419,7 +434,7 @@ def _keep_skipped(path: Path, result: dict[str, Any]) -> None:
     if not path.is_file() or result.get("smoke"):
         return
     earlier = json.loads(path.read_text())
-    for part in ("overhead", "prediction", "instructions"):
+    for part in ("overhead", "prediction", "instructions", "instructions_memo_miss"):
         if part not in result and part in earlier:
             result[part] = earlier[part]
             result.setdefault("kept_from", {})[part] = earlier.get("kept_from", {}).get(
@@ -443,6 +458,10 @@ def run(args: argparse.Namespace) -> int:
             print("--instructions needs valgrind and callgrind_control on PATH")
             return 2
         result["instructions"] = instructions(args.ir_requests, args.ir_warm, candidate)
+        if args.memo_miss:
+            result["instructions_memo_miss"] = instructions(
+                args.ir_requests, args.ir_warm, candidate, memo=False
+            )
     _keep_skipped(Path(args.out) / "shadow.json", result)
     result["targets"] = targets(result)
     path = write_json(Path(args.out), "shadow", result)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -17,7 +18,6 @@ import yaml
 
 import gateway.request.shadow_live as shadow_live
 from gateway.edge.app import create_app
-from gateway.request.prefix import NOTHING
 from gateway.request.shadow import Seen, ShadowDecision, ShadowPolicy, decide
 from gateway.request.shadow_live import ShadowLive
 from gateway.settings import parse_settings
@@ -125,20 +125,25 @@ async def test_the_shadow_decides_every_request_and_touches_no_engine_and_no_slo
 
 
 @pytest.mark.parametrize(
-    ("broken_part", "where"), [("decide", "shadow.finished"), ("_Inputs", "shadow.observe")]
+    ("broken_part", "where"), [("decide", "shadow.finished"), ("views", "shadow.observe")]
 )
 async def test_a_failing_shadow_is_logged_and_counted_and_the_request_is_served(
-    gateway_at: Any, monkeypatch: pytest.MonkeyPatch, broken_part: str, where: str
+    counter: Any, monkeypatch: pytest.MonkeyPatch, broken_part: str, where: str
 ) -> None:
     def broken(*_: Any) -> Any:
         raise RuntimeError("shadow bug")
 
-    # The decision (made in the batch, after the request) or the snapshot (at the decision).
-    monkeypatch.setattr(shadow_live, broken_part, broken)
     fast, heavy = FakeEngine(), FakeEngine()
     async with serve_asgi(fast) as fast_url, serve_asgi(heavy) as heavy_url:
         active = config(fast_url, heavy_url, ACTIVE_AT)
-        async with gateway_at(active) as (url, _), httpx.AsyncClient(timeout=30) as client:
+        app = create_app(parse_settings(active, environ={}), counter)
+        # The decision (made in the batch, after the request) or the snapshot (at the
+        # decision): the pool as the shadow reads it, the active path's own left whole.
+        if broken_part == "decide":
+            monkeypatch.setattr(shadow_live, "decide", broken)
+        else:
+            monkeypatch.setattr(app.gateway.pipeline.shadow, "pool", SimpleNamespace(views=broken))
+        async with serve_asgi(app) as url, httpx.AsyncClient(timeout=30) as client:
             await start_shadow(client, url, config(fast_url, heavy_url, SHADOW_AT))
             await send_all(client, url)
             report = (await client.get(url + "/admin/shadow")).json()
@@ -152,6 +157,7 @@ async def test_a_failing_shadow_is_logged_and_counted_and_the_request_is_served(
     }
     assert swallowed[where] == len(WORDS)
     assert sum(swallowed.values()) == len(WORDS)
+    assert len(fast.seen) + len(heavy.seen) == len(WORDS)
 
 
 async def test_a_shadow_is_validated_as_a_reload_and_guarded_as_admin(gateway_at: Any) -> None:
@@ -388,14 +394,88 @@ async def test_the_memo_tells_a_full_endpoint_from_an_idle_one(counter: Any) -> 
     app = create_app(settings, counter)
     shadow = app.gateway.pipeline.shadow
     policy = shadow.start(settings, 1, settings)
-    views = tuple(app.gateway.pool.views(c) for c in policy.clusters)
-    full = tuple([v._replace(in_flight=10**6) for v in vs] for vs in views)
-    inputs = shadow_live._Inputs(
-        "qwen3.6", 8, False, {"fast": True, "heavy": True}, views, None, None, NOTHING, None, {}
-    )
-    first = shadow._decide(policy, 100, 100, True, inputs)
-    second = shadow._decide(policy, 100, 100, True, inputs._replace(views=full))
-    again = shadow._decide(policy, 100, 100, True, inputs)
+    views = tuple(tuple(app.gateway.pool.views(c)) for c in policy.clusters)
+    full = tuple(tuple(v._replace(in_flight=10**6) for v in vs) for vs in views)
+    health = (("fast", True), ("heavy", True))
+    plain = ("qwen3.6", 8, False, health, views, None, None, None)
+    first = shadow._decide(policy, (100, 100), True, plain, None)
+    second = shadow._decide(policy, (100, 100), True, (*plain[:4], full, *plain[5:]), None)
+    again = shadow._decide(policy, (100, 100), True, plain, None)
     assert first.endpoint == "http://a" and second.endpoint is None
     assert again is first
     assert len(shadow._memo) == 2
+
+
+async def test_an_alike_request_takes_its_decision_when_seen_and_none_is_made_at_the_flush(
+    counter: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A final figure makes the memo's key at ``observe``: once the memo holds the decision, a
+    later alike request is kept with it and the flush decides nothing for it (without the
+    lookup at ``observe``, each would go through ``_decide`` at the flush)."""
+    monkeypatch.setattr(shadow_live, "FLUSH_S", 3600.0)
+    small = 100  # words: a free bound under the shadow's threshold, so the figure is final
+    async with shadowed(counter) as (url, shadow, client):
+        calls: list[int] = []
+        deciding = shadow._decide
+
+        def counted(*args: Any) -> ShadowDecision:
+            calls.append(1)
+            return deciding(*args)
+
+        monkeypatch.setattr(shadow, "_decide", counted)
+        await send(client, url, small, 3)
+        assert shadow.report.compared == 3
+        assert len(calls) == 3  # the memo was empty when they were seen
+        assert len(shadow._memo) == 1
+        await send(client, url, small, 5)
+        kept = list(shadow._queue)
+        assert len(kept) == 5 and all(k[0] is not None for k in kept)
+        assert all(k[2] is None for k in kept)  # nor are its inputs kept
+        report = shadow.report
+        assert report.compared == 8 and report.agreed == {"fast": 8}
+        assert len(calls) == 3
+
+
+async def test_with_no_memo_every_request_is_decided_afresh_and_counted_alike(
+    counter: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``MEMO_MAX = 0`` (the cost of a memo that never hits, ``bench shadow --instructions
+    --memo-miss``): the same report, every request decided by ``decide``."""
+    calls: list[int] = []
+
+    def counted(policy: ShadowPolicy, seen: Seen) -> ShadowDecision:
+        calls.append(seen.tokens)
+        return decide(policy, seen)
+
+    monkeypatch.setattr(shadow_live, "decide", counted)
+    monkeypatch.setattr(shadow_live, "MEMO_MAX", 0)
+    async with shadowed(counter) as (url, shadow, client):
+        await send(client, url, 200, 6)
+        await send(client, url, 3000, 4)
+        report = (await client.get(url + "/admin/shadow")).json()
+        assert shadow._memo == {}
+    assert len(calls) == 10
+    assert report["compared"] == 10
+    assert report["agreed_by_lane"] == {"fast": 6}
+    assert report["disagreements"][0]["requests"] == 4
+
+
+async def test_a_request_seen_by_one_shadow_and_finished_under_the_next_is_not_compared(
+    counter: Any,
+) -> None:
+    """``start`` forgets what the last policy saw: a request in flight across it is compared
+    by neither (the next policy's report starts at zero)."""
+    async with shadowed(counter) as (url, shadow, client):
+        slow = prompt(200) | {"fake": {"mode": "slow_first_byte", "delay": 0.5}}
+        sent = asyncio.create_task(
+            client.post(url + "/v1/chat/completions", json=slow, headers=JSON)
+        )
+        while not shadow._kept:
+            await asyncio.sleep(0.01)
+        policy = shadow.policy
+        assert policy is not None
+        shadow.start(policy.settings, policy.version + 1, policy.settings)
+        assert (await sent).status_code == 200
+        assert shadow.report.compared == 0
+        await send(client, url, 200, 1)
+        assert shadow.report.compared == 1

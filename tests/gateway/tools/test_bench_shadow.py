@@ -120,6 +120,11 @@ def test_the_instruction_verdict_is_named_for_what_it_counts() -> None:
     assert not targets(result)[2]["met"]
     # The wall-CPU figure stays beside it.
     assert "CPU per request" in targets(result)[1]["target"]
+    # With --memo-miss, the shadow deciding every request afresh is a target of its own.
+    result["instructions_memo_miss"] = result["instructions"] | {"instruction_ratio": 1.05}
+    missing = targets(result)[3]
+    assert "memo missing every request" in missing["target"]
+    assert missing["value"] == 1.05 and not missing["met"]
 
 
 def test_a_part_measured_alone_keeps_the_others_figures_from_the_earlier_run(
