@@ -15,6 +15,7 @@ once, by that step, and only read after it (README "Request lifecycle"):
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -61,6 +62,9 @@ class RequestContext:
     # Step 7: called at the answer's first chunk (the engine has prefilled the prompt): the
     # prefill ledger (engine_pool/prefill_ledger.py) forgets the request's pending tokens.
     prefilled: Callable[[], None] = lambda: None
+    # The running loop, asked once by the pipeline and handed to the request's cancel scopes
+    # (a getpid system call each time it is asked, in Python 3.11); None: they ask themselves.
+    loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def request_id(self) -> str:
