@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 from types import TracebackType
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from gateway.core.cancel import CancelScope
 from gateway.errors import UpstreamTimeout
@@ -34,8 +33,10 @@ class DeadlineHit(UpstreamTimeout):
         self.kind: Phase = kind
 
 
-@dataclass(frozen=True, slots=True)
-class Deadlines:
+class Deadlines(NamedTuple):
+    """A request's deadlines. A named tuple, not a frozen dataclass: one a request, and
+    a frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``."""
+
     connect_s: float
     first_byte_s: float
     idle_s: float

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from gateway.core.count import TokenCount
 from gateway.core.decision import Decision, Grant
@@ -71,10 +72,11 @@ class RequestContext:
         return self.record.request_id
 
 
-@dataclass(frozen=True, slots=True)
-class Target:
+class Target(NamedTuple):
     """One attempt: the endpoint its slot holds, that cluster's auth settings and engine key,
-    and whether to open a new connection (a kept-alive one was found closed)."""
+    and whether to open a new connection (a kept-alive one was found closed). A named tuple,
+    not a frozen dataclass: one an attempt, and a frozen dataclass's ``__init__`` sets each
+    field through ``object.__setattr__``."""
 
     grant: Grant
     cluster: ClusterSettings

@@ -1,5 +1,5 @@
-"""TokenCount, and the values a request makes as named tuples (immutable, built without a
-frozen dataclass's ``object.__setattr__`` a field)."""
+"""TokenCount, and the values a request makes as named tuples (from here and elsewhere:
+immutable, built without a frozen dataclass's ``object.__setattr__`` a field)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,12 @@ import pytest
 from gateway.core.count import TokenCount
 from gateway.core.decision import Grant
 from gateway.core.slots import Limit
+from gateway.core.watchdog import Deadlines
 from gateway.count.plan import Plan
+from gateway.count.usage import EngineUsage
 from gateway.protocols.openai import RoutedRequest
+from gateway.request.context import Target
+from gateway.request.slot import Want
 
 
 def test_a_count_without_its_plan_and_its_repr_never_show_the_prompt() -> None:
@@ -37,6 +41,10 @@ def test_a_count_without_its_plan_and_its_repr_never_show_the_prompt() -> None:
         (Limit("lane:fast", 4), "limit"),
         (Plan(None, (), (), (), 0, 0, 0, 0), "bound"),  # type: ignore[arg-type]
         (RoutedRequest("chat", "m", None, False, False, None, 10), "model"),  # type: ignore[arg-type]
+        (Deadlines(1.0, 2.0, 3.0, 4.0), "total_s"),
+        (EngineUsage(3, 4), "prompt_tokens"),
+        (Target(None, None, None, False), "grant"),  # type: ignore[arg-type]
+        (Want(), "priority"),
     ],
 )
 def test_a_requests_values_are_immutable_named_tuples(value: Any, field: str) -> None:
