@@ -39,18 +39,22 @@ class CancelScope:
         "cancelled_caught",
     )
 
-    def __init__(self, deadline_s: float | None = None) -> None:
+    def __init__(
+        self, deadline_s: float | None = None, loop: asyncio.AbstractEventLoop | None = None
+    ) -> None:
         self._task: asyncio.Task[object] | None = None
         self._state = _IDLE
         self._cancelling = 0
         self.cancel_called = False
         self.cancelled_caught = False
         self._handle: asyncio.TimerHandle | None = None
-        # The loop, when known, finds the task without asking for the running loop again: in
-        # Python 3.11 every ``get_running_loop`` (``current_task`` asks too) is a getpid call.
-        self._loop: asyncio.AbstractEventLoop | None = None
+        # The loop, when known (given: the running one, which the caller already holds), finds
+        # the task without asking for the running loop again: in Python 3.11 every
+        # ``get_running_loop`` (``current_task`` asks too) is a getpid system call.
+        self._loop = loop
         if deadline_s is not None:
-            loop = self._loop = asyncio.get_running_loop()
+            if loop is None:
+                loop = self._loop = asyncio.get_running_loop()
             self._handle = loop.call_at(loop.time() + max(deadline_s, 0.0), self.cancel)
 
     def __enter__(self) -> CancelScope:

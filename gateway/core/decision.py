@@ -6,7 +6,6 @@ Outcome).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 from gateway.settings import LaneSettings
@@ -36,8 +35,11 @@ class Decision(NamedTuple):
         return self.lane.name if self.lane is not None else "none"
 
 
-@dataclass(frozen=True, slots=True)
-class Grant:
+class Grant(NamedTuple):
+    """The slots admission granted (a named tuple, not a frozen dataclass, as ``Decision``:
+    made once a request, and a frozen dataclass's ``__init__`` sets each field through
+    ``object.__setattr__``)."""
+
     token: str
     lane: str
     cluster: str

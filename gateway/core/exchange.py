@@ -22,6 +22,7 @@ in one function, with the client's disconnect visible in every phase:
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -103,7 +104,13 @@ def require_media_type(scope: Scope, accepted: frozenset[str] = JSON) -> None:
         )
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int, timeout_s: float) -> bytes:
+async def read_body(
+    scope: Scope,
+    receive: Receive,
+    limit: int,
+    timeout_s: float,
+    loop: asyncio.AbstractEventLoop | None = None,
+) -> bytes:
     declared = header(scope, b"content-length")
     if declared is not None:
         if not declared.isdigit():
@@ -114,7 +121,8 @@ async def read_body(scope: Scope, receive: Receive, limit: int, timeout_s: float
     size = 0
     # Our cancel scope (gateway/core/cancel.py): asyncio's own cancellation, as
     # ``asyncio.timeout`` does it, without its state machine; this runs on every request.
-    with CancelScope(deadline_s=timeout_s):
+    # ``loop``: the running one when the caller holds it (no getpid call to find it).
+    with CancelScope(deadline_s=timeout_s, loop=loop):
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":

@@ -8,11 +8,14 @@ for it to be taken (gateway/slots/store.py says how a store takes them).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class Limit:
+class Limit(NamedTuple):
+    """A named tuple, not a frozen dataclass: a request builds two (its lane's and its
+    endpoint's), and a frozen dataclass's ``__init__`` sets each field through
+    ``object.__setattr__``."""
+
     key: str
     limit: int
     # Keys that must hold no other token's slot for this one to be taken (checked in the same

@@ -15,10 +15,10 @@ logs and counts in ``shapegate_watchdog_events_total{lane,cluster,kind}``.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from dataclasses import dataclass
 from types import TracebackType
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from gateway.core.cancel import CancelScope
 from gateway.errors import UpstreamTimeout
@@ -33,8 +33,10 @@ class DeadlineHit(UpstreamTimeout):
         self.kind: Phase = kind
 
 
-@dataclass(frozen=True, slots=True)
-class Deadlines:
+class Deadlines(NamedTuple):
+    """A request's deadlines. A named tuple, not a frozen dataclass: one a request, and
+    a frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``."""
+
     connect_s: float
     first_byte_s: float
     idle_s: float
@@ -54,9 +56,12 @@ def deadlines_for(timeouts: TimeoutSettings, prompt_tokens: int) -> Deadlines:
 class Watch:
     """The deadlines of one request, measured from its start."""
 
-    def __init__(self, deadlines: Deadlines) -> None:
+    def __init__(self, deadlines: Deadlines, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.deadlines = deadlines
         self._started = time.monotonic()
+        # The running loop when the caller holds it: each scope's timer goes on it without
+        # asking for it (a getpid system call in Python 3.11; gateway/core/cancel.py).
+        self._loop = loop
 
     def _limit(self, kind: Phase) -> float:
         return {
@@ -78,7 +83,7 @@ class Watch:
         hit: Phase = kind if phase_s <= left_s else "total"
         seconds = min(phase_s, left_s)
         # asyncio's own cancellation (gateway/core/cancel.py), not anyio's: one a request.
-        return _Within(max(seconds, 0.0), self, hit)
+        return _Within(max(seconds, 0.0), self, hit, self._loop)
 
 
 class _Within(CancelScope):
@@ -87,8 +92,10 @@ class _Within(CancelScope):
 
     __slots__ = ("_hit", "_watch")
 
-    def __init__(self, seconds: float, watch: Watch, hit: Phase) -> None:
-        super().__init__(deadline_s=seconds)
+    def __init__(
+        self, seconds: float, watch: Watch, hit: Phase, loop: asyncio.AbstractEventLoop | None
+    ) -> None:
+        super().__init__(deadline_s=seconds, loop=loop)
         self._watch = watch
         self._hit: Phase = hit
 

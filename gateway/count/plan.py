@@ -16,7 +16,7 @@ from __future__ import annotations
 import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from gateway.count.tokenizers.templates import (
     ChatTemplate,
@@ -39,9 +39,10 @@ class Model:
     template: ChatTemplate | None
 
 
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """A prompt cut into pieces: ``sequences`` are [start, end) ranges of ``pieces``."""
+class Plan(NamedTuple):
+    """A prompt cut into pieces: ``sequences`` are [start, end) ranges of ``pieces``. A named
+    tuple, not a frozen dataclass: made once a request, and a frozen dataclass's ``__init__``
+    sets each of its eight fields through ``object.__setattr__``."""
 
     vocab: Vocabulary
     pieces: tuple[str, ...]

@@ -23,7 +23,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import orjson
 
@@ -31,8 +31,10 @@ from gateway.core.count import TokenCount
 from gateway.count.tokens import TokenCounter
 
 
-@dataclass(frozen=True, slots=True)
-class EngineUsage:
+class EngineUsage(NamedTuple):
+    """The engine's own usage figures. A named tuple, not a frozen dataclass: one a request,
+    and a frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``."""
+
     prompt_tokens: int | None
     completion_tokens: int | None
 

@@ -90,10 +90,16 @@ def settle_heap() -> int:
 
 
 def serve(settings: Settings, config_path: Path | None = None) -> int:
-    # One process, configured once: its loggers may keep what they assembled on first use.
-    configure_logging(settings.logging.level, settings.logging.json_output, cache=True, batch=True)
+    _configure_logging(settings)
     _run(uvicorn.Server(uvicorn_config(settings, config_path)))
     return 0
+
+
+def _configure_logging(settings: Settings) -> None:
+    """A serving process's logging, ``serve``'s and each worker's alike. One process,
+    configured once: its loggers may keep what they assembled on first use (and the recorder
+    holds the assembled logger: gateway/observe/recorder.py)."""
+    configure_logging(settings.logging.level, settings.logging.json_output, cache=True, batch=True)
 
 
 def _run(server: uvicorn.Server, sockets: list[socket.socket] | None = None) -> None:
@@ -107,7 +113,7 @@ def _run(server: uvicorn.Server, sockets: list[socket.socket] | None = None) -> 
 
 def serve_worker(settings: Settings, config_path: Path | None, group: WorkerGroup) -> int:
     """One worker of a group: serve on the shared port (SO_REUSEPORT) and a private socket."""
-    configure_logging(settings.logging.level, settings.logging.json_output, batch=True)
+    _configure_logging(settings)
     structlog.contextvars.bind_contextvars(worker=group.index)
     family = socket.AF_INET6 if ":" in settings.server.host else socket.AF_INET
     listener = socket.create_server(

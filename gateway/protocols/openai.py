@@ -21,7 +21,7 @@ other routes reuse (``check_content``, ``check_part``, ``check_token_ids``,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -51,8 +51,11 @@ class CompletionPrompt:
 Prompt = ChatPrompt | CompletionPrompt
 
 
-@dataclass(frozen=True, slots=True)
-class RoutedRequest:
+class RoutedRequest(NamedTuple):
+    """The request as routing sees it. A named tuple, not a frozen dataclass: made once a
+    request, and a frozen dataclass's ``__init__`` sets each of its fields through
+    ``object.__setattr__``."""
+
     route: RouteKind
     model: str
     prompt: Prompt

@@ -15,8 +15,10 @@ once, by that step, and only read after it (README "Request lifecycle"):
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from gateway.core.count import TokenCount
 from gateway.core.decision import Decision, Grant
@@ -61,16 +63,20 @@ class RequestContext:
     # Step 7: called at the answer's first chunk (the engine has prefilled the prompt): the
     # prefill ledger (engine_pool/prefill_ledger.py) forgets the request's pending tokens.
     prefilled: Callable[[], None] = lambda: None
+    # The running loop, asked once by the pipeline and handed to the request's cancel scopes
+    # (a getpid system call each time it is asked, in Python 3.11); None: they ask themselves.
+    loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def request_id(self) -> str:
         return self.record.request_id
 
 
-@dataclass(frozen=True, slots=True)
-class Target:
+class Target(NamedTuple):
     """One attempt: the endpoint its slot holds, that cluster's auth settings and engine key,
-    and whether to open a new connection (a kept-alive one was found closed)."""
+    and whether to open a new connection (a kept-alive one was found closed). A named tuple,
+    not a frozen dataclass: one an attempt, and a frozen dataclass's ``__init__`` sets each
+    field through ``object.__setattr__``."""
 
     grant: Grant
     cluster: ClusterSettings

@@ -68,7 +68,7 @@ class Forwarder:
         grant = target.grant
         # asyncio's own cancellation (gateway/core/cancel.py): nothing inside is shielded.
         with (
-            CancelScope() as engine_down,
+            CancelScope(loop=ctx.loop) as engine_down,
             self.pool.track(grant.cluster, grant.url, engine_down) as engine,
         ):
             await self._forward(ctx, target)

@@ -74,7 +74,7 @@ from gateway.request.migration import (
 )
 from gateway.request.policy import Policy
 from gateway.request.prefix import Prefixes
-from gateway.request.read import new_id, read_request, request_id_from
+from gateway.request.read import fresh_ids, read_request, request_id_from
 from gateway.request.relay import Relay
 from gateway.request.response_affinity import MemoryAffinity, ResponseAffinity, pin
 from gateway.request.shadow_live import ShadowLive
@@ -82,6 +82,13 @@ from gateway.request.slot import Held
 from gateway.request.want import want_of
 from gateway.settings import LaneSettings
 from gateway.upstream.proxy import Upstream
+
+
+def _arrived(route: EngineRoute, scope: Scope) -> tuple[Record, str]:
+    """A new request's record and its slot token, both ids from one random draw (a getrandom
+    system call each when drawn apart)."""
+    fresh, token = fresh_ids()
+    return Record(request_id=request_id_from(scope, fresh), route=route.kind), token
 
 
 def _first(group: BaseExceptionGroup[Any]) -> BaseException:
@@ -165,7 +172,7 @@ class Pipeline:
 
     async def handle(self, route: EngineRoute, scope: Scope, receive: Receive, send: Send) -> None:
         policy = self.policy
-        record = Record(request_id=request_id_from(scope), route=route.kind)
+        record, token = _arrived(route, scope)
         out = Outbound(send, route.errors)
         ids = [(b"x-request-id", record.request_id.encode())]
         self.recorder.received(record, scope)
@@ -176,18 +183,32 @@ class Pipeline:
                 raise ShuttingDown("gateway is shutting down", retry_after_s=1)
             policy.auth.check(header(scope, b"authorization"))
             require_media_type(scope, route.media_types)
-            body = await read_body(
+            # Asked once and handed on: in Python 3.11 every ``get_running_loop`` (and
+            # ``current_task``, which asks for it) is a getpid system call, and a request's
+            # cancel scopes, deadlines and body read all need it.
+            loop = asyncio.get_running_loop()
+            ctx = RequestContext(
+                policy,
+                route,
                 scope,
-                receive,
-                policy.settings.server.max_body_bytes,
-                policy.settings.server.body_timeout_s,
+                out,
+                record,
+                await read_body(
+                    scope,
+                    receive,
+                    policy.settings.server.max_body_bytes,
+                    policy.settings.server.body_timeout_s,
+                    loop,
+                ),
+                loop=loop,
             )
-            ctx = RequestContext(policy, route, scope, out, record, body)
             # A slot in a shared store is released under a shield (admission.py), which only
             # anyio's scope respects; an in-process store's release never awaits, and asyncio's
             # own cancellation (gateway/core/cancel.py) costs a fraction of anyio's.
             shielded = self.admission.store.shared
-            with anyio.CancelScope() if shielded else CancelScope() as cancel_on_disconnect:
+            with (
+                anyio.CancelScope() if shielded else CancelScope(loop=loop) as cancel_on_disconnect
+            ):
                 # The connection's own callback where the server offers one (no task a
                 # request); else a plain task, not an anyio task group: the group's spawn, its
                 # cancel (anyio formats the task's repr into every cancel reason) and its exit
@@ -196,13 +217,13 @@ class Pipeline:
                 if hook is not None:
                     unwatch = hook(cancel_on_disconnect.cancel)
                 else:
-                    watcher = asyncio.get_running_loop().create_task(
+                    watcher = loop.create_task(
                         watch_disconnect(receive, cancel_on_disconnect.cancel)
                     )
                     watcher.add_done_callback(_reaper(self.log, self.metrics, record.request_id))
                     unwatch = _canceller(watcher)
                 try:
-                    await self._route(ctx)
+                    await self._route(ctx, token)
                 finally:
                     unwatch()
             # After the last byte, uvicorn reports the finished exchange as a disconnect too
@@ -235,7 +256,7 @@ class Pipeline:
             self.shadow.finished(record)
             policy.in_use.leave()
 
-    async def _route(self, ctx: RequestContext) -> None:
+    async def _route(self, ctx: RequestContext, token: str) -> None:
         """Steps 2 to 9 of one request, in order (README "Request lifecycle")."""
         await self._decide(ctx)  # 2-4: parse, count, the lane
         policy, record, out = ctx.policy, ctx.record, ctx.out
@@ -256,7 +277,7 @@ class Pipeline:
 
         # One watch spans every attempt. A bound errs long: deadlines grown from it are never
         # shorter than the exact count's.
-        ctx.watch = Watch(deadlines_for(lane.timeouts, ctx.exact.decided_by))
+        ctx.watch = Watch(deadlines_for(lane.timeouts, ctx.exact.decided_by), ctx.loop)
         attempts = Attempts(
             lane,
             views_of,
@@ -267,9 +288,8 @@ class Pipeline:
         )
         ctx.relay = _relay(request, lane, ctx.body)
         ctx.sent = ctx.body  # the original body, then a continuation after a migration
-        # 5: the slot. Its token is ours, never the client's request id: two requests sharing an
-        # id must not share (and free) one slot.
-        token = new_id()
+        # 5: the slot. Its token (drawn with the request id: ``fresh_ids``) is ours, never the
+        # client's request id: two requests sharing an id must not share (and free) one slot.
         async with self.admission.slot(lane, candidates, token, limit_of, ctx.want) as held:
             self.recorder.admitted(record, held.grant, chosen.get(held.grant.url))
             ctx.prefilled = self.prefixes.sending(seen, token, held.grant.url)

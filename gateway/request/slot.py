@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from engine_pool.cluster import EngineView
 from gateway.core.decision import Grant
@@ -30,10 +29,11 @@ LimitOf = Callable[[EngineView], int]
 NO_CLASSES = ClassSettings()
 
 
-@dataclass(frozen=True, slots=True)
-class Want:
+class Want(NamedTuple):
     """What a request brings to admission besides its lane: its class and the loans open to it
-    (``lent()`` lists the lenders' endpoints as (view, loan), asked on every try)."""
+    (``lent()`` lists the lenders' endpoints as (view, loan), asked on every try). A named
+    tuple, not a frozen dataclass: one a request, and a frozen dataclass's ``__init__`` sets
+    each field through ``object.__setattr__``."""
 
     priority: str = NO_CLASSES.default
     classes: ClassSettings = NO_CLASSES

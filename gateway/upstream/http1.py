@@ -81,8 +81,11 @@ class Origin:
 class Connection(asyncio.Protocol):
     """One HTTP/1.1 connection; one exchange at a time."""
 
-    def __init__(self, pool: _OriginPool) -> None:
+    def __init__(self, pool: _OriginPool, loop: asyncio.AbstractEventLoop) -> None:
         self._pool = pool
+        # Its loop, for the futures it waits on: in Python 3.11 every ``get_running_loop`` is a
+        # getpid system call (one a request, at the response's head).
+        self._loop = loop
         self._parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
         self.idle_since = 0.0
@@ -170,7 +173,7 @@ class Connection(asyncio.Protocol):
         self.transport.writelines((head, body))
 
     async def _wait(self) -> None:
-        self._waiter = asyncio.get_running_loop().create_future()
+        self._waiter = self._loop.create_future()
         try:
             await self._waiter
         finally:
@@ -322,7 +325,7 @@ class Pool:
         try:
             async with asyncio.timeout(connect_s):
                 _, conn = await loop.create_connection(
-                    lambda: Connection(pool), origin.host, origin.port, ssl=context
+                    lambda: Connection(pool, loop), origin.host, origin.port, ssl=context
                 )
         except BaseException:
             pool.wake_one()  # the place this connection would have taken is free again

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engine_pool.chain import Ask, rank
 from engine_pool.cluster import EngineState, EngineView
 
@@ -120,3 +122,14 @@ def test_the_work_scorer_weighs_the_prefill_ahead_not_the_requests_in_flight() -
     assert [(r.view.url, r.score) for r in ranked] == [("a", 1.0), ("b", 0.340385)]
     assert urls(views, ask(1_808), {"load": 1.0, "prefix": 0.0})[0] == "b"  # by slots alone
     assert urls(views, ask(300_000), work)[0] == "b"
+
+
+def test_an_ask_is_an_immutable_named_tuple_with_read_only_empty_defaults() -> None:
+    """One a request: a named tuple (no frozen dataclass's ``object.__setattr__`` a field);
+    its default mappings are one shared empty mapping, which nobody can fill."""
+    ask, other = Ask(), Ask(tokens=5)
+    assert isinstance(ask, tuple) and ask.cached is other.cached and ask.work(view("http://a")) == 0
+    with pytest.raises(AttributeError):
+        ask.tokens = 1  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        ask.cached["http://a"] = 1  # type: ignore[index]

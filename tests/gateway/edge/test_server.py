@@ -68,6 +68,7 @@ class _Server:
     serving with, and returns at once."""
 
     seen: list[tuple[int, int, int]] = []
+    logging: list[tuple[Any, Any]] = []
 
     def __init__(self, config: Any) -> None:
         pass
@@ -83,9 +84,12 @@ def fake_server(monkeypatch: pytest.MonkeyPatch, unfrozen: None) -> Iterator[lis
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     monkeypatch.setattr(server_module, "uvicorn_config", lambda *a, **k: None)
     monkeypatch.setattr(server_module.uvicorn, "Server", _Server)
-    monkeypatch.setattr(server_module, "configure_logging", lambda *a, **k: None)
+    monkeypatch.setattr(
+        server_module, "configure_logging", lambda *a, **k: _Server.logging.append((a, k))
+    )
     monkeypatch.setattr(server_module, "_stop_when_orphaned", lambda parent: None)
     _Server.seen = []
+    _Server.logging = []
     gc.set_threshold(700, 10, 10)  # CPython's defaults
     yield _Server.seen
     for signum, handler in handlers.items():
@@ -113,3 +117,15 @@ def test_each_worker_settles_its_heap_too(fake_server: list[Any], tmp_path: Path
     assert serve_worker(_settings(), None, WorkerGroup(0, 2, tmp_path)) == 0
     assert fake_server == [(10_000, 10, 10)]
     assert gc.get_freeze_count() > frozen_before
+
+
+def test_serve_and_each_worker_configure_logging_alike(
+    fake_server: list[Any], tmp_path: Path
+) -> None:
+    """Both serving paths configure their process once, loggers cached (the recorder then holds
+    the assembled logger) and lines batched: a worker did not cache."""
+    assert serve(_settings()) == 0
+    assert serve_worker(_settings(), None, WorkerGroup(0, 2, tmp_path)) == 0
+    serving, worker = _Server.logging
+    assert serving == worker
+    assert serving[1] == {"cache": True, "batch": True}

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import string
+import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -13,6 +17,7 @@ import openai
 import pytest
 from structlog.testing import capture_logs
 
+import gateway as gateway_package
 from tests.conftest import JSON, lanes_config
 from tests.support.fake_engine import FakeEngine
 from tests.support.servers import serve_asgi
@@ -214,6 +219,57 @@ async def test_decision_log_says_why(gateway: str) -> None:
     assert finished["outcome"] == "ok" and finished["status"] == 200
     assert finished["output_tokens"] == 3
     assert "canary" not in repr(logs)
+
+
+GATEWAY_CODE = str(Path(gateway_package.__file__).parent) + os.sep
+
+
+def _from_gateway(asked: list[str], real: Callable[..., Any]) -> Callable[..., Any]:
+    """``real``, noting each call the gateway's own code makes (itself or through asyncio's
+    ``current_task``): the client and the fake engine share the loop."""
+
+    def counting(*args: Any) -> Any:
+        for depth in (1, 2):
+            name = sys._getframe(depth).f_code.co_filename
+            if name.startswith(GATEWAY_CODE):
+                asked.append(name.removeprefix(GATEWAY_CODE))
+                break
+        return real(*args)
+
+    return counting
+
+
+async def test_a_request_asks_for_the_running_loop_once_and_draws_its_ids_at_once(
+    gateway: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In Python 3.11 every ``get_running_loop`` (``current_task`` asks too) is a getpid system
+    call and every ``os.urandom`` a getrandom: the pipeline asks for the loop once and hands it
+    to the request's scopes, deadlines and body read; the upstream connection holds its own;
+    the request id and the slot token come from one draw."""
+    async with httpx.AsyncClient(base_url=gateway) as client:
+        warm = await client.post("/v1/chat/completions", json=chat("hello"))
+        assert warm.status_code == 200  # the upstream connection is open, kept alive
+        loops: list[str] = []
+        draws: list[str] = []
+        monkeypatch.setattr(
+            asyncio, "get_running_loop", _from_gateway(loops, asyncio.get_running_loop)
+        )
+        monkeypatch.setattr(
+            asyncio.events,
+            "get_running_loop",
+            _from_gateway(loops, asyncio.events.get_running_loop),
+        )
+        monkeypatch.setattr(os, "urandom", _from_gateway(draws, os.urandom))
+        r = await client.post("/v1/chat/completions", json=chat("hello again"))
+        monkeypatch.undo()
+    assert r.status_code == 200 and len(r.headers["x-request-id"]) == 32
+    # Not counted: the exact count's task in the counting worker (gateway/count/), which this
+    # suite's counter takes for a bound-decided prompt; under ``serve`` a small prompt is
+    # counted inline.
+    assert [name for name in loops if not name.startswith("count" + os.sep)] == [
+        "request" + os.sep + "pipeline.py"
+    ]
+    assert draws == ["request" + os.sep + "read.py"]
 
 
 async def test_models_health_and_admin_state(gateway: str) -> None:
