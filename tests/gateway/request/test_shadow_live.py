@@ -366,6 +366,36 @@ async def test_a_full_batch_is_counted_at_once_and_a_quiet_gateway_within_flush_
         assert shadow._report.compared == 6
 
 
+async def test_the_common_case_is_decided_when_seen_and_keeps_no_snapshot_nor_memo(
+    counter: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A final figure, healthy clusters, least-loaded lanes: ``decide_now`` decides at
+    ``observe`` (only the decision is kept); a bound past the shadow's threshold waits for the
+    exact count and is decided by ``decide_now`` at the flush. ``decide`` runs for neither,
+    the memo stays empty, and the report is the one ``decide`` gives (the tests above)."""
+    monkeypatch.setattr(shadow_live, "FLUSH_S", 3600.0)
+    calls: list[int] = []
+
+    def counted(policy: ShadowPolicy, seen: Seen) -> ShadowDecision:
+        calls.append(seen.tokens)
+        return decide(policy, seen)
+
+    monkeypatch.setattr(shadow_live, "decide", counted)
+    async with shadowed(counter) as (url, shadow, client):
+        await send(client, url, 100, 3)  # a free bound under the shadow's threshold: final
+        kept = list(shadow._queue)
+        assert len(kept) == 3
+        assert all(k[0] is not None and k[0].lane == "fast" and k[2] is None for k in kept)
+        await send(client, url, 3000, 2)  # a bound past it: the snapshot waits for the count
+        assert all(k[0] is None and k[2] is not None for k in shadow._queue[3:])
+        report = shadow.report
+        assert report.compared == 5
+        assert report.agreed == {"fast": 3}
+        assert sum(r.requests for r in report.disagreed.values()) == 2
+    assert calls == []
+    assert shadow._memo == {}
+
+
 def _never_now(*_: Any) -> None:
     """``decide_now`` declining every request: each goes to ``decide`` and its memo (a policy
     ``decide_now`` does not decide for: a lane that lends, an unhealthy cluster...)."""
