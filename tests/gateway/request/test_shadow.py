@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import gateway.request.shadow as shadow_module
 from engine_pool.cluster import EngineState, EngineView
 from gateway.request.prefix import Seen as PrefixSeen
 from gateway.request.shadow import (
@@ -314,3 +316,23 @@ def test_decide_now_leaves_to_decide_what_it_does_not_decide() -> None:
     odd = {"fast": (quiet["fast"][0]._replace(waiting=NAN),), "heavy": ()}
     assert now(policy(), {}, odd) is None
     assert now(policy(), {}, quiet) == decide(policy(), seen(10))
+
+
+def test_decide_now_keeps_one_decision_a_pick_and_at_most_picks_max(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Alike picks are one object (``ShadowPolicy.picks``); past ``PICKS_MAX`` the picks are
+    forgotten, never the decisions changed."""
+    shadow = policy()
+
+    def now(snapshot: Any, priority: str = "standard") -> Any:
+        return decide_now(shadow, 10, 10, "qwen3.6", {}, snapshot.get, priority)
+
+    to_f2 = views({"http://f1": 3})
+    assert now(to_f2) is now(to_f2)
+    assert now(to_f2).endpoint == "http://f2"
+    assert len(shadow.picks) == 1
+    monkeypatch.setattr(shadow_module, "PICKS_MAX", 2)
+    assert now(views()).endpoint == "http://f1"
+    assert now(to_f2, "batch") == decide(shadow, seen(10, views=to_f2, priority="batch"))
+    assert len(shadow.picks) == 1  # full at the third: emptied, then the third kept
