@@ -184,16 +184,17 @@ class EnginePool:
                 share = ramp(e.warming_since, e.warming_s, now)
                 if share >= 1.0:
                     e.warming_since = None
+            # Positional, in the field order: a named tuple's keywords cost ~40% more.
             out.append(
                 EngineView(
-                    cluster=e.cluster,
-                    url=e.url,
-                    state=e.state,
-                    in_flight=e.in_flight,
-                    waiting=e.waiting,
-                    ramp=share,
-                    context_tokens=e.context_tokens,
-                    kv_capacity_tokens=e.kv_capacity_tokens,
+                    e.cluster,
+                    e.url,
+                    e.state,
+                    e.in_flight,
+                    e.waiting,
+                    share,
+                    e.context_tokens,
+                    e.kv_capacity_tokens,
                 )
             )
         return out

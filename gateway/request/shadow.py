@@ -2,6 +2,9 @@
 
     ShadowPolicy.of(settings, version)            a validated policy, ready to decide
     decide(policy, seen) -> ShadowDecision        what it would do with one live request
+    decide_now(policy, ...) -> ShadowDecision | None
+                                                  the same decision, the common case only:
+                                                  None where ``decide`` must run
     ShadowReport.add(active_lane, decision, ...)  the report, one request at a time
     merge_reports(reports) -> dict                several workers' or replicas' reports as one
 
@@ -19,6 +22,16 @@ Contract:
   and why it would reject the request (``unknown_model``, ``prompt_too_long``,
   ``no_healthy_cluster``, ``context_too_small``, ``unknown_class``, ``overloaded``:
   ``on_full: reject`` and no room).
+- ``decide_now`` is ``decide`` for a single prompt whose lane's clusters are all healthy and
+  whose lane's chain is plain least-loaded (its weights neither prefix nor work, finite, no
+  hold) over a snapshot with no NaN figure, when the answer needs no loan: with one slot limit
+  for every endpoint of a cluster (the lane's), the chain's load score falls as the in-flight
+  count grows, so its order (score, in-flight, held blocks: none without a prefix, engine
+  queue, URL, first on a tie) is (in-flight, engine queue, URL), and the first endpoint of that
+  order with room is the least of those with room: one pass over the endpoints, no ``Ask``, no
+  ranking, no sort. It reads the endpoints of the lane's serving clusters only (``views_of``).
+  Anywhere else it answers None (the caller runs ``decide``); where it answers, its answer is
+  ``decide``'s (tests/gateway/request/test_shadow.py compares them on random snapshots).
 - Room is read from the snapshot's gateway in-flight counts against the shadow's endpoint
   limits (slow start included): the shadow holds no slot, so its view of a lane's room is the
   endpoints' load, not the slot store's leases (a lane limit below the sum of its endpoints'
@@ -37,6 +50,7 @@ Contract:
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -45,7 +59,7 @@ from typing import Any, NamedTuple
 
 from engine_pool.capability import holding, refusal
 from engine_pool.chain import Ask, rank
-from engine_pool.cluster import EngineView
+from engine_pool.cluster import EngineState, EngineView
 from engine_pool.outlier import ramped_limit
 from engine_pool.picker import order_endpoints
 from gateway.core.decision import Reason
@@ -63,7 +77,9 @@ from gateway.request.prefix import NOTHING
 from gateway.request.prefix import Seen as PrefixSeen
 from gateway.settings import LaneSettings, Settings, served_models
 
+_DOWN = EngineState.DOWN  # not routable (a module name: an enum class's lookup is ~70 ns)
 WINDOW = 10_000  # requests of the live window kept for the predicted effect
+PICKS_MAX = 4096  # ``ShadowPolicy.picks``: lanes x classes x endpoints, emptied past this
 Shape = tuple[float, str, int, int, int, bool, str | None]
 SHAPE_FIELDS = (
     "t",
@@ -87,6 +103,8 @@ class _LanePlan:
     weights: Mapping[str, float]
     weighs: bool
     clusters: Mapping[str, tuple[int, Ask]]
+    # Plain least-loaded (``decide_now`` decides for it): not ``weighs``, a finite load weight.
+    least_loaded: bool = False
 
     @classmethod
     def of(
@@ -107,7 +125,8 @@ class _LanePlan:
                     limit_of=_fixed(limit),
                 ),
             )
-        return cls(lane.weights.as_map(), weighs, plain)
+        least_loaded = not weighs and math.isfinite(lane.weights.load)
+        return cls(lane.weights.as_map(), weighs, plain, least_loaded)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +150,16 @@ class ShadowPolicy:
     started_at: float = field(default_factory=time.time)
     # Each lane's plan, by name (``_LanePlan``).
     plans: Mapping[str, _LanePlan] = field(default_factory=dict)
+    # For ``decide_now``: the top lane's ceiling (``lane_tokens``), each lane's range with it and
+    # its plan in policy order (``lane_for``), and whether any lane lends.
+    top: int = 0
+    ranges: tuple[tuple[int, int, LaneSettings, _LanePlan], ...] = ()
+    lends: bool = False
+    # ``decide_now``'s picks made so far, by (lane, class, endpoint): one decision object for
+    # each (making a named tuple costs several lookups of one). At most ``PICKS_MAX``.
+    picks: dict[tuple[str, str, str], ShadowDecision] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @classmethod
     def of(cls, settings: Settings, version: int, active: Settings | None = None) -> ShadowPolicy:
@@ -156,6 +185,12 @@ class ShadowPolicy:
             ),
             active is not None and active.classes == settings.classes,
             plans=plans,
+            top=max(lane.max_prompt_tokens for lane in lanes),
+            ranges=tuple(
+                (lane.min_prompt_tokens, lane.max_prompt_tokens, lane, plans[lane.name])
+                for lane in lanes
+            ),
+            lends=any(lane.lend is not None for lane in lanes),
         )
 
 
@@ -254,6 +289,126 @@ def decide(policy: ShadowPolicy, seen: Seen) -> ShadowDecision:
         return ShadowDecision(name, reason, priority, lender[1], lender[0], None)
     rejected = "overloaded" if lane.on_full == "reject" else None
     return ShadowDecision(name, reason, priority, None, None, rejected)
+
+
+def decide_now(
+    policy: ShadowPolicy,
+    tokens: int,
+    longest: int,
+    model_name: str,
+    healthy: Mapping[str, bool],
+    views_of: Callable[[str], Sequence[EngineView]],
+    priority: str | None,
+) -> ShadowDecision | None:
+    """``decide(policy, Seen(tokens, longest, ..., multipart=False, ...))`` where the common
+    case allows (module docstring), None elsewhere. ``views_of(cluster)``: its endpoints;
+    ``priority``: the request's class (``class_for``), None when its inputs name no class."""
+    # ``lane_tokens`` and ``lane_for``, from the ranges kept at ``ShadowPolicy.of``.
+    top = policy.top
+    figure = tokens if longest >= top or tokens < top else top - 1
+    for low, high, lane, plan in policy.ranges:  # noqa: B007 - read after the loop
+        if low <= figure < high:
+            break
+    else:
+        missing = policy.model_names.get(model_name) is None
+        return ShadowDecision(
+            "none", "no_lane", None, None, None, "unknown_model" if missing else "prompt_too_long"
+        )
+    clusters = lane.clusters
+    for c in clusters:  # ``_serving``: every primary healthy, or ``decide`` runs
+        if not healthy.get(c, True):
+            return None
+    if not plan.least_loaded:
+        return None
+    model = policy.model_names.get(model_name)
+    if model is None:
+        return ShadowDecision(lane.name, "in_range", None, None, None, "unknown_model")
+    if not clusters:
+        return ShadowDecision(lane.name, "in_range", None, None, None, "no_healthy_cluster")
+    if priority is None:
+        return ShadowDecision(lane.name, "in_range", None, None, None, "unknown_class")
+    return _least_loaded(policy, lane, plan, model, longest + 1, views_of, priority)
+
+
+def class_for(
+    policy: ShadowPolicy, key_digest: str | None, class_header: str | None, priority: str | None
+) -> str | None:
+    """The class ``decide`` gives a request (``priority``: the active one's, when the classes
+    are the same), None where ``class_of`` refuses its inputs (``unknown_class``)."""
+    if priority is not None:
+        return priority
+    try:
+        return class_of(policy.settings.classes, key_digest, class_header)
+    except UnknownClass:
+        return None
+
+
+def _least_loaded(
+    policy: ShadowPolicy,
+    lane: LaneSettings,
+    plan: _LanePlan,
+    model: str,
+    need: int,
+    views_of: Callable[[str], Sequence[EngineView]],
+    priority: str,
+) -> ShadowDecision | None:
+    """``decide_now``'s endpoint: one pass over the serving clusters' endpoints, in order. The
+    first cluster with an endpoint with room answers (one with room holds the prompt: no
+    refusal); with none, ``refusal``: some endpoint is routable and none routable holds it."""
+    served, limits = policy.served, plan.clusters
+    routable = holder = False
+    for cluster in lane.clusters:
+        if model not in served.get(cluster, ()):
+            continue
+        limit = limits[cluster][0]
+        room = limit if limit > 1 else 1  # ``ramped_limit`` at a full ramp
+        best: EngineView | None = None
+        best_in, best_waiting, best_url = 0, 0.0, ""
+        for v in views_of(cluster):
+            if v.state is _DOWN:  # ``EngineState.routable``
+                continue
+            routable = True
+            context = v.context_tokens
+            if context is not None and need > context:
+                continue
+            holder = True
+            waiting = v.waiting or 0.0
+            if waiting != waiting:  # noqa: PLR0124 - NaN: the chain's sort has no order to match
+                return None
+            ramp = v.ramp
+            if ramp >= 1.0:
+                if v.in_flight >= room:
+                    continue
+            elif ramp != ramp:  # noqa: PLR0124 - NaN
+                return None
+            elif v.in_flight >= ramped_limit(limit, ramp):
+                continue
+            in_flight, url = v.in_flight, v.url
+            if (
+                best is None
+                or in_flight < best_in
+                or (
+                    in_flight == best_in
+                    and (waiting < best_waiting or (waiting == best_waiting and url < best_url))
+                )
+            ):
+                best, best_in, best_waiting, best_url = v, in_flight, waiting, url
+        if best is not None:
+            picks = policy.picks
+            key = (lane.name, priority, best_url)
+            found = picks.get(key)
+            if found is None:
+                if len(picks) >= PICKS_MAX:
+                    picks.clear()
+                found = ShadowDecision(lane.name, "in_range", priority, best_url, None, None)
+                picks[key] = found
+            return found
+    if routable and not holder:
+        return ShadowDecision(lane.name, "in_range", priority, None, None, "context_too_small")
+    if policy.lends:  # ``_lender``: ``decide`` looks for one
+        return None
+    rejected = "overloaded" if lane.on_full == "reject" else None
+    return ShadowDecision(lane.name, "in_range", priority, None, None, rejected)
 
 
 def _fixed(limit: int) -> Callable[[EngineView], int]:

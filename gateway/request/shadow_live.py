@@ -2,14 +2,19 @@
 
     shadow.start(settings, version)  a validated candidate starts deciding (a fresh report)
     shadow.stop() -> report | None   it stops; its last report
-    shadow.observe(record, ...)      after the active decision: the snapshot the shadow will
-                                     decide from
+    shadow.observe(record, ...)      after the active decision: the common case decided, else
+                                     the snapshot the shadow will decide from
     shadow.finished(record)          at the request's end: queued, decided and counted in batches
     shadow.report                    the report, every queued request counted first
 
 Contract:
 - ``observe`` is called by ``Pipeline._route`` right after the active lane decision, with the
-  same health map that decision used, before anything else can run. It keeps what the shadow's
+  same health map that decision used, before anything else can run. When the count fixes the
+  shadow's figure (below) and the request is not multipart, ``decide_now``
+  (``request/shadow.py``: the common case, the same answer as ``decide``) decides it there,
+  from that health map and the pool's endpoints of its lane's clusters as they are then, and
+  only the decision is kept (no snapshot, no memo: deciding is cheaper than a key). Where
+  ``decide_now`` does not decide, ``observe`` keeps what the shadow's
   pure ``decide`` (``request/shadow.py``) will read, as one plain tuple made once: the request's
   model, output budget and multipart, the health map's items, the pool's endpoints of every
   cluster the shadow routes to as they are at that moment (``pool.views``, as tuples), the
@@ -30,13 +35,15 @@ Contract:
   (with the exact prompt tokens for the ranges and the window) and to
   ``shapegate_shadow_decisions_total{lane, shadow_lane}`` (no log line per request: the report
   and the counter are the record; start, stop and promote are logged).
-- ``decide`` is pure: it runs once for alike requests. Its answers are kept (at most
+- ``decide`` is pure: it runs once for alike requests (the flush tries ``decide_now`` first,
+  for a figure that came with the exact count). Its answers are kept (at most
   ``MEMO_MAX``, for the running policy) by exactly the inputs it reads (the figure and the
   largest prompt, model, output budget, multipart, health map, every kept endpoint view, class
   inputs); a policy that weighs prefixes or pending prefill reads a per-prompt index view and
   is decided afresh for every request. The key holds exact counts and in-flight figures, so on
   varied or concurrent traffic it hits less: ``MEMO_MAX = 0`` keeps nothing, the cost of a
-  memo that never hits (``bench shadow --instructions --memo-miss``).
+  memo that never hits (``bench shadow --instructions --memo-miss``; its small requests are
+  the common case, decided by ``decide_now`` with or without a memo).
 - Nothing of it reaches an engine, takes a slot, waits or raises into the request: every
   exception is logged and counted (``swallowed``, ``where=shadow.observe``/``shadow.finished``,
   ``decision=not_compared``) and the request goes on as if no shadow ran. With no shadow,
@@ -63,7 +70,15 @@ from gateway.protocols.openai import RoutedRequest
 from gateway.request.classes import bearer_digest
 from gateway.request.prefix import NOTHING, Prefixes
 from gateway.request.prefix import Seen as PrefixSeen
-from gateway.request.shadow import Seen, ShadowDecision, ShadowPolicy, ShadowReport, decide
+from gateway.request.shadow import (
+    Seen,
+    ShadowDecision,
+    ShadowPolicy,
+    ShadowReport,
+    class_for,
+    decide,
+    decide_now,
+)
 from gateway.settings import Settings
 
 # Finished requests decided and counted together; the decisions kept for alike requests (read
@@ -169,6 +184,30 @@ class ShadowLive:
                 given = header(scope, policy.settings.classes.header.encode())
                 asked = given.decode("latin-1") if given is not None else None
                 priority = None
+            # The figure is final for this policy when exact (any method but a bound: the
+            # count's ``exact``, read here without its property call), a multipart route, or a
+            # bound that can only mean its lowest lane and no loan's budget; else the decision
+            # takes the exact count at the flush, with the views as they are now.
+            figure: _Figure | None = None
+            tokens = count.tokens
+            if multipart or count.method != "bound" or tokens < policy.exact_above:
+                largest = count.largest
+                figure = (tokens, tokens if largest is None else largest)
+                if not multipart:  # the common case decided now, from the live views
+                    decision = decide_now(
+                        policy,
+                        tokens,
+                        figure[1],
+                        request.model,
+                        healthy,
+                        self.pool.views,
+                        priority
+                        if priority is not None
+                        else class_for(policy, digest, asked, priority),
+                    )
+                    if decision is not None:
+                        self._kept[id(record)] = (decision, None, None, None, record)
+                        return
             plain = (
                 request.model,
                 request.max_tokens,
@@ -188,22 +227,14 @@ class ShadowLive:
                         self.prefixes.look(request.prompt, model),
                         dict(self.prefixes.ledger.pending),
                     )
-            # The figure is final for this policy when exact (any method but a bound: the
-            # count's ``exact``, read here without its property call), a multipart route, or a
-            # bound that can only mean its lowest lane and no loan's budget; else the decision
-            # takes the exact count at the flush, with the views as they are now. A final figure
-            # makes the memo's key now: an alike request's decision is taken here, once.
-            figure: _Figure | None = None
+            # A final figure makes the memo's key now: an alike request's decision is taken
+            # here, once.
             decision = None
-            tokens = count.tokens
-            if multipart or count.method != "bound" or tokens < policy.exact_above:
-                largest = count.largest
-                figure = (tokens, tokens if largest is None else largest)
-                if extra is None:
-                    decision = self._memo.get((figure, plain))
-                    if decision is not None:  # the inputs go now: fewer objects live a batch
-                        self._kept[id(record)] = (decision, None, None, None, record)
-                        return
+            if figure is not None and extra is None:
+                decision = self._memo.get((figure, plain))
+                if decision is not None:  # the inputs go now: fewer objects live a batch
+                    self._kept[id(record)] = (decision, None, None, None, record)
+                    return
             self._kept[id(record)] = (decision, figure, plain, extra, record)
         except Exception as exc:  # noqa: BLE001 - the shadow never fails a live request
             swallowed(
@@ -315,8 +346,23 @@ class ShadowLive:
     def _decide(
         self, policy: ShadowPolicy, figure: _Figure, exact: bool, plain: _Plain, extra: _Extra
     ) -> ShadowDecision:
-        """``decide`` once for alike inputs: the memo's key is what it reads (``Seen.exact``
-        is not read). A policy weighing prefixes (``extra``) is decided afresh."""
+        """The common case by ``decide_now``; else ``decide`` once for alike inputs: the memo's
+        key is what it reads (``Seen.exact`` is not read). A policy weighing prefixes
+        (``extra``) is decided afresh."""
+        healthy = dict(plain[3])
+        views = dict(zip(policy.clusters, plain[4], strict=True))
+        if extra is None and not plain[2]:
+            now = decide_now(
+                policy,
+                figure[0],
+                figure[1],
+                plain[0],
+                healthy,
+                lambda cluster: views.get(cluster, ()),
+                class_for(policy, plain[5], plain[6], plain[7]),
+            )
+            if now is not None:
+                return now
         key: _Key | None = None
         if extra is None:
             key = (figure, plain)
@@ -331,8 +377,8 @@ class ShadowLive:
             plain[0],
             plain[1],
             plain[2],
-            dict(plain[3]),
-            dict(zip(policy.clusters, plain[4], strict=True)),
+            healthy,
+            views,
             plain[5],
             plain[6],
             prefix,

@@ -18,11 +18,13 @@ branch mispredictions and frequency are not in it, and the wall-clock CPU ratio 
 rounds stays reported beside it. Callgrind's counts repeat run to run within a few parts in
 ten thousand (the two windows of a mode show it), so 3% is resolved by one run.
 
-The memo. The shadow decides once for alike requests (``request/shadow_live.py``: the key is
-the exact figure, the endpoints' views with their in-flight counts, the class inputs); these
-requests are all alike, so with the memo the "on" windows count a lookup, not a decision.
-``memo=False`` starts the gateway with ``shadow_live.MEMO_MAX = 0``: nothing is kept, every
-request is decided afresh, the cost where the memo never hits (varied or concurrent traffic).
+The memo. The shadow decides once for alike requests it decides with ``decide``
+(``request/shadow_live.py``: the key is the exact figure, the endpoints' views with their
+in-flight counts, the class inputs). These small requests are the common case
+``shadow.decide_now`` decides at once, reading no memo, so both runs count a decision for every
+request. ``memo=False`` starts the gateway with ``shadow_live.MEMO_MAX = 0``: nothing is kept,
+every request is decided afresh, the cost where the memo never hits (varied or concurrent
+traffic), whichever way it is decided.
 
 Requires ``valgrind`` (with ``callgrind_control``) on PATH; ``available()`` says whether it is.
 """

@@ -32,8 +32,9 @@ foretells the policy once promoted (issue 34).
    ``--skip-overhead --skip-prediction`` it updates ``shadow.json``'s ``instructions`` and
    targets and keeps its other sections. ``--memo-miss`` counts a second gateway too, started
    with the shadow's memo keeping nothing (``instructions_memo_miss``): every request decided
-   afresh, what the shadow costs where its memo never hits (the bench's requests are all alike,
-   so with the memo they are decided once).
+   afresh, what the shadow costs where its memo never hits (the bench's small requests are the
+   common case the shadow decides at once, ``shadow.decide_now``, memo or not: the two runs
+   count the same path).
 ``--smoke`` runs two short rounds and a 30-second window, for the test suite.
 """
 

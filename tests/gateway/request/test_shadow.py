@@ -5,13 +5,21 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gateway.request.shadow as shadow_module
 from engine_pool.cluster import EngineState, EngineView
 from gateway.request.prefix import Seen as PrefixSeen
 from gateway.request.shadow import (
     Seen,
+    ShadowDecision,
     ShadowPolicy,
     ShadowReport,
+    class_for,
     decide,
+    decide_now,
     merge_reports,
     window_trace,
 )
@@ -179,3 +187,152 @@ def test_a_shadow_lane_that_holds_for_its_home_would_wait_as_the_active_chain_do
     # The policy looks prefixes up for a lane that only holds, as the active pipeline does.
     assert policy(lane1={"prefix_hold_tokens": 0}).weighs_prefix
     assert not policy().weighs_prefix
+
+
+# ``decide_now`` against ``decide``: policies that exercise each way out of the common case
+# (a lane weighing prefixes, one lending, emergency clusters) and each of its steps (a slot
+# limit of 1 and of 2, a load weight of 0 and of 0.5, a lane rejecting when full).
+NOW_POLICIES = (
+    policy(),
+    policy(threshold=100, lane0={"slots": {"lane": 4, "per_endpoint": 2}}),
+    policy(lane0={"slots": {"lane": 2, "per_endpoint": 1}, "on_full": "reject"}),
+    policy(lane0={"weights": {"load": 0}}, lane1={"weights": {"load": 0.5}}),
+    policy(lane0={"weights": {"load": 1, "prefix": 1}}),
+    policy(lane1={"lend": {"to": ["fast"], "max_prompt_tokens": 4096, "per_endpoint": 2}}),
+    policy(lane0={"emergency_clusters": ["heavy"]}),
+)
+NAN = float("nan")
+# A third endpoint of each cluster whose URL sorts first though it comes last (the URL tie-break).
+URLS = {"fast": (*FAST, "http://f0"), "heavy": (*HEAVY, "http://h0")}
+
+
+@st.composite
+def snapshots(draw: st.DrawFn) -> dict[str, tuple[EngineView, ...]]:
+    out = {}
+    for cluster, urls in URLS.items():
+        count = draw(st.sampled_from([0, 1, 2, 3, 3]))
+        out[cluster] = tuple(
+            EngineView(
+                cluster,
+                url,
+                draw(st.sampled_from(list(EngineState))),
+                draw(st.one_of(st.integers(0, 3), st.integers(0, 34))),
+                draw(st.sampled_from([None, 0.0, 1.0, 2.5, NAN])),
+                draw(st.sampled_from([1.0, 1.0, 0.5, 0.1, 1.5])),
+                draw(st.sampled_from([None, None, 100, 5000, 50_000])),
+            )
+            for url in urls[:count]
+        )
+    return out
+
+
+def test_decide_now_decides_as_decide_wherever_it_answers() -> None:
+    answered: list[ShadowDecision] = []
+    among_several = []
+
+    @settings(max_examples=2000, deadline=None)
+    @given(
+        shadow=st.sampled_from(NOW_POLICIES),
+        tokens=st.one_of(st.integers(0, 12_000), st.integers(0, 2_000_000)),
+        share=st.one_of(st.just(1.0), st.floats(0, 1)),  # the largest prompt's share of them
+        model=st.sampled_from(["qwen3.6", "Qwen/Qwen3.6-35B-A3B", "other"]),
+        max_tokens=st.sampled_from([None, 64, 10_000]),
+        healthy=st.fixed_dictionaries({}, optional={"fast": st.booleans(), "heavy": st.booleans()}),
+        snapshot=snapshots(),
+        digest=st.sampled_from([None, "k"]),
+        header=st.sampled_from([None, "", " Batch ", "interactive", "nope"]),
+        priority=st.sampled_from([None, None, "standard"]),
+    )
+    def check(
+        shadow: ShadowPolicy,
+        tokens: int,
+        share: float,
+        model: str,
+        max_tokens: int | None,
+        healthy: dict[str, bool],
+        snapshot: dict[str, tuple[EngineView, ...]],
+        digest: str | None,
+        header: str | None,
+        priority: str | None,
+    ) -> None:
+        longest = int(tokens * share)
+        now = decide_now(
+            shadow,
+            tokens,
+            longest,
+            model,
+            healthy,
+            lambda cluster: snapshot.get(cluster, ()),
+            class_for(shadow, digest, header, priority),
+        )
+        if now is None:
+            return
+        reference = Seen(
+            tokens,
+            longest,
+            True,
+            model,
+            max_tokens,
+            False,
+            healthy,
+            snapshot,
+            key_digest=digest,
+            class_header=header,
+            priority=priority,
+        )
+        assert now == decide(shadow, reference)
+        answered.append(now)
+        cluster = "fast" if now.endpoint in URLS["fast"] else "heavy"
+        if now.endpoint is not None and len(snapshot[cluster]) > 1:
+            among_several.append(now)
+
+    check()
+    # It answers the common case: picks among several endpoints, waits, rejects.
+    assert len(among_several) > 50
+    assert {d.verdict for d in answered} == {"pick", "wait", "reject"}
+    assert {d.rejected for d in answered} >= {
+        "prompt_too_long",
+        "unknown_model",
+        "context_too_small",
+        "unknown_class",
+        "overloaded",
+    }
+
+
+def test_decide_now_leaves_to_decide_what_it_does_not_decide() -> None:
+    """None, so ``decide`` runs: a multipart-free request whose lane weighs prefixes, a lane
+    with an unhealthy primary, a full lane when a lane lends, a NaN queue figure."""
+    quiet = views()
+    weighing, lending, emergency = NOW_POLICIES[4], NOW_POLICIES[5], NOW_POLICIES[6]
+    full = views({u: 32 for u in FAST})
+
+    def now(shadow: ShadowPolicy, healthy: dict[str, bool], snapshot: Any) -> Any:
+        return decide_now(shadow, 10, 10, "qwen3.6", healthy, snapshot.get, "standard")
+
+    assert now(weighing, {}, quiet) is None
+    assert now(emergency, {"fast": False}, quiet) is None
+    assert now(lending, {}, full) is None
+    assert now(lending, {}, quiet) is not None  # room: no loan looked for
+    odd = {"fast": (quiet["fast"][0]._replace(waiting=NAN),), "heavy": ()}
+    assert now(policy(), {}, odd) is None
+    assert now(policy(), {}, quiet) == decide(policy(), seen(10))
+
+
+def test_decide_now_keeps_one_decision_a_pick_and_at_most_picks_max(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Alike picks are one object (``ShadowPolicy.picks``); past ``PICKS_MAX`` the picks are
+    forgotten, never the decisions changed."""
+    shadow = policy()
+
+    def now(snapshot: Any, priority: str = "standard") -> Any:
+        return decide_now(shadow, 10, 10, "qwen3.6", {}, snapshot.get, priority)
+
+    to_f2 = views({"http://f1": 3})
+    assert now(to_f2) is now(to_f2)
+    assert now(to_f2).endpoint == "http://f2"
+    assert len(shadow.picks) == 1
+    monkeypatch.setattr(shadow_module, "PICKS_MAX", 2)
+    assert now(views()).endpoint == "http://f1"
+    assert now(to_f2, "batch") == decide(shadow, seen(10, views=to_f2, priority="batch"))
+    assert len(shadow.picks) == 1  # full at the third: emptied, then the third kept

@@ -125,10 +125,11 @@ async def test_the_shadow_decides_every_request_and_touches_no_engine_and_no_slo
 
 
 @pytest.mark.parametrize(
-    ("broken_part", "where"), [("decide", "shadow.finished"), ("views", "shadow.observe")]
+    ("broken_part", "where"),
+    [("decide", None), ("views", "shadow.observe")],
 )
 async def test_a_failing_shadow_is_logged_and_counted_and_the_request_is_served(
-    counter: Any, monkeypatch: pytest.MonkeyPatch, broken_part: str, where: str
+    counter: Any, monkeypatch: pytest.MonkeyPatch, broken_part: str, where: str | None
 ) -> None:
     def broken(*_: Any) -> Any:
         raise RuntimeError("shadow bug")
@@ -137,10 +138,12 @@ async def test_a_failing_shadow_is_logged_and_counted_and_the_request_is_served(
     async with serve_asgi(fast) as fast_url, serve_asgi(heavy) as heavy_url:
         active = config(fast_url, heavy_url, ACTIVE_AT)
         app = create_app(parse_settings(active, environ={}), counter)
-        # The decision (made in the batch, after the request) or the snapshot (at the
-        # decision): the pool as the shadow reads it, the active path's own left whole.
+        # Every decision (``decide_now`` at the decision for a final count; both in the batch,
+        # after the request, for a bound), or the snapshot (at the decision): the pool as the
+        # shadow reads it, the active path's own left whole.
         if broken_part == "decide":
             monkeypatch.setattr(shadow_live, "decide", broken)
+            monkeypatch.setattr(shadow_live, "decide_now", broken)
         else:
             monkeypatch.setattr(app.gateway.pipeline.shadow, "pool", SimpleNamespace(views=broken))
         async with serve_asgi(app) as url, httpx.AsyncClient(timeout=30) as client:
@@ -155,8 +158,12 @@ async def test_a_failing_shadow_is_logged_and_counted_and_the_request_is_served(
         part: scrape.value("shapegate_swallowed_errors_total", where=part)
         for part in ("shadow.observe", "shadow.finished")
     }
-    assert swallowed[where] == len(WORDS)
     assert sum(swallowed.values()) == len(WORDS)
+    if where is None:  # final counts failed at the decision, bounds in the batch
+        assert swallowed["shadow.observe"] > 0
+        assert swallowed["shadow.finished"] > 0
+    else:
+        assert swallowed[where] == len(WORDS)
     assert len(fast.seen) + len(heavy.seen) == len(WORDS)
 
 
@@ -359,6 +366,42 @@ async def test_a_full_batch_is_counted_at_once_and_a_quiet_gateway_within_flush_
         assert shadow._report.compared == 6
 
 
+async def test_the_common_case_is_decided_when_seen_and_keeps_no_snapshot_nor_memo(
+    counter: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A final figure, healthy clusters, least-loaded lanes: ``decide_now`` decides at
+    ``observe`` (only the decision is kept); a bound past the shadow's threshold waits for the
+    exact count and is decided by ``decide_now`` at the flush. ``decide`` runs for neither,
+    the memo stays empty, and the report is the one ``decide`` gives (the tests above)."""
+    monkeypatch.setattr(shadow_live, "FLUSH_S", 3600.0)
+    calls: list[int] = []
+
+    def counted(policy: ShadowPolicy, seen: Seen) -> ShadowDecision:
+        calls.append(seen.tokens)
+        return decide(policy, seen)
+
+    monkeypatch.setattr(shadow_live, "decide", counted)
+    async with shadowed(counter) as (url, shadow, client):
+        await send(client, url, 100, 3)  # a free bound under the shadow's threshold: final
+        kept = list(shadow._queue)
+        assert len(kept) == 3
+        assert all(k[0] is not None and k[0].lane == "fast" and k[2] is None for k in kept)
+        await send(client, url, 3000, 2)  # a bound past it: the snapshot waits for the count
+        assert all(k[0] is None and k[2] is not None for k in shadow._queue[3:])
+        report = shadow.report
+        assert report.compared == 5
+        assert report.agreed == {"fast": 3}
+        assert sum(r.requests for r in report.disagreed.values()) == 2
+    assert calls == []
+    assert shadow._memo == {}
+
+
+def _never_now(*_: Any) -> None:
+    """``decide_now`` declining every request: each goes to ``decide`` and its memo (a policy
+    ``decide_now`` does not decide for: a lane that lends, an unhealthy cluster...)."""
+    return None
+
+
 async def test_alike_requests_are_decided_once_and_a_new_policy_decides_afresh(
     counter: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -369,6 +412,7 @@ async def test_alike_requests_are_decided_once_and_a_new_policy_decides_afresh(
         return decide(policy, seen)
 
     monkeypatch.setattr(shadow_live, "decide", counted)
+    monkeypatch.setattr(shadow_live, "decide_now", _never_now)
     async with shadowed(counter) as (url, shadow, client):
         await send(client, url, 200, 10)
         await send(client, url, 3000, 10)
@@ -387,9 +431,12 @@ async def test_alike_requests_are_decided_once_and_a_new_policy_decides_afresh(
         assert len(calls) == 3
 
 
-async def test_the_memo_tells_a_full_endpoint_from_an_idle_one(counter: Any) -> None:
+async def test_the_memo_tells_a_full_endpoint_from_an_idle_one(
+    counter: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The same request against the same endpoints, but one of them full: the views are in the
     memo's key, so the second is not answered from the first's decision."""
+    monkeypatch.setattr(shadow_live, "decide_now", _never_now)
     settings = parse_settings(config("http://a", "http://b", ACTIVE_AT), environ={})
     app = create_app(settings, counter)
     shadow = app.gateway.pipeline.shadow
@@ -413,6 +460,7 @@ async def test_an_alike_request_takes_its_decision_when_seen_and_none_is_made_at
     later alike request is kept with it and the flush decides nothing for it (without the
     lookup at ``observe``, each would go through ``_decide`` at the flush)."""
     monkeypatch.setattr(shadow_live, "FLUSH_S", 3600.0)
+    monkeypatch.setattr(shadow_live, "decide_now", _never_now)
     small = 100  # words: a free bound under the shadow's threshold, so the figure is final
     async with shadowed(counter) as (url, shadow, client):
         calls: list[int] = []
@@ -448,6 +496,7 @@ async def test_with_no_memo_every_request_is_decided_afresh_and_counted_alike(
         return decide(policy, seen)
 
     monkeypatch.setattr(shadow_live, "decide", counted)
+    monkeypatch.setattr(shadow_live, "decide_now", _never_now)
     monkeypatch.setattr(shadow_live, "MEMO_MAX", 0)
     async with shadowed(counter) as (url, shadow, client):
         await send(client, url, 200, 6)
