@@ -22,6 +22,9 @@
    least used endpoint, the fewest blocks breaking ties: in a lane of few slots and long
    prefills, a new document read on an endpoint serving its own cached questions holds their
    next ones (an engine gives a running prefill its step's budget first) for the whole read.
+   A prompt held only on full endpoints (``_spill``) makes a second home the same way: the
+   endpoints holding none of it are ordered as a new home is, after the full ones (as
+   cache_aware, which does not see a full endpoint, places it on its smallest tree).
 
 5. With the lane's ``prefix_hold_tokens`` set, a request waits for a full endpoint holding part
    of its prompt rather than take one with room whose prefill ahead of its first token (the
@@ -101,8 +104,10 @@ def rank(
                 r.view.url,
             )
         )
-    if weights.get("prefix") and held and not any(r.cached_tokens for r in ranked):
-        return _new_home(ranked, ask, new_home_slack)
+    if weights.get("prefix") and held:
+        if not any(r.cached_tokens for r in ranked):
+            return _new_home(ranked, ask, new_home_slack)
+        ranked = _spill(ranked, ask, new_home_slack)
     if hold_tokens is not None:
         return _hold(ranked, ask, hold_tokens)
     return ranked
@@ -134,6 +139,23 @@ def _hold(ranked: list[Ranked], ask: Ask, hold_tokens: int) -> list[Ranked]:
         if r.view.url in kept
         or ask.work(r.view) + max(0, home.cached_tokens - r.cached_tokens) <= floor
     ]
+
+
+def _spill(ranked: list[Ranked], ask: Ask, slack: float) -> list[Ranked]:
+    """Every endpoint holding part of the prompt is full: the request will make a second home,
+    so the others are ordered as a new home is (``_new_home``: the fewest blocks held among
+    those within ``slack`` of the least used), after the full ones (the slot store skips them;
+    ``_hold`` may still keep the request waiting for one)."""
+    limit_of = ask.limit_of
+    if limit_of is None:
+        return ranked
+    homes = [r for r in ranked if r.cached_tokens]
+    if any(r.view.in_flight < limit_of(r.view) for r in homes):
+        return ranked
+    rest = [r for r in ranked if not r.cached_tokens]
+    if len(rest) < 2:
+        return ranked
+    return [*homes, *_new_home(rest, ask, slack)]
 
 
 def _new_home(ranked: list[Ranked], ask: Ask, slack: float) -> list[Ranked]:

@@ -146,3 +146,16 @@ def test_new_home_slack_zero_puts_a_new_prefix_on_the_least_used_endpoint() -> N
     assert rank(views, ask, BOTH, None, 0.0)[0].view.url == "a"
     tie = [view("a", 1), view("b", 1), view("c", 2)]
     assert rank(tie, ask, BOTH, None, 0.0)[0].view.url == "b"
+
+
+def test_a_prompt_whose_homes_are_full_makes_a_second_home_where_least_is_held() -> None:
+    """Its only home a is full (8 of 8): the others are ordered as a new home is, the fewest
+    blocks first among those within the slack of the least used (c, though busier than b);
+    with room on a the order is the weighted one (a first, then the least loaded b)."""
+    held = {"a": 500, "b": 900, "c": 10}
+    ask = Ask(tokens=1000, cached={"a": 900}, held=held, limit_of=lambda v: 8)
+    full = [view("a", 8), view("b", 1), view("c", 3)]
+    assert [r.view.url for r in rank(full, ask, BOTH)] == ["a", "c", "b"]
+    room = [view("a", 7), view("b", 1), view("c", 3)]
+    assert [r.view.url for r in rank(room, ask, BOTH)] == ["a", "b", "c"]
+    assert [r.view.url for r in rank(full, ask, BOTH, None, 0.0)] == ["a", "b", "c"]
