@@ -29,7 +29,8 @@ twice, on the worst seed: over the seeds looked at while the settings and rules 
 (1-``TUNED_THROUGH``: the chain's hold charging a second prefill, and waiters passing holding
 ones, then the index forgetting by each engine's KV capacity, issue 32: seeds 1-14, then 15-30
 once they had been reported, 18 and 19 read request by request; then the heavy lane's
-``new_home_slack: 0``: seeds 1-50, 19, 38 and 45 read request by request), and over the rest,
+``new_home_slack: 0`` and a full home's spill ordered as a new home: seeds 1-50, 19, 38 and 45
+read request by request for the first, 11 and 12 for the second), and over the rest,
 held out (never looked at while choosing: 51 on). ``--seeds N``: N seeds from ``--seed-from``
 (1; the README's figures: 50, seeds 1-50). ``--smoke``: seed 1, its first ten minutes.
 """
