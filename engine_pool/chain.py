@@ -15,9 +15,16 @@
    fewest waiting in the engine's own queue, then the URL, so with no prefix in play the order
    is plain least-loaded.
 4. A prompt no endpoint holds any of, with the prefix weighed, makes a new home: the endpoint
-   holding the fewest blocks in the index among those within ``NEW_HOME_SLACK`` (0.5) of the
-   least used share of slots goes first (homes spread by what they hold, as SGLang Model
-   Gateway's cache_aware places a new prefix on its smallest tree, but never on a busy one).
+   holding the fewest blocks in the index among those within ``new_home_slack`` (the lane's
+   ``new_home_slack``, default ``NEW_HOME_SLACK``, 0.5) of the least used share of slots goes
+   first (homes spread by what they hold, as SGLang Model Gateway's cache_aware places a new
+   prefix on its smallest tree, but never on a busy one). With a slack of 0 the home is the
+   least used endpoint, the fewest blocks breaking ties: in a lane of few slots and long
+   prefills, a new document read on an endpoint serving its own cached questions holds their
+   next ones (an engine gives a running prefill its step's budget first) for the whole read.
+   A prompt held only on full endpoints (``_spill``) makes a second home the same way: the
+   endpoints holding none of it are ordered as a new home is, after the full ones (as
+   cache_aware, which does not see a full endpoint, places it on its smallest tree).
 
 5. With the lane's ``prefix_hold_tokens`` set, a request waits for a full endpoint holding part
    of its prompt rather than take one with room whose prefill ahead of its first token (the
@@ -66,6 +73,7 @@ def rank(
     ask: Ask,
     weights: Mapping[str, float] = LEAST_LOADED,
     hold_tokens: int | None = None,
+    new_home_slack: float = NEW_HOME_SLACK,
 ) -> list[Ranked]:
     # Run by the active path and by a shadow policy on every request: plain loops, no copies.
     kept: Sequence[EngineView] = views
@@ -96,8 +104,10 @@ def rank(
                 r.view.url,
             )
         )
-    if weights.get("prefix") and held and not any(r.cached_tokens for r in ranked):
-        return _new_home(ranked, ask)
+    if weights.get("prefix") and held:
+        if not any(r.cached_tokens for r in ranked):
+            return _new_home(ranked, ask, new_home_slack)
+        ranked = _spill(ranked, ask, new_home_slack)
     if hold_tokens is not None:
         return _hold(ranked, ask, hold_tokens)
     return ranked
@@ -131,14 +141,31 @@ def _hold(ranked: list[Ranked], ask: Ask, hold_tokens: int) -> list[Ranked]:
     ]
 
 
-def _new_home(ranked: list[Ranked], ask: Ask) -> list[Ranked]:
+def _spill(ranked: list[Ranked], ask: Ask, slack: float) -> list[Ranked]:
+    """Every endpoint holding part of the prompt is full: the request will make a second home,
+    so the others are ordered as a new home is (``_new_home``: the fewest blocks held among
+    those within ``slack`` of the least used), after the full ones (the slot store skips them;
+    ``_hold`` may still keep the request waiting for one)."""
+    limit_of = ask.limit_of
+    if limit_of is None:
+        return ranked
+    homes = [r for r in ranked if r.cached_tokens]
+    if any(r.view.in_flight < limit_of(r.view) for r in homes):
+        return ranked
+    rest = [r for r in ranked if not r.cached_tokens]
+    if len(rest) < 2:
+        return ranked
+    return [*homes, *_new_home(rest, ask, slack)]
+
+
+def _new_home(ranked: list[Ranked], ask: Ask, slack: float) -> list[Ranked]:
     """A prefix held nowhere makes a new home: the endpoint holding the fewest blocks among
-    those within ``NEW_HOME_SLACK`` of the least used share of slots goes first, so homes
+    those within ``slack`` of the least used share of slots goes first, so homes
     spread by what they hold (the work their prefixes bring) without one going to a busy
     endpoint; the rest keep the chain's order."""
     free = load.score([r.view for r in ranked], ask)
     best = max(free, default=0.0)
-    eligible = [r for r, f in zip(ranked, free, strict=True) if f >= best - NEW_HOME_SLACK]
+    eligible = [r for r, f in zip(ranked, free, strict=True) if f >= best - slack]
     if not eligible:
         return ranked
     home = min(eligible, key=lambda r: ask.held.get(r.view.url, 0))

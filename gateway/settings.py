@@ -47,6 +47,7 @@ from pydantic import (
     model_validator,
 )
 
+from engine_pool.chain import NEW_HOME_SLACK
 from engine_pool.cluster import EngineKind
 from engine_pool.engine_profile import EngineProfileSettings
 from engine_pool.launch import profile_problems
@@ -462,6 +463,10 @@ class LaneSettings(_Frozen):
     # take one with room whose prefill ahead of the first token is more than this many tokens
     # larger (engine_pool/chain.py ``_hold``); None: never wait, take any endpoint with room.
     prefix_hold_tokens: int | None = Field(None, ge=0)
+    # A prompt no endpoint holds makes a new home on the endpoint holding fewest blocks among
+    # those at most this share of slots busier than the least used (engine_pool/chain.py
+    # ``_new_home``); 0: the least used, the fewest blocks breaking ties.
+    new_home_slack: float = Field(NEW_HOME_SLACK, ge=0, le=1)
     # Lend this lane's idle engines to other lanes' short requests (gateway/request/borrowing.py).
     lend: LendSettings | None = None
 

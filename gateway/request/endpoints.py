@@ -85,14 +85,14 @@ def endpoint_chain(
     chosen: dict[str, Ranked] = {}
 
     def order(views: Sequence[EngineView]) -> list[EngineView]:
-        return [r.view for r in rank(views, ask, weights)]
+        return [r.view for r in rank(views, ask, weights, None, lane.new_home_slack)]
 
     def candidates() -> Sequence[EngineView]:
         ranked: list[Ranked] = []
         for cluster in serving:
             views = views_of(cluster)
             prefixes.learn(views)  # each endpoint's KV capacity bounds what its record holds
-            ranked += rank(views, ask, weights, hold)
+            ranked += rank(views, ask, weights, hold, lane.new_home_slack)
         if pinned is not None:
             ranked = [r for r in ranked if r.view.url == pinned]
         chosen.clear()

@@ -280,7 +280,9 @@ def decide(policy: ShadowPolicy, seen: Seen) -> ShadowDecision:
         # With the lane's hold, an endpoint with room that would prefill more than the full
         # home is dropped: the request would wait, as the active chain's does. Room is the
         # endpoint's in-flight count under its (slow-start) limit.
-        for ranked in rank(holding(views, need), ask, plan.weights, lane.prefix_hold_tokens):
+        for ranked in rank(
+            holding(views, need), ask, plan.weights, lane.prefix_hold_tokens, lane.new_home_slack
+        ):
             view = ranked.view
             if view.in_flight < ramped_limit(limit, view.ramp):
                 return ShadowDecision(name, reason, priority, view.url, None, None)

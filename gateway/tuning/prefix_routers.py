@@ -126,5 +126,7 @@ def by_chain(
         held={v.url: index.held_by(v.url) for v in views},
         pending=pending,
     )
-    ranked = chain.rank(views, ask, lane.weights.as_map(), lane.prefix_hold_tokens)
+    ranked = chain.rank(
+        views, ask, lane.weights.as_map(), lane.prefix_hold_tokens, lane.new_home_slack
+    )
     return [r.view for r in ranked]

@@ -133,3 +133,29 @@ def test_an_ask_is_an_immutable_named_tuple_with_read_only_empty_defaults() -> N
         ask.tokens = 1  # type: ignore[misc]
     with pytest.raises(TypeError):
         ask.cached["http://a"] = 1  # type: ignore[index]
+
+
+def test_new_home_slack_zero_puts_a_new_prefix_on_the_least_used_endpoint() -> None:
+    """The lane's ``new_home_slack``: at 0.5 (the default) a new prefix goes to b, holding least
+    and one slot of four busier than a; at 0 it goes to the least used a (the fewest blocks
+    breaking a tie), so a long new prefill does not land where cached questions are running."""
+    views = [view("a", 0), view("b", 1)]
+    held = {"a": 900, "b": 10}
+    ask = Ask(tokens=1000, held=held, limit_of=lambda v: 4)
+    assert rank(views, ask, BOTH)[0].view.url == "b"
+    assert rank(views, ask, BOTH, None, 0.0)[0].view.url == "a"
+    tie = [view("a", 1), view("b", 1), view("c", 2)]
+    assert rank(tie, ask, BOTH, None, 0.0)[0].view.url == "b"
+
+
+def test_a_prompt_whose_homes_are_full_makes_a_second_home_where_least_is_held() -> None:
+    """Its only home a is full (8 of 8): the others are ordered as a new home is, the fewest
+    blocks first among those within the slack of the least used (c, though busier than b);
+    with room on a the order is the weighted one (a first, then the least loaded b)."""
+    held = {"a": 500, "b": 900, "c": 10}
+    ask = Ask(tokens=1000, cached={"a": 900}, held=held, limit_of=lambda v: 8)
+    full = [view("a", 8), view("b", 1), view("c", 3)]
+    assert [r.view.url for r in rank(full, ask, BOTH)] == ["a", "c", "b"]
+    room = [view("a", 7), view("b", 1), view("c", 3)]
+    assert [r.view.url for r in rank(room, ask, BOTH)] == ["a", "b", "c"]
+    assert [r.view.url for r in rank(full, ask, BOTH, None, 0.0)] == ["a", "b", "c"]

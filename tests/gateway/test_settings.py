@@ -48,6 +48,8 @@ def test_environment_overrides_nested_keys() -> None:
         (lambda c: c["lanes"][0].update(min_prompt_tokens=5000), "min_prompt_tokens"),
         (lambda c: c["lanes"][0].update(on_full="spill"), "on_full"),
         (lambda c: c["lanes"][0]["slots"].update(lane=0), "slots.lane"),
+        (lambda c: c["lanes"][1].update(new_home_slack=1.5), "new_home_slack"),
+        (lambda c: c["lanes"][1].update(new_home_slack=-0.1), "new_home_slack"),
     ],
 )
 def test_invalid_policies_are_refused(mutate: object, message: str) -> None:

@@ -89,3 +89,35 @@ def test_the_index_learns_each_engines_kv_capacity_and_keeps_what_it_still_holds
     for url in heavy.endpoints:
         assert sim.index.capacity(url) == 3_000_000 // settings.prefix_index.block_tokens
     assert out.outcomes[2].cached_tokens >= 249_000  # on its home: nowhere else holds it
+
+
+def test_new_home_slack_zero_reads_a_new_document_away_from_running_questions() -> None:
+    """The heavy lane's ``new_home_slack``: doc-a (150k tokens) lives on one endpoint, doc-b
+    (250k) on the other. A question on doc-a is running on its home when a new 200k-token
+    document arrives; a second question on doc-a follows two seconds later. With the default
+    slack (0.5) the new document goes to doc-a's home (one slot of four busy, fewer blocks
+    held) and the second question waits behind its read; with 0 (the bench's) it goes to the
+    idle endpoint and the second question is answered in seconds."""
+
+    def ask(t: float, doc: str, tokens: int) -> TraceRecord:
+        return TraceRecord(
+            t, "qwen3.6", tokens + 100, 4 * tokens, 100, True, None, doc, None, tokens
+        )
+
+    trace = [ask(0.0, "doc-a", 150_000), ask(0.01, "doc-b", 250_000)]
+    trace += [ask(300.0, "doc-a", 150_000), ask(300.5, "doc-c", 200_000)]
+    trace.append(ask(302.0, "doc-a", 150_000))
+    base = policy()
+    seconds = {}
+    for slack in (0.5, 0.0):
+        lanes = tuple(
+            lane.model_copy(update={"new_home_slack": slack}) if lane.name == "heavy" else lane
+            for lane in base.lanes
+        )
+        settings = base.model_copy(update={"lanes": lanes})
+        out = FleetSim(settings, cluster_profiles(settings), prefix=PrefixSim("chain")).run(trace)
+        second = out.outcomes[4]
+        assert second.cached_tokens >= 149_000
+        seconds[slack] = second.e2e
+    assert seconds[0.5] is not None and seconds[0.5] > 30
+    assert seconds[0.0] is not None and seconds[0.0] < 10
