@@ -72,6 +72,12 @@ def register(suites: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         help="seeds up to this one were looked at while tuning; later ones are held out",
     )
     parser.add_argument("--smoke", action="store_true", help="seed 1, first ten minutes")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="seeds played at once, each in its own process (the figures are the same)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -100,8 +106,12 @@ def policy() -> Settings:
 def run(args: argparse.Namespace) -> int:
     if args.seeds < 1:
         raise SystemExit("shapegate bench prefix: --seeds must be at least 1")
+    if args.jobs < 1:
+        raise SystemExit("shapegate bench prefix: --jobs must be at least 1")
     seeds = [1] if args.smoke else list(range(args.seed_from, args.seed_from + args.seeds))
-    result, first = measure(seeds=seeds, smoke=args.smoke, tuned_through=args.tuned_through)
+    result, first = measure(
+        seeds=seeds, smoke=args.smoke, tuned_through=args.tuned_through, jobs=args.jobs
+    )
     return publish(args.out, "prefix", result, table(result), lambda png: plot(first, png))
 
 
@@ -187,38 +197,67 @@ def prompt_ids_ms(words: int = 34_500) -> dict[str, float]:
     return {"tokens": tokens, "encode_whole_ms": whole, "cached_pieces_ms": pieces}
 
 
-def measure(
-    *, seeds: list[int], smoke: bool, tuned_through: int = TUNED_THROUGH
+def play_seed(
+    seed: int, *, span_s: float | None, tuned_through: int
 ) -> tuple[dict[str, Any], list[SimReport]]:
+    """One seed's trace (its first ``span_s`` seconds; None: all of it) played by every router:
+    its row of the result, and the reports (the first seed's are plotted). Pure in the seed:
+    the same figures in any process."""
     from gateway.observe.trace import synthesize
 
-    info = machine()
     settings = policy()
     profiles = cluster_profiles(settings)
     heavy = settings.lane("heavy").min_prompt_tokens
+    trace = synthesize("shared-prefix", seed)
+    if span_s is not None:
+        trace = [r for r in trace if r.t < span_s]
+    rows: dict[str, dict[str, Any]] = {}
+    reports: list[SimReport] = []
+    for router in ROUTERS:
+        played = FleetSim(settings, profiles, prefix=PrefixSim(router)).run(trace)
+        report = summarize(router, settings, played, small_below=heavy)
+        rows[router] = _row(report, heavy)
+        reports.append(report)
+    row = {
+        "seed": seed,
+        "held_out": seed > tuned_through,
+        "requests": len(trace),
+        "routers": rows,
+        "checks": checks(rows),
+    }
+    return row, reports
+
+
+def _row_only(seed: int, span_s: float | None, tuned_through: int) -> dict[str, Any]:
+    """``play_seed`` in a worker process: the row only (the reports stay there)."""
+    return play_seed(seed, span_s=span_s, tuned_through=tuned_through)[0]
+
+
+def measure(
+    *,
+    seeds: list[int],
+    smoke: bool,
+    tuned_through: int = TUNED_THROUGH,
+    jobs: int = 1,
+    span_s: float | None = None,
+) -> tuple[dict[str, Any], list[SimReport]]:
+    """Every seed in ``seeds`` (the first ``span_s`` seconds of each; a smoke run's first ten
+    minutes); ``jobs`` above 1 plays the seeds after the first in that many processes (the
+    first here, for its reports), in seed order in the result."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    info = machine()
     started = time.perf_counter()
-    per_seed: list[dict[str, Any]] = []
-    first: list[SimReport] = []
-    for seed in seeds:
-        trace = synthesize("shared-prefix", seed)
-        if smoke:
-            trace = [r for r in trace if r.t < SMOKE_SPAN_S]
-        rows: dict[str, dict[str, Any]] = {}
-        for router in ROUTERS:
-            played = FleetSim(settings, profiles, prefix=PrefixSim(router)).run(trace)
-            report = summarize(router, settings, played, small_below=heavy)
-            rows[router] = _row(report, heavy)
-            if seed == seeds[0]:
-                first.append(report)
-        per_seed.append(
-            {
-                "seed": seed,
-                "held_out": seed > tuned_through,
-                "requests": len(trace),
-                "routers": rows,
-                "checks": checks(rows),
-            }
-        )
+    span = span_s if span_s is not None else SMOKE_SPAN_S if smoke else None
+    row, first = play_seed(seeds[0], span_s=span, tuned_through=tuned_through)
+    per_seed: list[dict[str, Any]] = [row]
+    rest = seeds[1:]
+    if jobs > 1 and rest:
+        with ProcessPoolExecutor(max_workers=min(jobs, len(rest))) as pool:
+            n = len(rest)
+            per_seed += pool.map(_row_only, rest, [span] * n, [tuned_through] * n)
+    else:
+        per_seed += [_row_only(seed, span, tuned_through) for seed in rest]
     result: dict[str, Any] = {
         "suite": "prefix",
         "smoke": smoke,

@@ -58,3 +58,21 @@ def test_each_target_is_judged_on_the_tuned_and_on_the_held_out_seeds_apart() ->
     assert [(t["value"], t["met"]) for t in monsters] == [(4.0, True), (1.2, False)]
     assert "held out seeds 15; met on 0 of 1" in monsters[1]["target"]
     assert all(t["met"] for t in found if not t["target"].startswith("chain monster"))
+
+
+def test_bench_prefix_jobs_play_the_same_figures_in_other_processes() -> None:
+    """``--jobs``: seeds after the first in worker processes, each seed's figures the same as
+    played here, in seed order."""
+    from gateway.tools.bench.prefix import measure
+
+    here, _ = measure(seeds=[1, 2], smoke=True, jobs=1, span_s=150.0)
+    spread, first = measure(seeds=[1, 2], smoke=True, jobs=2, span_s=150.0)
+    assert [row["seed"] for row in spread["per_seed"]] == [1, 2]
+    assert all(row["requests"] > 0 for row in spread["per_seed"])
+    assert spread["per_seed"] == here["per_seed"]
+    assert [report.name for report in first] == list(ROUTERS)
+
+
+def test_bench_prefix_refuses_no_jobs(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="--jobs must be at least 1"):
+        main(["bench", "prefix", "--jobs", "0", "--out", str(tmp_path)])
