@@ -5,8 +5,11 @@ Goals (issue 21), each a ratio against smg in the same run: p99 at ``TAIL_RATE``
 within ``TAIL_RATIO`` x p50; added p50 and p99 at ``SMG_RATES`` at most ``SMG_LATENCY_RATIO`` x
 smg's, and only for a run that kept up (``clean``, p99 under ``SUSTAIN_P99_S``); no error at
 ``ERROR_FREE_RATE`` requests/s; closed-loop throughput at least ``THROUGHPUT_SHARE`` of smg's.
-Then issue 9's absolute goals (added p50 under ``TARGET_P50_MS`` and p99 under
-``TARGET_P99_MS`` at 500 requests/s).
+Issue 31's goal on the tail, as its "Why" measured it: client-side p99 (time to the last
+byte, not the added latency) of JSON at ``ISSUE31_RATE`` requests/s at most ``ISSUE31_P99_RATIO``
+x smg's in the same run; issue 21's stricter added-p99 lines stay beside it. Then issue 9's
+absolute goals (added p50 under ``TARGET_P50_MS`` and p99 under ``TARGET_P99_MS`` at 500
+requests/s).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ TAIL_RATE, TAIL_RATIO = 100, 3.0  # p99 / p50 at a steady 100 requests/s
 SMG_RATES, SMG_LATENCY_RATIO = (500, 1000), 1.5  # added p50 and p99 / smg's
 ERROR_FREE_RATE = 1000
 THROUGHPUT_SHARE = 0.5  # closed-loop requests/s / smg's
+# Issue 31: client-side p99 of JSON at this rate / smg's, same run.
+ISSUE31_SHAPE, ISSUE31_RATE, ISSUE31_P99_RATIO = "json", 1000, 2.0
 SIDES = ("direct", "smg", "gateway")  # "gateway" is shapegate
 
 
@@ -112,6 +117,7 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                 share >= THROUGHPUT_SHARE,
             )
         )
+    out += _issue31_tail(at.get((ISSUE31_SHAPE, ISSUE31_RATE)), with_smg)
     for shape in shapes:
         row = at.get((shape, 500))
         if row is not None:
@@ -127,6 +133,29 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                     )
                 )
     return out
+
+
+def _issue31_tail(row: dict[str, Any] | None, with_smg: bool) -> list[dict[str, Any]]:
+    """Issue 31's line: the client-side p99 (not the added one) against smg's, as the issue's
+    "Why" compared them; absent without a row at that rate."""
+    if row is None:
+        return []
+    name = f"{ISSUE31_SHAPE}: p99 at {ISSUE31_RATE} requests/s vs smg's (issue 31)"
+    limit = f"<= {ISSUE31_P99_RATIO:g}x"
+    if not with_smg:
+        return [_target(name, "smg not measured", limit, False)]
+    ours, theirs = row["gateway"]["p99_ms"], row["smg"]["p99_ms"]
+    ratio = round(ours / max(theirs, 0.001), 2)
+    kept_up = clean(row["gateway"], SUSTAIN_P99_S * 1000)
+    return [
+        _target(
+            name,
+            f"{ratio}x ({ours:.2f} vs {theirs:.2f} ms)"
+            + ("" if kept_up else "; shapegate did not keep up"),
+            limit,
+            ratio <= ISSUE31_P99_RATIO and kept_up,
+        )
+    ]
 
 
 def _cell(summary: dict[str, Any] | None) -> str:
