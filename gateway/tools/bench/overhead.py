@@ -17,7 +17,8 @@ Measured, in this order, in one run:
    upstream direct, then through smg, then through shapegate, ``--seconds`` each, after a short
    warm-up of each. Added latency = through a gateway minus direct, at p50 and p99 of the time
    to the last byte, from the same run; each gateway's CPU seconds per 1,000 requests from
-   ``/proc/PID/stat``.
+   ``/proc/PID/stat``, and the time each waited for its core while another process ran on it
+   (``runq_wait_ms``: the machine's share of a tail).
 3. closed loop, per shape: ``--connections`` (64) keep-alive connections sending back to back
    for ``--seconds``, direct, through smg, through shapegate: requests/s on one core.
 Goals (issue 21; overhead_report.py judges them and writes the table, the plot and the README
@@ -182,12 +183,16 @@ async def _measure(
                 await open_loop("127.0.0.1", ports[side], PATH, body, rate, min(1.0, seconds / 2))
                 child = children.get(side)
                 cpu_before = child.cpu_s() if child else 0.0
+                waited_before = child.runq_wait_s() if child else None
                 run = _summary(await open_loop("127.0.0.1", ports[side], PATH, body, rate, seconds))
                 row[side] = run
                 if child is not None:
                     cpu = child.cpu_s() - cpu_before
                     row[f"{side}_cpu_s_per_1k"] = round(cpu / max(1, run["sent"]) * 1000, 3)
                     row[f"{side}_cpu_share"] = round(cpu / seconds, 3)
+                    waited = child.runq_wait_s()
+                    if waited is not None and waited_before is not None:
+                        row[f"{side}_runq_wait_ms"] = round((waited - waited_before) * 1000, 1)
             requests += row["gateway"]["sent"]
             for side in sides[1:]:
                 prefix = "" if side == "gateway" else f"{side}_"

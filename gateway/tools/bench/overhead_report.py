@@ -162,6 +162,14 @@ def _cell(summary: dict[str, Any] | None) -> str:
     return "-" if summary is None else f"{summary['p50_ms']:.2f} / {summary['p99_ms']:.2f}"
 
 
+def _waited(row: dict[str, Any]) -> str:
+    """Run-queue wait of smg's run and of shapegate's, ms ("-" where not measured)."""
+    return " / ".join(
+        "-" if row.get(f"{side}_runq_wait_ms") is None else f"{row[f'{side}_runq_wait_ms']:.1f}"
+        for side in ("smg", "gateway")
+    )
+
+
 def table(result: dict[str, Any]) -> str:
     lines = [
         f"shapegate bench overhead{' (SMOKE: figures not meaningful)' if result['smoke'] else ''}",
@@ -175,14 +183,15 @@ def table(result: dict[str, Any]) -> str:
         "",
         "p50 / p99 ms, time to the last byte, open loop",
         f"{'shape':>5} {'rps':>5} {'direct':>15} {'smg':>15} {'shapegate':>15} "
-        f"{'added vs smg p50':>16} {'p99':>6} {'errors':>6} {'cpu s/1k':>8}",
+        f"{'added vs smg p50':>16} {'p99':>6} {'errors':>6} {'cpu s/1k':>8} "
+        f"{'run-queue wait ms smg / shapegate':>33}",
     ]
     for r in result["rows"]:
         lines.append(
             f"{r['shape']:>5} {r['offered_rps']:>5} {_cell(r['direct']):>15} "
             f"{_cell(r.get('smg')):>15} {_cell(r['gateway']):>15} "
             f"{r.get('added_p50_vs_smg', '-'):>15}x {r.get('added_p99_vs_smg', '-'):>5}x "
-            f"{r['gateway']['errors']:>6} {r['gateway_cpu_s_per_1k']:>8.3f}"
+            f"{r['gateway']['errors']:>6} {r['gateway_cpu_s_per_1k']:>8.3f} {_waited(r):>33}"
         )
     lines += ["", "closed loop, requests/s"]
     for point in result["closed_loop"]:
@@ -252,12 +261,14 @@ def readme_lines(
         f"{placement['gateway_cpus']}, generator and upstream on "
         f"{placement['generator_and_upstream_cpus']}. The generator alone against the upstream "
         f"stays clean up to {r['generator_ceiling']['highest_clean_rps']} requests/s. Latency is "
-        "client-side p50 / p99 to the last byte, ms.",
+        "client-side p50 / p99 to the last byte, ms. Run-queue wait: how long each "
+        "gateway, runnable, waited for its core while another process ran on it over its "
+        "run (`/proc/PID/task/*/schedstat`): the machine's share of a tail.",
         *smoke,
         "",
         "| shape | offered req/s | direct | smg | shapegate | shapegate added vs smg's p50 / p99 "
-        "| errors | shapegate CPU s / 1k req |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| errors | shapegate CPU s / 1k req | run-queue wait ms, smg / shapegate |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in r["rows"]:
         d, g, m = row["direct"], row["gateway"], row.get("smg")
@@ -270,7 +281,7 @@ def readme_lines(
         lines.append(
             f"| {row['shape']} | {row['offered_rps']} | {d['p50_ms']:.2f} / {d['p99_ms']:.2f} "
             f"| {smg_cell} | {g['p50_ms']:.2f} / {g['p99_ms']:.2f} | {vs} | {g['errors']} "
-            f"| {row['gateway_cpu_s_per_1k']:.3f} |"
+            f"| {row['gateway_cpu_s_per_1k']:.3f} | {_waited(row)} |"
         )
     closed = r.get("closed_loop", [])
     if closed:
