@@ -162,6 +162,14 @@ def _cell(summary: dict[str, Any] | None) -> str:
     return "-" if summary is None else f"{summary['p50_ms']:.2f} / {summary['p99_ms']:.2f}"
 
 
+def _turns(result: dict[str, Any]) -> str:
+    """How the sides shared the time of an open-loop run: in turns, or one after the other."""
+    slices = result.get("slices", 1)
+    if slices <= 1:
+        return ", the sides one after the other"
+    return f" in {slices} turns, the sides alternating (each turn's order the last's reversed)"
+
+
 def _waited(row: dict[str, Any]) -> str:
     """Run-queue wait of smg's run and of shapegate's, ms ("-" where not measured)."""
     return " / ".join(
@@ -176,7 +184,7 @@ def table(result: dict[str, Any]) -> str:
         machine_line(result["machine"]),
         f"placement: gateways on cpus {result['placement']['gateway_cpus']}, generator and "
         f"upstream on {result['placement']['generator_and_upstream_cpus']}; "
-        f"{result['seconds_per_run']:g} s per run; smg {result['smg']['version']}"
+        f"{result['seconds_per_run']:g} s per run{_turns(result)}; smg {result['smg']['version']}"
         f"{'' if result['smg']['measured'] else ' (not measured)'}",
         f"load generator alone against the upstream: clean up to "
         f"{result['generator_ceiling']['highest_clean_rps']} requests/s",
@@ -257,7 +265,7 @@ def readme_lines(
         f"Machine: {machine_text}. A fixed upstream (raw asyncio, one JSON body or "
         f"{r.get('sse_chunks', 100)} SSE chunks) hit directly, through {peer}, and through "
         "`shapegate serve`; open loop (requests sent on schedule whether or not earlier ones "
-        f"finished), {r['seconds_per_run']:g} s per run; gateways on CPUs "
+        f"finished), {r['seconds_per_run']:g} s per run{_turns(r)}; gateways on CPUs "
         f"{placement['gateway_cpus']}, generator and upstream on "
         f"{placement['generator_and_upstream_cpus']}. The generator alone against the upstream "
         f"stays clean up to {r['generator_ceiling']['highest_clean_rps']} requests/s. Latency is "

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+from gateway.tools.bench.httpload import LoadResult, percentile
+from gateway.tools.bench.overhead import merged
 from gateway.tools.bench.overhead_report import targets
 
 ISSUE31 = "json: p99 at 1000 requests/s vs smg's (issue 31)"
@@ -78,3 +82,20 @@ def test_issue31_line_without_smg_or_without_the_rate() -> None:
     other_rate = _row(1.0, 1.0)
     other_rate["offered_rps"] = 500
     assert ISSUE31 not in _by_name(_result(other_rate))
+
+
+def test_merged_runs_keep_every_request_of_each_turn() -> None:
+    first, second = LoadResult(rate=1000, seconds=2.0), LoadResult(rate=1000, seconds=2.0)
+    first.answered(200, 0.0, 0.0001, 0.0005)
+    first.error("reset")
+    second.answered(200, 1.0, 1.0001, 1.003)
+    second.answered(503, 1.0, 1.0001, 1.001)
+    first.sent, second.sent = 2, 2
+    first.elapsed, second.elapsed = 2.0, 2.1
+    first.connections, second.connections = 16, 17
+    both = merged([first, second])
+    assert (both.sent, both.ok, both.errors) == (4, 2, 2)
+    assert both.error_kinds == {"reset": 1, "status_503": 1}
+    assert both.total == pytest.approx([0.0005, 0.003])
+    assert (both.seconds, both.elapsed, both.connections) == (4.0, 4.1, 17)
+    assert percentile(both.total, 0.99) == pytest.approx(0.003)
