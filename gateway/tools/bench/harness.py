@@ -185,9 +185,9 @@ class Child:
 
     def runq_wait_s(self) -> float | None:
         """Seconds the process's threads were runnable but waited for a CPU (the second field
-        of each live thread's ``/proc/PID/task/TID/schedstat``): another process on the
-        gateway's pinned core took it. A latency tail that grows with it is the machine's, not
-        the gateway's. None without schedstat."""
+        of each live thread's ``/proc/PID/task/TID/schedstat``), summed over its threads: while
+        another process ran on its core, or another of its own threads did (a runtime of
+        several threads pinned to one core waits on itself). None without schedstat."""
         return self._schedstat(1)
 
     def _schedstat(self, field: int) -> float | None:

@@ -20,8 +20,9 @@ Measured, in this order, in one run:
    side alike (run back to back, a burst during one side's 10 s made the p99 ratio). Added
    latency = through a gateway minus direct, at p50 and p99 of the time to the last byte,
    from the same run; each gateway's CPU seconds per 1,000 requests from its threads'
-   ``schedstat``, and the time each waited for its core while another process ran on it
-   (``runq_wait_ms``: the machine's share of a tail).
+   ``schedstat``, and the time its threads were runnable but waited for the core
+   (``runq_wait_ms``, summed over its threads: another process on the core, or another of its
+   own threads; smg's runtime runs several on the one core, the gateway's loop is one).
 3. closed loop, per shape: ``--connections`` (64) keep-alive connections sending back to back
    for ``--seconds``, direct, through smg, through shapegate: requests/s on one core.
 Goals (issue 21; overhead_report.py judges them and writes the table, the plot and the README

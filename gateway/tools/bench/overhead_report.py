@@ -270,8 +270,9 @@ def readme_lines(
         f"{placement['generator_and_upstream_cpus']}. The generator alone against the upstream "
         f"stays clean up to {r['generator_ceiling']['highest_clean_rps']} requests/s. Latency is "
         "client-side p50 / p99 to the last byte, ms. Run-queue wait: how long each "
-        "gateway, runnable, waited for its core while another process ran on it over its "
-        "run (`/proc/PID/task/*/schedstat`): the machine's share of a tail.",
+        "gateway's threads, runnable, waited for the core over its run, summed over its "
+        "threads (`/proc/PID/task/*/schedstat`): another process on the core, or another of "
+        "its own threads (smg runs several on the one core; shapegate's event loop is one).",
         *smoke,
         "",
         "| shape | offered req/s | direct | smg | shapegate | shapegate added vs smg's p50 / p99 "
