@@ -176,20 +176,33 @@ class Child:
         17 us a request of rounding, as large as the effects measured (a shadow policy's
         ~30 us). A thread that exited is not counted (the gateway's threads live as long as
         it does); without schedstat (a kernel built without it), the ticks."""
+        ran = self._schedstat(0)
+        if ran is not None:
+            return ran
+        with open(f"/proc/{self.pid}/stat", encoding="ascii") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def runq_wait_s(self) -> float | None:
+        """Seconds the process's threads were runnable but waited for a CPU (the second field
+        of each live thread's ``/proc/PID/task/TID/schedstat``), summed over its threads: while
+        another process ran on its core, or another of its own threads did (a runtime of
+        several threads pinned to one core waits on itself). None without schedstat."""
+        return self._schedstat(1)
+
+    def _schedstat(self, field: int) -> float | None:
+        """The sum over the live threads of one ``schedstat`` field, in seconds; None without
+        schedstat."""
         tasks = f"/proc/{self.pid}/task"
         total_ns, found = 0, False
         for tid in os.listdir(tasks):
             try:
                 with open(f"{tasks}/{tid}/schedstat", encoding="ascii") as stat:
-                    total_ns += int(stat.read().split()[0])
+                    total_ns += int(stat.read().split()[field])
                 found = True
             except (FileNotFoundError, ProcessLookupError):
                 continue  # the thread ended between the listing and the read
-        if found:
-            return total_ns / 1e9
-        with open(f"/proc/{self.pid}/stat", encoding="ascii") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return total_ns / 1e9 if found else None
 
     def pss_mb(self) -> float:
         """Memory of the process and its descendants (the gateway's tokenizer template and

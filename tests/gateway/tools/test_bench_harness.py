@@ -4,6 +4,7 @@ tokenizer with each counting child)."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -85,3 +86,49 @@ def test_cpu_s_is_finer_than_a_clock_tick(tmp_path: Path) -> None:
         assert abs(measured - own) < 0.002, (own, measured)
     finally:
         child.stop(2)
+
+
+# Waits for a file, spins 30 ms of its own CPU, prints the wall and CPU time the spin took.
+SPINS_BUDGET = """
+import os, sys, time
+print("ready 0", flush=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.01)
+wall, cpu = time.perf_counter_ns(), time.process_time_ns()
+while time.process_time_ns() - cpu < 30_000_000:
+    pass
+print("spun", time.perf_counter_ns() - wall, time.process_time_ns() - cpu, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(
+    not Path("/proc/self/task").exists() or not hasattr(os, "sched_setaffinity"),
+    reason="Linux only",
+)
+def test_runq_wait_s_is_the_time_runnable_but_not_running(tmp_path: Path) -> None:
+    """Two busy processes on the child's core: while it spins 30 ms of CPU it waits about twice
+    that for the core, and ``runq_wait_s`` reads that wait (the spin's wall time less its CPU
+    time), not its run time."""
+    cpu = {min(os.sched_getaffinity(0))}
+    log, go = tmp_path / "child.log", tmp_path / "go"
+    busy = [
+        Child.start(f"busy{i}", [sys.executable, "-c", "while True: pass"], tmp_path / f"b{i}", cpu)
+        for i in range(2)
+    ]
+    child = Child.start("spins", [sys.executable, "-c", SPINS_BUDGET, str(go)], log, cpu)
+    try:
+        _line(log, "ready", child)
+        before = child.runq_wait_s()
+        go.touch()
+        _line(log, "spun", child)
+        after = child.runq_wait_s()
+        wall_ns, cpu_ns = (int(x) for x in log.read_text().split("spun ")[1].split()[:2])
+        assert before is not None and after is not None
+        waited, off_cpu = after - before, (wall_ns - cpu_ns) / 1e9
+        assert off_cpu > 0.04, (wall_ns, cpu_ns)  # the two busy processes took the core
+        assert abs(waited - off_cpu) < 0.015, (waited, off_cpu)
+    finally:
+        child.stop(2)
+        for one in busy:
+            one.stop(1)

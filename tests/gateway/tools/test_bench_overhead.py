@@ -27,12 +27,19 @@ def test_bench_overhead_smoke_measures_the_gateway_beside_smg_against_the_direct
     assert result["sides"] == sides
     rows = {(r["shape"], r["offered_rps"]): r for r in result["rows"]}
     assert set(rows) == {(shape, rate) for shape in ("json", "sse") for rate in (50, 200)}
+    assert result["slices"] == 2
     for row in rows.values():
+        assert row["slices"] == 2  # the sides took turns: two runs of 0.15 s each
+        # Every request of both turns counted: rate x seconds, each side.
+        for side in sides:
+            assert row[side]["sent"] == round(row["offered_rps"] * 0.15) * 2, side
         # Every request answered, direct and through each gateway, at these low rates.
         for side in sides:
             assert row[side]["errors"] == 0 and row[side]["ok"] == row[side]["sent"] > 0, side
         # The gateway does work the direct path does not: it costs time and CPU.
         assert row["gateway"]["p50_ms"] > 0 and row["gateway_cpu_s_per_1k"] > 0
+        # The time each gateway waited for its core (another process on it), per run.
+        assert all(row[f"{side}_runq_wait_ms"] >= 0 for side in sides if side != "direct")
         assert row["added_p50_ms"] == round(row["gateway"]["p50_ms"] - row["direct"]["p50_ms"], 3)
         if with_smg:
             assert row["smg_added_p99_ms"] == round(
