@@ -32,7 +32,8 @@ once they had been reported, 18 and 19 read request by request; then the heavy l
 ``new_home_slack: 0`` and a full home's spill ordered as a new home: seeds 1-50, 19, 38 and 45
 read request by request for the first, 11 and 12 for the second), and over the rest,
 held out (never looked at while choosing: 51 on). ``--seeds N``: N seeds from ``--seed-from``
-(1; the README's figures: 50, seeds 1-50). ``--smoke``: seed 1, its first ten minutes.
+(1; the README's figures: 80, seeds 1-80, with ``--jobs 2``: seeds after the first played in
+that many processes, the figures the same). ``--smoke``: seed 1, its first ten minutes.
 """
 
 from __future__ import annotations
