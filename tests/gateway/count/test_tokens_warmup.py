@@ -24,6 +24,8 @@ from gateway.settings import parse_settings
 from gateway.tools.cli import main
 from tests.conftest import lanes_config
 
+# Slack for one scheduling hiccup on a shared core, far below the cold path's 0.2-1.6 s.
+JITTER_S = 0.010
 WORDS = ["route", "token", "lane", "slot", "engine", "queue", "batch", "model", "cache", "prefill"]
 
 
@@ -62,7 +64,11 @@ async def test_the_first_300k_token_prompt_after_boot_counts_within_2x_of_the_wa
     child = [e for e in logs if e["event"] == "tokenizer.child_warmed"]
     assert child and child[0]["warm_chars"] == int(399_999 * warmup.CHARS_PER_TOKEN)
     first, warm = await _first_and_warm(counter)
-    assert first <= 2 * warm, f"first {first * 1000:.0f} ms, warm p50 {warm * 1000:.0f} ms"
+    # Within 2x the warm p50, or within 10 ms of it where that p50 is a few ms (AMD EPYC: 6 ms
+    # warm, a first of 14 ms once in CI): one scheduling hiccup is not a cold path, which cost
+    # 0.2-1.6 s (module docstring).
+    bound = max(2 * warm, warm + JITTER_S)
+    assert first <= bound, f"first {first * 1000:.0f} ms, warm p50 {warm * 1000:.0f} ms"
 
 
 async def test_without_the_large_warm_up_the_first_monster_is_slow() -> None:
