@@ -298,16 +298,22 @@ class Gateway:
         self.log.info("gateway.drained", left_in_flight=self.pipeline.in_flight)
 
     async def aclose(self) -> None:
-        self.drainer.close()
-        await self.upstream.aclose()
-        await self.store.aclose()
-        await self.pipeline.affinity.aclose()
-        # Shielded: the lifespan calls this after cancelling its background tasks' scope.
+        # Shielded, all of it: the lifespan calls this after cancelling its background tasks'
+        # scope (app.py), and anyio delivers that cancellation at every await inside the scope.
+        # Only the counter and tracing closes were shielded once: the store's first await (a
+        # Redis pool's disconnect) was cancelled and nothing after it ran, so the Redis and
+        # Sentinel clients' connections, the response-affinity client and the peer clients
+        # stayed open, their sockets freed only when the garbage collector got to them. Each
+        # close is bounded on its own (a Redis disconnect by ``redis_timeout_s``).
         with anyio.CancelScope(shield=True):
+            self.drainer.close()
+            await self.upstream.aclose()
+            await self.store.aclose()
+            await self.pipeline.affinity.aclose()
             if self.owns_counter:
                 await anyio.to_thread.run_sync(self.counter.close)
             tracing = self.recorder.tracing
             if tracing is not None:
                 await anyio.to_thread.run_sync(tracing.close)
-        if self.peers is not None:
-            await self.peers.aclose()
+            if self.peers is not None:
+                await self.peers.aclose()
