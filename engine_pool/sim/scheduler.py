@@ -25,9 +25,13 @@ sequence is never preempted; ``kv_used_tokens`` reports the tokens actually cach
 With a prefix cache (``prefix_cache.BlockCache``, ``Scheduler(..., cache=, block_tokens=)``) a
 request added with its prompt's block keys looks them up when it is admitted (not when it
 arrives: a request queued behind the prefill of the same document finds it cached, as in vLLM)
-and skips the prefill of the blocks held; its full blocks are stored as each chunk computes
-them (a request admitted in the step that finishes another's prefill misses only that step's
-blocks, as in vLLM V1).
+and skips the prefill of the blocks held; its full blocks are stored when the chunk that
+computes them is scheduled, as vLLM V1's ``allocate_slots`` caches them: a request admitted later
+in the same step finds them (they are written before it attends to them in that forward pass),
+a request admitted before them in the step does not. So a request queued behind another's
+prefill of the same prompt (no threshold) is admitted with that prefill's last chunk and finds
+the whole prompt but its last partial block; one admitted beside a prefill in progress (with a
+threshold) finds what has been scheduled so far and computes the rest itself.
 ``hits`` maps each such request's key to the prompt tokens it found cached.
 
 ``step`` returns a frozen ``StepResult`` (what ran, how long it took in simulated seconds, who
@@ -195,9 +199,16 @@ class Scheduler:
                 head.computed = min(held, head.prompt_tokens - 1)
                 self.hits[head.key] = head.computed
             n = _chunk(head.prompt_tokens - head.computed, cap, budget)
+            self._schedule(head, n)
             chunks.append((head, n))
             budget -= n
         return chunks
+
+    def _schedule(self, seq: _Seq, n: int) -> None:
+        """``n`` prompt tokens of ``seq`` run this step: their full blocks are cached now (vLLM
+        V1 caches a block when its slots are allocated, before the step runs)."""
+        if self.cache is not None and seq.blocks:
+            self.cache.store(seq.blocks[: (seq.computed + n) // self._block_tokens])
 
     def _cap(self, now: float) -> int:
         """The threshold in force this step: none while one request is alone (as vLLM does)."""
@@ -224,6 +235,7 @@ class Scheduler:
                 budget -= 1
             else:
                 n = _chunk(seq.prompt_tokens - seq.computed, cap, budget)
+                self._schedule(seq, n)
                 chunks.append((seq, n))
                 budget -= n
         chunks.extend(self._admit(now, budget, cap))
@@ -236,10 +248,6 @@ class Scheduler:
         first: list[str] = []
         for seq, n in chunks:
             seq.computed += n
-            if self.cache is not None and seq.blocks:
-                # Full blocks are cached as soon as computed (vLLM V1): a request admitted
-                # while this prefill runs finds what it computed so far.
-                self.cache.store(seq.blocks[: seq.computed // self._block_tokens])
             if seq.prefilled:
                 seq.generated = 1
                 tokens.append(seq.key)

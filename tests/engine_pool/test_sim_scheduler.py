@@ -184,7 +184,7 @@ arrivals = st.lists(
 
 
 @settings(max_examples=80, deadline=None)
-@given(arrivals, st.integers(1, 6), st.integers(64, 9000), st.sampled_from([0, 0, 1, 700, 4096]))
+@given(arrivals, st.integers(1, 6), st.integers(64, 9000), st.sampled_from([0, 0, 700, 4096]))
 def test_every_step_respects_vllm_limits(
     reqs: list[tuple[float, int, int, bool]], seqs: int, budget: int, threshold: int
 ) -> None:
