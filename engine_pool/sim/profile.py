@@ -49,6 +49,9 @@ class SchedulerLimits(_Frozen):
     max_num_seqs: int = Field(ge=1)
     max_num_batched_tokens: int = Field(ge=1)
     max_num_partial_prefills: int = 1
+    # vLLM's --long-prefill-token-threshold: while other requests are running or waiting, a
+    # prompt computes at most this many tokens a step (0, vLLM's default: no cap).
+    long_prefill_token_threshold: int = Field(0, ge=0)
     # Tokens of KV cache the engine can hold across all sequences.
     kv_capacity_tokens: int = Field(ge=1)
 
@@ -116,6 +119,12 @@ class EngineProfile(_Frozen):
             raise ValueError(
                 f"kv_capacity_tokens ({self.scheduler.kv_capacity_tokens}) cannot hold one "
                 f"max_model_len ({self.max_model_len}) sequence"
+            )
+        threshold = self.scheduler.long_prefill_token_threshold
+        if threshold > self.max_model_len:
+            raise ValueError(
+                f"long_prefill_token_threshold ({threshold}) cannot be greater than the "
+                f"max_model_len ({self.max_model_len})"
             )
         return self
 

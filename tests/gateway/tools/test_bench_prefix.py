@@ -76,3 +76,29 @@ def test_bench_prefix_jobs_play_the_same_figures_in_other_processes() -> None:
 def test_bench_prefix_refuses_no_jobs(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="--jobs must be at least 1"):
         main(["bench", "prefix", "--jobs", "0", "--out", str(tmp_path)])
+
+
+def test_bench_prefix_heavy_long_prefill_sets_the_heavy_engines_threshold_and_changes_them(
+    tmp_path: Path,
+) -> None:
+    """``--heavy-long-prefill N``: the heavy engines run vLLM's --long-prefill-token-threshold N
+    (the fast ones keep the default), which the result records; in seed 1's first 150 s a
+    document's follow-up admitted beside the read re-reads what is not computed yet (as vLLM V1
+    admits it), so the chain's monsters finish later than with the default."""
+    from gateway.tools.bench.prefix import heavy_profiles, measure, policy
+
+    profiles = heavy_profiles(policy(), 4096)
+    assert profiles["heavy"].scheduler.long_prefill_token_threshold == 4096
+    assert profiles["fast"].scheduler.long_prefill_token_threshold == 0
+    default, _ = measure(seeds=[1], smoke=True, span_s=150.0)
+    capped, _ = measure(seeds=[1], smoke=True, span_s=150.0, heavy_long_prefill=4096)
+    assert (
+        default["heavy_long_prefill_token_threshold"],
+        capped["heavy_long_prefill_token_threshold"],
+    ) == (0, 4096)
+    before, after = default["per_seed"][0]["routers"], capped["per_seed"][0]["routers"]
+    # The small requests run in the fast lane: untouched.
+    assert after["chain"]["small_ttft_p90_s"] == before["chain"]["small_ttft_p90_s"]
+    assert after["chain"]["monster_e2e_p50_s"] > 1.5 * before["chain"]["monster_e2e_p50_s"]
+    with pytest.raises(SystemExit, match="--heavy-long-prefill must be 0 or more"):
+        main(["bench", "prefix", "--heavy-long-prefill", "-1", "--out", str(tmp_path)])
