@@ -15,8 +15,9 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -304,16 +305,29 @@ class Gateway:
         # Redis pool's disconnect) was cancelled and nothing after it ran, so the Redis and
         # Sentinel clients' connections, the response-affinity client and the peer clients
         # stayed open, their sockets freed only when the garbage collector got to them. Each
-        # close is bounded on its own (a Redis disconnect by ``redis_timeout_s``).
+        # close is bounded on its own (a Redis disconnect by ``redis_timeout_s``), and one that
+        # fails (redis-py raises a disconnect's timeout, after the others in its pool) leaves the
+        # rest to close all the same: the first failure is raised once everything was tried.
         with anyio.CancelScope(shield=True):
             self.drainer.close()
-            await self.upstream.aclose()
-            await self.store.aclose()
-            await self.pipeline.affinity.aclose()
+            closes: list[tuple[str, Callable[[], Awaitable[object]]]] = [
+                ("upstream", self.upstream.aclose),
+                ("store", self.store.aclose),
+                ("affinity", self.pipeline.affinity.aclose),
+            ]
             if self.owns_counter:
-                await anyio.to_thread.run_sync(self.counter.close)
+                closes.append(("counter", partial(anyio.to_thread.run_sync, self.counter.close)))
             tracing = self.recorder.tracing
             if tracing is not None:
-                await anyio.to_thread.run_sync(tracing.close)
+                closes.append(("tracing", partial(anyio.to_thread.run_sync, tracing.close)))
             if self.peers is not None:
-                await self.peers.aclose()
+                closes.append(("peers", self.peers.aclose))
+            failed: Exception | None = None
+            for what, close in closes:
+                try:
+                    await close()
+                except Exception as exc:  # noqa: BLE001 - logged, raised after the rest
+                    self.log.warning("gateway.close_failed", what=what, error=repr(exc))
+                    failed = failed or exc
+            if failed is not None:
+                raise failed

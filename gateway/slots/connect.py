@@ -55,9 +55,11 @@ class _SentinelRedis(Redis):
     manager: Sentinel | None = None
 
     async def aclose(self, close_connection_pool: bool | None = None) -> None:
-        await super().aclose(close_connection_pool)
-        if self.manager is not None:
-            await self.manager.aclose()
+        try:
+            await super().aclose(close_connection_pool)
+        finally:  # a primary's close that failed (a disconnect's timeout) still closes these
+            if self.manager is not None:
+                await self.manager.aclose()
 
 
 def sentinel_client(

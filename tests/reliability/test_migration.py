@@ -21,7 +21,6 @@ import httpx
 import orjson
 
 from engine_pool.sim.wire import output_text
-from gateway.count.tokens import TokenCounter
 from gateway.edge.app import create_app
 from gateway.settings import parse_settings
 from tests.conftest import JSON, MODEL, lanes_config
@@ -116,7 +115,7 @@ async def test_kill_9_mid_stream_migrates_every_stream_it_carried() -> None:
         bodies = {f"m{n}": body_of(n) for n in range(CLIENTS)}
         with timed_logs() as logs:
             async with (
-                serve_asgi(create_app(settings, TokenCounter.from_settings(settings))) as url,
+                serve_asgi(create_app(settings)) as url,
                 httpx.AsyncClient(timeout=60) as client,
             ):
                 tasks = [
@@ -201,7 +200,7 @@ async def test_a_migrated_monster_stalls_for_the_new_engines_prefill_and_no_more
         arrivals: list[tuple[float, bytes]] = []
         with timed_logs() as logs:
             async with (
-                serve_asgi(create_app(settings, TokenCounter.from_settings(settings))) as url,
+                serve_asgi(create_app(settings)) as url,
                 httpx.AsyncClient(timeout=120) as client,
             ):
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from redis.asyncio.sentinel import SentinelConnectionPool
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.settings import StateSettings
 from gateway.slots.connect import redis_client
@@ -60,3 +61,29 @@ async def test_without_sentinel_the_url_is_used() -> None:
         assert (kwargs["host"], kwargs["port"], kwargs["db"]) == ("h", 7000, 3)
     finally:
         await client.aclose()
+
+
+async def test_a_sentinel_client_whose_close_fails_still_closes_its_sentinel_clients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """redis-py raises a disconnect's timeout from the primary's pool: the clients to the
+    sentinels (the manager's) are closed all the same, and the error still reaches the caller."""
+    state = StateSettings.model_validate({"backend": "redis", "sentinel": SENTINEL})
+    env = {"T_REDIS_PASSWORD": "server-secret", "T_SENTINEL_PASSWORD": "sentinel-secret"}
+    client = redis_client(state, env)
+    manager = client.connection_pool.sentinel_manager
+    closed: list[str] = []
+    manager_close = manager.aclose
+
+    async def disconnect_times_out(inuse_connections: bool = True) -> None:
+        raise RedisTimeoutError("Timed out closing connection after 0.5")
+
+    async def manager_closes() -> None:
+        closed.append("sentinels")
+        await manager_close()
+
+    monkeypatch.setattr(client.connection_pool, "disconnect", disconnect_times_out)
+    monkeypatch.setattr(manager, "aclose", manager_closes)
+    with pytest.raises(RedisTimeoutError, match="Timed out closing"):
+        await client.aclose()
+    assert closed == ["sentinels"]
