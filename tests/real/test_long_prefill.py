@@ -36,7 +36,6 @@ from typing import Any
 import httpx
 import pytest
 
-from engine_pool.sim.costs import step_cost
 from engine_pool.sim.prefix_cache import BlockCache
 from engine_pool.sim.profile import CostParams, SchedulerLimits
 from engine_pool.sim.scheduler import Scheduler
@@ -114,7 +113,6 @@ def test_the_simulator_predicts_both_orders() -> None:
         assert short_at == long_at, (arrives, long_at, short_at)
         long_at, short_at = predicted_first_steps(LONG_PREFILL_THRESHOLD, arrives)
         assert short_at <= arrives + 1 < long_at, (arrives, long_at, short_at)
-    assert step_cost(COSTS, [(0, 1)], []) > 0
     # A repeat finds the blocks scheduled before it was admitted: without a threshold it waits
     # in the queue, admitted in the step of the long one's last chunk, after it (every full
     # block); with one it is admitted at once, finds what was scheduled so far (the first step's
