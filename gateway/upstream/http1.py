@@ -29,6 +29,14 @@ Contract:
 - Idle connections older than ``keepalive_s`` (below uvicorn's 5 s default) are closed rather
   than reused, and a connection the engine closed is never handed out. ``max_connections`` per
   origin bounds the pool; past it a request waits up to ``pool_timeout_s``, then ``PoolTimeout``.
+- At most once per ``keepalive_s``, a request first sweeps every origin, not only its own:
+  idle connections past keep-alive or closed are closed, and an origin with no connection open,
+  none connecting and no request waiting is forgotten. An engine taken out of routing (a
+  reload, a DNS answer without it) is never asked again, so without the sweep its idle sockets
+  stayed open (forever, to a host gone without a FIN) and its entry stayed in the pool for the
+  gateway's life. The sweep is synchronous, O(origins + idle connections), and runs before the
+  request takes a connection; a request looks its origin up again after every wait, so one
+  woken from a forgotten origin's queue never connects into an entry the pool no longer holds.
 """
 
 from __future__ import annotations
@@ -258,6 +266,7 @@ class Pool:
         self._origins: dict[Origin, _OriginPool] = {}
         self._ssl: ssl.SSLContext | None = None
         self.closed = False
+        self._sweep_at = time.monotonic() + keepalive_s
 
     def _pool(self, origin: Origin) -> _OriginPool:
         pool = self._origins.get(origin)
@@ -269,19 +278,41 @@ class Pool:
         oldest = time.monotonic() - self.keepalive_s
         while pool.idle:
             conn = pool.idle.pop()  # the most recently used: warm, least likely closed
-            if conn.lost or conn.idle_since < oldest or not conn.reusable:
+            if _stale(conn, oldest):
                 conn.close()
                 continue
             return conn
         return None
 
+    def _sweep(self, now: float) -> None:
+        """Close every origin's stale idle connections; forget the origins left with nothing."""
+        self._sweep_at = now + self.keepalive_s
+        oldest = now - self.keepalive_s
+        for origin, pool in list(self._origins.items()):
+            if pool.idle:
+                # Rebuilt rather than removed from: ``forget`` scans the deque for each closed
+                # connection, and the stale ones, the oldest, come first, before any is kept.
+                idle, pool.idle = pool.idle, deque()
+                for conn in idle:
+                    if _stale(conn, oldest):
+                        conn.close()
+                    else:
+                        pool.idle.append(conn)
+            # A waiter done (timed out, cancelled) stays queued until ``wake_one`` passes it.
+            if not pool.open and not pool.connecting and all(w.done() for w in pool.waiters):
+                del self._origins[origin]
+
     async def request(
         self, origin: Origin, head: bytes, body: bytes, connect_s: float, *, fresh: bool = False
     ) -> Connection:
         """Send the request; the returned connection is the caller's until ``release``."""
-        pool = self._pool(origin)
-        deadline = time.monotonic() + self.pool_timeout_s
+        now = time.monotonic()
+        if now >= self._sweep_at:
+            self._sweep(now)
+        deadline = now + self.pool_timeout_s
         while True:
+            # Again after each wait: the sweep may have forgotten the origin meanwhile.
+            pool = self._pool(origin)
             conn = None if fresh else self._idle(pool)
             if conn is not None:
                 conn.send(head, body)
@@ -351,6 +382,11 @@ class Pool:
             for conn in list(pool.open):
                 conn.close()
             pool.idle.clear()
+
+
+def _stale(conn: Connection, oldest: float) -> bool:
+    """An idle connection not to hand out: closed, idle since before ``oldest``, or unfit."""
+    return conn.lost or conn.idle_since < oldest or not conn.reusable
 
 
 def request_head(

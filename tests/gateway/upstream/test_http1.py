@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 
+from gateway.upstream import http1
 from gateway.upstream.http1 import ConnectionLost, Origin, Pool, PoolTimeout, request_head
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -223,3 +224,138 @@ def test_request_head_carries_host_length_and_the_given_headers_only() -> None:
         Origin("https", "engine.example", 443),
         "/v1/x?y=1",
     )
+
+
+async def test_a_sweep_closes_an_idle_connection_to_an_origin_no_longer_asked_and_forgets_it() -> (
+    None
+):
+    """An engine taken out of routing (a reload, a DNS answer without it) is never asked again;
+    one gone without a FIN never closes its side. Traffic to another engine, once keep-alive has
+    passed, closes the idle connection (the host sees EOF) and the pool forgets the origin."""
+    closed = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        await reader.read()  # never closes its side: b"" only when the gateway closes
+        closed.set()
+
+    async with server(silent) as (gone_url, _), server(keep_alive_echo) as (live_url, _):
+        pool = Pool(keepalive_s=0.2)
+        gone, live = Origin.of(gone_url)[0], Origin.of(live_url)[0]
+        assert await exchange(pool, gone_url, b"{}") == b"ok"
+        assert await exchange(pool, live_url, b"a") == b"a"
+        assert set(pool._origins) == {gone, live}
+        await asyncio.sleep(0.3)
+        assert await exchange(pool, live_url, b"b") == b"b"
+        await asyncio.wait_for(closed.wait(), 2)
+        assert set(pool._origins) == {live}
+        pool.close()
+
+
+class Clock:
+    """``time`` for gateway.upstream.http1: a monotonic clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+async def test_the_sweep_runs_at_most_once_per_keepalive(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = Clock()
+    monkeypatch.setattr(http1, "time", clock)
+    async with server(keep_alive_echo) as (url, accepted):
+        pool = Pool(keepalive_s=4.0)
+        sweeps: list[float] = []
+        sweep = pool._sweep
+
+        def counted(now: float) -> None:
+            sweeps.append(now)
+            sweep(now)
+
+        monkeypatch.setattr(pool, "_sweep", counted)
+        for _ in range(20):  # within the first keep-alive: no sweep
+            await exchange(pool, url, b"x")
+        assert sweeps == []
+        clock.now += 4.0
+        for _ in range(20):  # the first sweeps, the other 19 are within its keep-alive
+            await exchange(pool, url, b"x")
+        clock.now += 3.9
+        for _ in range(20):
+            await exchange(pool, url, b"x")
+        assert sweeps == [1004.0]
+        clock.now += 0.1
+        await exchange(pool, url, b"x")
+        assert sweeps == [1004.0, 1008.0]
+        # The connection in use each time was fresh: every sweep left it to be reused.
+        assert len(accepted) == 1
+        pool.close()
+
+
+async def test_a_sweep_leaves_an_origin_with_a_request_on_it_or_waiting_for_it() -> None:
+    answer = asyncio.Event()
+
+    async def on_cue(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await read_request(reader) is not None:
+            await answer.wait()
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+
+    async with server(on_cue) as (url, accepted), server(keep_alive_echo) as (other_url, _):
+        pool = Pool(max_connections=1, keepalive_s=0.1, pool_timeout_s=5.0)
+        origin, target = Origin.of(url)
+        head = request_head("POST", target, origin.authority, {}, 2)
+        held = await pool.request(origin, head, b"{}", 2.0)
+        waiting = asyncio.create_task(exchange(pool, url, b"{}"))
+        await asyncio.sleep(0.2)
+        entry = pool._origins[origin]
+        assert len(entry.waiters) == 1
+        assert await exchange(pool, other_url, b"a") == b"a"  # sweeps
+        assert pool._origins[origin] is entry
+        answer.set()
+        assert (await held.headers())[0] == 200
+        while await held.next_bytes():
+            pass
+        pool.release(held)
+        assert await asyncio.wait_for(waiting, 2) == b"ok"  # on the held connection, reused
+        assert len(accepted) == 1
+        await asyncio.sleep(0.2)
+        assert await exchange(pool, other_url, b"b") == b"b"  # sweeps: the origin is idle
+        assert origin not in pool._origins
+        assert await exchange(pool, url, b"{}") == b"ok"  # a new connection after the sweep
+        assert len(accepted) == 2
+        pool.close()
+
+
+async def test_a_request_woken_from_a_forgotten_origins_queue_connects_into_the_pool() -> None:
+    """Woken (its origin's one connection lost), the request resumes after a sweep forgot the
+    origin: its connection goes into the pool's current entry, so it is kept for reuse and
+    ``close`` closes it (in a forgotten entry no sweep nor close would ever find it)."""
+    seen_eof: list[int] = []
+
+    async def echo_until_eof(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await keep_alive_echo(reader, writer)
+        seen_eof.append(1)
+
+    async with server(echo_until_eof) as (url, accepted):
+        pool = Pool(max_connections=1, pool_timeout_s=5.0)
+        origin, target = Origin.of(url)
+        head = request_head("POST", target, origin.authority, {}, 2)
+        held = await pool.request(origin, head, b"{}", 2.0)
+        waiting = asyncio.create_task(exchange(pool, url, b"{}"))
+        await asyncio.sleep(0.05)
+        held.close()  # wakes the waiting request, which resumes on the loop's next turn
+        pool._sweep(http1.time.monotonic())  # before it does: the origin has nothing left
+        assert origin not in pool._origins
+        assert await asyncio.wait_for(waiting, 2) == b"{}"
+        assert len(pool._origins[origin].idle) == 1
+        pool.close()
+        for _ in range(100):
+            if len(seen_eof) == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert len(accepted) == 2
+        assert len(seen_eof) == 2
