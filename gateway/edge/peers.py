@@ -106,5 +106,15 @@ class Peers:
         return [Answer(i, answers.get(i)) for i in self.group.peers]
 
     async def aclose(self) -> None:
-        for client in self._clients.values():
-            await client.aclose()
+        """Close every peer client: one that fails leaves the others to close all the same
+        (logged each), and the first failure is raised once all were tried, as
+        ``Gateway.aclose`` does with the gateway's services."""
+        failed: Exception | None = None
+        for index, client in self._clients.items():
+            try:
+                await client.aclose()
+            except Exception as exc:  # noqa: BLE001 - logged, raised after the rest
+                self._log.warning("peers.close_failed", worker=index, error=repr(exc))
+                failed = failed or exc
+        if failed is not None:
+            raise failed
