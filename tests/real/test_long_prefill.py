@@ -22,6 +22,12 @@ may arrive in. Without a threshold the repeat waits and finds every full block (
 with one it is admitted beside the read, finds part and reads the rest a second time. (Written
 first with blocks cached when computed, the simulator's rule then, this test found vLLM's: 7,936
 where it predicted 6,144, and 2,304, which it did not predict at all.)
+
+A prompt whose client leaves while it prefills checks the simulator's abort: the blocks
+scheduled before the abort stay cached (``Scheduler.abort`` leaves the prefix cache alone), so
+the same prompt sent again finds them and prefills only the rest, as vLLM frees an aborted
+request's blocks into its cache, hashes kept. A gateway that stops a long read for a cached
+question and sends it again later loses at most the step it stopped in.
 """
 
 from __future__ import annotations
@@ -121,6 +127,37 @@ def test_the_simulator_predicts_both_orders() -> None:
     assert predicted_hits(LONG_PREFILL_THRESHOLD) == {256, 2304, 4352, 6400}
 
 
+def predicted_resumed_hits() -> set[int]:
+    """The prompt tokens the long prompt finds cached when sent again after an abort, for each
+    step it may be aborted after while it prefills alone (1 step to all but the last)."""
+    steps_alone = -(-LONG // BATCHED_TOKENS)
+    found = set()
+    for aborted_after in range(1, steps_alone):
+        limits = SchedulerLimits(
+            max_num_seqs=MAX_NUM_SEQS,
+            max_num_batched_tokens=BATCHED_TOKENS,
+            kv_capacity_tokens=10 * MAX_MODEL_LEN,
+        )
+        sched = Scheduler(limits, COSTS, cache=BlockCache(10_000), block_tokens=KV_BLOCK)
+        blocks = list(range(LONG // KV_BLOCK))
+        sched.add("long", LONG, LONG_OUT, arrival=0.0, blocks=blocks)
+        now = 0.0
+        for _ in range(aborted_after):
+            result = sched.step(now)
+            assert result is not None and not result.first_tokens
+            now = result.end
+        assert sched.abort("long")
+        sched.add("again", LONG, LONG_OUT, arrival=now, blocks=blocks)
+        assert sched.step(now) is not None
+        found.add(sched.hits["again"])
+    return found
+
+
+def test_the_simulator_keeps_an_aborted_prefills_blocks() -> None:
+    # Aborted after 1, 2 or 3 of its 4 steps of 2,048 tokens: that many steps' full blocks.
+    assert predicted_resumed_hits() == {2048, 4096, 6144}
+
+
 def body(ids: list[int], out: int) -> dict[str, Any]:
     return {
         "model": MODEL,
@@ -211,3 +248,51 @@ async def test_a_repeat_of_a_prompt_in_prefill_finds_only_the_blocks_computed_so
     if threshold:
         # Not the whole prompt: nothing waits for a prefix still being computed.
         assert hits < LONG // KV_BLOCK * KV_BLOCK
+
+
+async def leave_after(url: str, ids: list[int], after_s: float) -> None:
+    """Send the prompt streamed and leave (close the connection) ``after_s`` seconds later,
+    before any output: vLLM aborts the request."""
+    async with httpx.AsyncClient(timeout=120) as client:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(after_s):
+                async with client.stream(
+                    "POST", url + "/v1/completions", json=body(ids, LONG_OUT)
+                ) as answer:
+                    async for line in answer.aiter_lines():
+                        assert not line.startswith("data: {"), "answered before the client left"
+
+
+async def test_a_prefill_aborted_by_its_client_resumes_from_its_cached_blocks(real: Real) -> None:
+    expected = predicted_resumed_hits()
+    engine = real.engines["fast"]  # no threshold: the prompt prefills alone, 2,048 a step
+    await race(engine.url)  # warm, as above
+    rng = random.Random(time.time_ns())
+    # How long the prompt takes alone here, then leave at a third, half and two thirds of it:
+    # a machine that runs faster or slower than that moves the step, not the verdict.
+    ids = [rng.randrange(1000, 100_000) for _ in range(LONG)]
+    async with httpx.AsyncClient(timeout=120) as client:
+        sent = time.monotonic()
+        alone_s = await first_token_at(client, engine.url, body(ids, LONG_OUT)) - sent
+    seen = []
+    for share in (0.33, 0.5, 0.67):
+        ids = [rng.randrange(1000, 100_000) for _ in range(LONG)]
+        await leave_after(engine.url, ids, share * alone_s)
+        deadline = time.monotonic() + 30
+        while engine.running() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not engine.running(), "vLLM kept running the request its client left"
+        before = engine.metrics().value(HITS)
+        async with httpx.AsyncClient(timeout=120) as client:
+            await first_token_at(client, engine.url, body(ids, LONG_OUT))
+        seen.append(engine.metrics().value(HITS) - before)
+    print(
+        f"\nfast: the prompt alone took {alone_s:.3f}s; sent again after its client left at "
+        f"1/3, 1/2 and 2/3 of that, it found {seen} tokens cached; simulator, by the step it "
+        f"is aborted after: {sorted(expected)}",
+        file=sys.stderr,
+    )
+    # Each resumed prompt found a whole number of the steps computed before the abort; one left
+    # before its first step ends finds none (0), as the simulator would.
+    assert all(hits in expected | {0} for hits in seen), (seen, sorted(expected))
+    assert any(hits in expected for hits in seen), (seen, sorted(expected))
