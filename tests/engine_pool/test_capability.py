@@ -143,9 +143,12 @@ async def test_the_simulator_reports_its_context_and_counts_every_request(
     counter: TokenCounter,
 ) -> None:
     shared = RegistryCounter(counter, "qwen3.6")
+    # Nothing here is timed: httpx's default 5 s would be a deadline by accident. The simulator
+    # answers on this test's own event loop, so a worker starved for 5 s (two xdist workers
+    # beside other jobs on two cores) would fail on time, not on anything the engine reports.
     async with (
         run_sim("h100-fast", time_scale=0.01, counter=shared) as sim,
-        httpx.AsyncClient(base_url=sim.url) as client,
+        httpx.AsyncClient(base_url=sim.url, timeout=60) as client,
     ):
         capability = parse_models(
             (await client.get("/v1/models")).json(),
