@@ -51,6 +51,7 @@ from engine_pool.chain import NEW_HOME_SLACK
 from engine_pool.cluster import EngineKind
 from engine_pool.engine_profile import EngineProfileSettings
 from engine_pool.launch import profile_problems
+from engine_pool.pause import PauseRule
 
 ENV_PREFIX = "SHAPEGATE_"
 
@@ -398,6 +399,28 @@ class WeightSettings(_Frozen):
         return {"load": self.load, "prefix": self.prefix, "work": self.work}
 
 
+class PauseSettings(_Frozen):
+    """Pause a long read for a cached question on its engine (``lanes[].pause_reads``;
+    engine_pool/pause.py).
+
+    When a request with at most ``question_max_tokens`` of its prompt uncached on its endpoint
+    is sent there, every request on that endpoint with more than ``read_min_tokens`` still to
+    prefill, no first token yet and another first block is stopped (its connection closed: the
+    engine aborts it and keeps the blocks it computed) and sent again to the same endpoint,
+    its slot kept, once no such question is in flight there; at most ``max_pauses`` times a
+    request. A request sharing its first block with one paused, and no first token yet, is
+    paused with it (it waits for that read's blocks). For a heavy lane routing by prefix
+    (``weights.prefix``), where a cached question on a document costs a second and another
+    document's read minutes."""
+
+    question_max_tokens: int = Field(8192, ge=1)
+    read_min_tokens: int = Field(32768, ge=1)
+    max_pauses: int = Field(3, ge=1, le=16)
+
+    def rule(self) -> PauseRule:
+        return PauseRule(self.question_max_tokens, self.read_min_tokens, self.max_pauses)
+
+
 class PrefixIndexSettings(_Frozen):
     """The gateway's record of which prompt prefix it sent to which endpoint
     (engine_pool/prefix_index.py), read by lanes whose ``weights.prefix`` is above 0.
@@ -467,6 +490,9 @@ class LaneSettings(_Frozen):
     # those at most this share of slots busier than the least used (engine_pool/chain.py
     # ``_new_home``); 0: the least used, the fewest blocks breaking ties.
     new_home_slack: float = Field(NEW_HOME_SLACK, ge=0, le=1)
+    # Pause a long read on an endpoint for a cached question sent there (engine_pool/pause.py);
+    # None: never.
+    pause_reads: PauseSettings | None = None
     # Lend this lane's idle engines to other lanes' short requests (gateway/request/borrowing.py).
     lend: LendSettings | None = None
 

@@ -143,6 +143,10 @@ class Scheduler:
         self._keys.add(key)
         self._waiting.append(_Seq(key, prompt_tokens, output_tokens, arrival, blocks=blocks))
 
+    def __contains__(self, key: str) -> bool:
+        """The request is live here (queued or running)."""
+        return key in self._keys
+
     def abort(self, key: str) -> bool:
         """Remove a request wherever it is; True if it was live."""
         if key not in self._keys:

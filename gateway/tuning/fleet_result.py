@@ -32,6 +32,8 @@ class SimulatedRequest:
     priority: str = "standard"
     # Prompt tokens the engine found in its prefix cache (PrefixSim only).
     cached_tokens: int = 0
+    # Times it was paused for a cached question on its engine (lanes[].pause_reads).
+    pauses: int = 0
 
     @classmethod
     def of(cls, key: str, record: TraceRecord, lane: str, **rest: Any) -> SimulatedRequest:

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Literal, cast
 
 from engine_pool.cluster import EngineState, EngineView
+from engine_pool.pause import InFlight, PauseRule, Question, is_question, to_pause
 from engine_pool.picker import order_endpoints
 from engine_pool.sim.prefix_cache import BlockCache
 from engine_pool.sim.profile import EngineProfile
@@ -91,6 +92,10 @@ class _Engine:
     step: StepResult | None = None
     # ``waiting`` as the gateway's last scrape saw it (None: never scraped, or not modelled).
     scraped_waiting: float | None = None
+    # lanes[].pause_reads: the questions in flight that paused requests here, and the requests
+    # paused (their slots held), sent again once no such question is in flight.
+    pausers: set[str] = field(default_factory=set)
+    paused: list[str] = field(default_factory=list)
 
     def view(self) -> EngineView:
         """The endpoint as the gateway's pool shows it to the chain."""
@@ -122,6 +127,8 @@ class _Ticket:
     # Prompt tokens the router believed its endpoint had to prefill (PrefixSim), pending on
     # that endpoint until the first token comes back.
     uncached: int = 0
+    # Times paused for a cached question (lanes[].pause_reads).
+    pauses: int = 0
 
 
 class FleetSim:
@@ -166,6 +173,8 @@ class FleetSim:
         self._lender_of = {
             c: lane for lane in settings.lanes if lane.lend is not None for c in lane.clusters
         }
+        # Requests paused for a cached question (lanes[].pause_reads), all told.
+        self.pauses = 0
 
     def _scheduler(self, profile: EngineProfile) -> Scheduler:
         limits = profile.scheduler
@@ -253,6 +262,9 @@ class FleetSim:
         engine.scheduler.add(
             key, record.prompt_tokens, max(1, record.output_tokens), now, ticket.blocks
         )
+        pause = ticket.lane.pause_reads
+        if pause is not None and ticket.blocks and self._chain():
+            self._pause_for(ticket, engine, pause.rule())
         if not engine.busy:
             self._start_step(engine, now)
 
@@ -309,7 +321,7 @@ class FleetSim:
         it asked for, full or not, are left in ``self._asked``."""
         offers: dict[tuple[str, str], tuple[_Engine, Loan | None]] = {}
         full: set[str] = set()
-        sees_full = self.prefix is not None and self.prefix.router in ("chain", "oracle")
+        sees_full = self._chain()
         for cluster in ticket.clusters:
             for e in self.engines[cluster]:
                 owner = self._lender_of.get(cluster)
@@ -340,6 +352,12 @@ class FleetSim:
             for v in ordered
             if v.url not in full and v.url not in exclude
         ]
+
+    def _chain(self) -> bool:
+        """The router in play is shapegate's chain (the index's or the oracle's): it sees its
+        lane's full endpoints, and a lane's ``pause_reads`` applies (the other routers do
+        neither)."""
+        return self.prefix is not None and self.prefix.router in ("chain", "oracle")
 
     def _believed(self, ticket: _Ticket) -> dict[str, int]:
         """Blocks of the ticket's prompt each endpoint is believed to hold, by the router in
@@ -481,8 +499,53 @@ class FleetSim:
             if self._queues[lane]:
                 self._admit(lane, now)
 
+    def _pause_for(self, question: _Ticket, engine: _Engine, rule: PauseRule) -> None:
+        """``question`` reached ``engine``: pause the reads the rule names there
+        (engine_pool/pause.py), as the live pipeline closes their connections; their slots stay
+        held. A question in flight while requests are paused there holds them paused too."""
+        asked = Question(question.uncached, question.blocks[0])
+        if not is_question(asked, rule):
+            return
+        # Prefills this step completes have their first token already (the engine would answer
+        # them before it saw the connection close).
+        stepping = set(engine.step.first_tokens) if engine.step is not None else set()
+        in_flight = []
+        for key in engine.running:
+            if key == question.key or key not in engine.scheduler or key in stepping:
+                continue
+            ticket, _ = self._tickets[key]
+            in_flight.append(
+                InFlight(
+                    key,
+                    ticket.uncached,
+                    ticket.blocks[0] if ticket.blocks else None,
+                    self._open[key].first_token is not None,
+                    ticket.pauses,
+                    key in engine.pausers,
+                )
+            )
+        keys = to_pause(asked, in_flight, rule)
+        if keys or engine.paused:
+            engine.pausers.add(question.key)
+        for key in keys:
+            engine.scheduler.abort(key)
+            self._tickets[key][0].pauses += 1
+            engine.paused.append(key)
+            self.pauses += 1
+
+    def _resume(self, engine: _Engine, now: float) -> None:
+        """No question that paused requests on ``engine`` is in flight: send them again."""
+        for key in engine.paused:
+            # Sent again as it was: the HTTP hop, not the count (done once, at admission).
+            self._push(now + self.live.to_engine(self.live.forward_s), "submit", key)
+        engine.paused.clear()
+
     def _finish(self, key: str, now: float) -> None:
         ticket, engine = self._tickets.pop(key)
+        if key in engine.pausers:
+            engine.pausers.discard(key)
+            if not engine.pausers:
+                self._resume(engine, now)
         engine.running.discard(key)
         engine.borrowers.discard(key)
         lane = ticket.lane.name
@@ -502,5 +565,6 @@ class FleetSim:
                 lender=info.lender,
                 priority=ticket.priority,
                 cached_tokens=engine.scheduler.hits.pop(key, 0),
+                pauses=ticket.pauses,
             )
         )
