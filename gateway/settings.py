@@ -502,6 +502,11 @@ class LaneSettings(_Frozen):
             raise ValueError(
                 f"lane {self.name!r}: min_prompt_tokens must be below max_prompt_tokens"
             )
+        if self.pause_reads is not None and not self.weights.prefix:
+            raise ValueError(
+                f"lane {self.name!r}: pause_reads needs weights.prefix above 0 (a lane that "
+                "does not weigh prefixes does not know what its requests have left to prefill)"
+            )
         return self
 
 

@@ -317,6 +317,14 @@ class Metrics:
             ["lane", "outcome"],
             registry=r,
         )
+        # Reads paused for a cached question on their engine (lanes[].pause_reads,
+        # gateway/request/pausing.py).
+        self.paused = Counter(
+            "shapegate_route_paused",
+            "Requests paused before their first byte for a cached question on their endpoint.",
+            ["lane"],
+            registry=r,
+        )
         # Redis that lost its data (gateway/slots/redis_store.py): leases re-established by their
         # owners.
         self.leases_restored = Counter(

@@ -141,6 +141,9 @@ class Record:
     retries: int = 0
     # How often its stream moved mid-answer to another engine (gateway/request/migration.py).
     migrations: int = 0
+    # How often it was paused before its first byte for a cached question on its endpoint
+    # (lanes[].pause_reads, gateway/request/pausing.py).
+    pauses: int = 0
     # Why it ended, when not as planned: the error the client was told, the deadline hit.
     error: str | None = None
     deadline: Phase | None = None
@@ -215,6 +218,7 @@ class Record:
             "queue_wait_s": round(grant.queued_s, 4) if grant else None,
             "retries": self.retries,
             "migrations": self.migrations,
+            "pauses": self.pauses,
             "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 4),
             "duration_s": self.duration_s,
             "output_tokens": self.output_tokens,

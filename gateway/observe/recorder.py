@@ -225,6 +225,7 @@ class Recorder:
             chunks=record.chunks,
             retries=record.retries,
             migrations=record.migrations,
+            pauses=record.pauses,
             error=record.error,
             deadline=record.deadline,
         )

@@ -131,6 +131,7 @@ class Forwarder:
                 ours.append((b"x-shapegate-prompt-tokens", b"%d" % tokens))
             if not (request.stream and response.status == 200):
                 payload = await response.read(watch)
+                ctx.prefilled()  # the whole answer: past prefill (and pausing)
                 record.ttft_s = time.monotonic() - record.started
                 usage = engine_usage(payload)
                 # A known length: framed by Content-Length, not chunked (HTTP/1.0 clients too).

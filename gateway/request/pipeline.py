@@ -72,8 +72,9 @@ from gateway.request.migration import (
     continuation,
     untracked,
 )
+from gateway.request.pausing import Pauses, Sent
 from gateway.request.policy import Policy
-from gateway.request.prefix import Prefixes
+from gateway.request.prefix import Prefixes, Seen
 from gateway.request.read import fresh_ids, read_request, request_id_from
 from gateway.request.relay import Relay
 from gateway.request.response_affinity import MemoryAffinity, ResponseAffinity, pin
@@ -161,6 +162,8 @@ class Pipeline:
         self.forwarder = Forwarder(pool, upstream, recorder, failover, self.affinity)
         # Kept across reloads (its size and TTL are the boot policy's: restart to change).
         self.prefixes = Prefixes(policy.settings.prefix_index, self.metrics, self._tokens_of)
+        # What the pause rule sees in flight on each endpoint (lanes[].pause_reads).
+        self.pauses = Pauses(self.log, self.metrics)
         self.accepting = True
         self.in_flight = 0
         # A candidate policy deciding beside this one (POST /admin/shadow); off by default.
@@ -292,7 +295,7 @@ class Pipeline:
         # client's request id: two requests sharing an id must not share (and free) one slot.
         async with self.admission.slot(lane, candidates, token, limit_of, ctx.want) as held:
             self.recorder.admitted(record, held.grant, chosen.get(held.grant.url))
-            ctx.prefilled = self.prefixes.sending(seen, token, held.grant.url)
+            sent = self._send(ctx, seen, token, held.grant.url)
             try:
                 while True:
                     target = Target(  # ``held.grant``: a failover or a migration moves it
@@ -302,8 +305,8 @@ class Pipeline:
                         attempts.fresh,
                     )
                     try:
-                        await self.forwarder.attempt(ctx, target)  # 7-8: forward, relay
-                        break
+                        if await self._attempt(ctx, target, sent):  # 7-8: forward, relay
+                            break
                     except EngineUnreachable as exc:
                         # Nothing reached the client: fail over (gateway/request/failover.py) or
                         # give up.
@@ -312,7 +315,7 @@ class Pipeline:
                         ):
                             raise
                         self.recorder.moved(record, held.grant, exc.reason)
-                        self.prefixes.sending(seen, token, held.url)
+                        sent = self._send(ctx, seen, token, held.url, sent)
                     except Interrupted as cut:
                         following = await self._migrate(ctx, cut, held, attempts)
                         if following is None:  # ends as before, the engine's error event too
@@ -321,7 +324,7 @@ class Pipeline:
                             raise cut.cause from None
                         ctx.sent, ctx.sent_path = following.body, following.path
                         self.recorder.migrated(record, held.grant, cut.reason, cut.cause)
-                        self.prefixes.sending(seen, token, held.url)
+                        sent = self._send(ctx, seen, token, held.url, sent)
                     except GatewayError as exc:
                         # The answer began and cannot migrate: said in the log, ended as before.
                         if record.status == 200 and (why := untracked(request, lane)):
@@ -329,6 +332,7 @@ class Pipeline:
                         raise
             finally:
                 self.prefixes.prefilled(token)
+                self.pauses.left(sent)
                 record.prompt_tokens = ctx.exact.settle()
                 if ctx.exact.error is not None:
                     swallowed(
@@ -341,6 +345,39 @@ class Pipeline:
                     )
             # 9: the record (reported at each step; the engine's count against ours here).
             self.recorder.engine_counted(record, model.name, policy.counter.template_of(model.name))
+
+    async def _attempt(self, ctx: RequestContext, target: Target, sent: Sent) -> bool:
+        """One try at the target's endpoint; False when a cached question sent there paused
+        it before its first byte (``lanes[].pause_reads``): it has waited until it may go on,
+        its slot held, nothing relayed, and tries the same endpoint again."""
+        with self.pauses.attempt(sent, ctx.loop) as attempt:
+            await self.forwarder.attempt(ctx, target)
+        if not attempt.paused:
+            return True
+        await self.pauses.resumed(sent, ctx.watch)
+        ctx.record.pauses += 1
+        return False
+
+    def _send(
+        self, ctx: RequestContext, seen: Seen, token: str, url: str, previous: Sent | None = None
+    ) -> Sent:
+        """The request goes to ``url``: its uncached prompt is pending there (the prefill
+        ledger) and in flight for the pause rule, which it may apply as a cached question
+        (``lanes[].pause_reads``, gateway/request/pausing.py)."""
+        done = self.prefixes.sending(seen, token, url)
+        remaining = seen.tokens - seen.cached.get(url, 0)
+        head = seen.hashes[0] if seen.hashes else None
+        lane = ctx.lane
+        sent = self.pauses.sent(token, ctx.request_id, lane.name, url, remaining, head, previous)
+
+        def prefilled() -> None:  # its first chunk: past pausing
+            done()
+            sent.started = True
+
+        ctx.prefilled = prefilled
+        if lane.pause_reads is not None:
+            self.pauses.ask(sent, lane.pause_reads.rule())
+        return sent
 
     async def _migrate(
         self, ctx: RequestContext, cut: Interrupted, held: Held, attempts: Attempts

@@ -7,9 +7,9 @@ engine how to behave: ``mode`` one of ``ok`` (default), ``error`` (status + vLLM
 ``chunks`` and ``gap`` shape a stream; ``prompt_tokens`` is the usage it reports (default 1).
 ``payload`` (a JSON object) is sent as the whole non-streamed answer, ``events`` (strings) as
 the stream's bytes, for routes whose answers are not chat's (Responses, Messages).
-The engine records, per ``x-request-id``, when the request arrived and when its connection
-was closed or the response completed, so tests can check that abandoned requests were closed
-upstream.
+The engine records, per ``x-request-id`` (and in ``history``, every request in order), when the
+request arrived and when its connection was closed or the response completed, so tests can
+check that abandoned requests were closed upstream.
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ def chat_chunk(i: int, content: str) -> bytes:
 class FakeEngine:
     def __init__(self) -> None:
         self.seen: dict[str, Seen] = {}
+        # Every request in order of arrival (``seen`` keeps the last of each request id).
+        self.history: list[Seen] = []
         self.in_flight = 0
         self.peak_in_flight = 0
         # GET /health answers this status (None: never answers, like a hung engine).
@@ -118,6 +120,7 @@ class FakeEngine:
                 break
         rid = headers.get("x-request-id", f"anon-{len(self.seen)}")
         seen = self.seen[rid] = Seen(rid, scope["path"], body, headers)
+        self.history.append(seen)
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         responder = asyncio.create_task(self._respond(body, send, seen))

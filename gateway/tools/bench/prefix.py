@@ -32,9 +32,10 @@ once they had been reported, 18 and 19 read request by request; then the heavy l
 ``new_home_slack: 0`` and a full home's spill ordered as a new home: seeds 1-50, 19, 38 and 45
 read request by request for the first, 11 and 12 for the second; then the heavy lane's
 ``pause_reads``, engine_pool/pause.py: seed 19 read request by request, seeds 1-160 played with
-it), and over the rest, held out (never looked at while choosing: 161 on). ``--seeds N``: N seeds from ``--seed-from``
-(1; the README's figures: 80, seeds 1-80, with ``--jobs 2``: seeds after the first played in
-that many processes, the figures the same). ``--smoke``: seed 1, its first ten minutes.
+it), and over the rest, held out (never looked at while choosing: 161 on). ``--seeds N``: N
+seeds from ``--seed-from`` (1; the README's figures: 200, seeds 1-200, with ``--jobs 2``: seeds
+after the first played in that many processes, the figures the same). ``--smoke``: seed 1,
+its first ten minutes.
 """
 
 from __future__ import annotations

@@ -28,7 +28,9 @@ def heavy_lane(**changes: Any) -> Settings:
 
 def doc(t: float, name: str, tokens: int, output: int = 100) -> TraceRecord:
     """A question on document ``name`` (``tokens`` long, shared), its own 100 tokens after."""
-    return TraceRecord(t, "qwen3.6", tokens + 100, 4 * tokens, output, True, None, name, None, tokens)
+    return TraceRecord(
+        t, "qwen3.6", tokens + 100, 4 * tokens, output, True, None, name, None, tokens
+    )
 
 
 def hit_rate(router: Router | None, trace: list[TraceRecord]) -> float:
