@@ -120,6 +120,15 @@ class Recorder:
         if record.span is not None:
             record.span.attempt_failed(reason)
 
+    def paused(self, record: Record) -> None:
+        """The attempt was paused before its first byte (``lanes[].pause_reads``; the
+        ``route.paused`` event itself is gateway/request/pausing.py's): nothing reached the
+        client, so the request is as before its first attempt, its slot held."""
+        record.pauses += 1
+        record.status = 0
+        if record.span is not None:
+            record.span.attempt_paused()
+
     def migrated(
         self, record: Record, grant: Grant, reason: str, cause: GatewayError | None = None
     ) -> None:

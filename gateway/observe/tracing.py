@@ -271,6 +271,11 @@ class RequestSpan:
             "engine.failed_over", {"error.type": reason, "shapegate.attempt": self.attempts}
         )
 
+    def attempt_paused(self) -> None:
+        """The try was stopped before its first byte for a cached question on its endpoint; the
+        request waits and tries the same endpoint again (``engine.paused``)."""
+        self._server.add_event("engine.paused", {"shapegate.attempt": self.attempts})
+
     def end(self, attributes: Mapping[str, Value | None], status: int, error: str | None) -> None:
         """Set the decision's attributes and the status, and end the span."""
         tracing, server = self._tracing, self._server

@@ -354,8 +354,8 @@ class Pipeline:
             await self.forwarder.attempt(ctx, target)
         if not attempt.paused:
             return True
+        self.recorder.paused(ctx.record)
         await self.pauses.resumed(sent, ctx.watch)
-        ctx.record.pauses += 1
         return False
 
     def _send(

@@ -30,6 +30,10 @@ declared is at least that).
 
 Prefix caching (``FleetSim(..., prefix=PrefixSim(router))``): each engine holds a prefix cache
 and the router picks the endpoint order (gateway/tuning/prefix_routers.py says each router).
+With the chain (or the oracle), a lane's ``pause_reads`` applies as the live pipeline applies
+it (engine_pool/pause.py): a cached question reaching its engine aborts the reads the rule
+names there (the engine keeps their blocks), which hold their slots and reach the engine again
+once no pausing question is in flight on it.
 The results are gateway/tuning/fleet_result.py's ``SimulatedRequest`` and ``FleetResult``.
 
 What it leaves out, on purpose: health changes and faults (a replay is about policy under load,

@@ -15,11 +15,14 @@ from structlog.testing import capture_logs
 
 from engine_pool.pause import PauseRule
 from gateway.core.watchdog import DeadlineHit, Deadlines, Watch
+from gateway.count.tokens import TokenCounter
 from gateway.observe.log import get_logger
 from gateway.observe.metrics import Metrics
 from gateway.request.pausing import Pauses, Sent
 from gateway.settings import ConfigError, parse_settings
 from tests.conftest import lanes_config
+from tests.gateway.observe.test_tracing import gateway as traced_gateway
+from tests.gateway.observe.test_tracing import traced
 from tests.gateway.request.test_slot_accounting import open_request
 from tests.support.fake_engine import FakeEngine
 from tests.support.prom import parse
@@ -184,6 +187,35 @@ async def test_a_paused_requests_client_leaving_frees_its_slot_and_it_is_not_sen
     assert len([s for s in engine.history if s.request_id == "the-read"]) == 1
     assert [e["request_id"] for e in logs if e["event"] == "route.paused"] == ["the-read"]
     assert not [e for e in logs if e["event"] == "route.resumed"]
+
+
+async def test_a_paused_attempt_is_an_event_on_the_requests_span(counter: TokenCounter) -> None:
+    """With tracing on, the read's span shows its first try, its pause and its second try at
+    the same endpoint, and ends ok."""
+    engine, fast = FakeEngine(), FakeEngine()
+    async with serve_asgi(engine) as heavy, serve_asgi(fast) as small:
+        app, memory = traced(config(small, heavy, PAUSE), counter)
+        async with traced_gateway(app) as (url, client):
+            chat = url + "/v1/chat/completions"
+            first = await client.post(chat, json=ask(DOC_A, "Who signs?", stream=False))
+            assert first.status_code == 200
+            read = ask(DOC_B, "Summarise it.", mode="slow_first_byte", delay=1.0)
+            reading = asyncio.create_task(
+                client.post(chat, json=read, headers={"x-request-id": "the-read"})
+            )
+            await wait_for(lambda: "the-read" in engine.seen, 5, what="the read sent")
+            question = ask(DOC_A, "Notice period?", mode="slow_first_byte", delay=0.2)
+            assert (await client.post(chat, json=question)).status_code == 200
+            assert (await reading).status_code == 200
+    spans = memory.get_finished_spans()
+    (span,) = [s for s in spans if (s.attributes or {}).get("shapegate.request_id") == "the-read"]
+    events = [(e.name, dict(e.attributes or {})) for e in span.events]
+    assert events == [
+        ("engine.attempt", {"shapegate.endpoint": heavy, "shapegate.attempt": 1}),
+        ("engine.paused", {"shapegate.attempt": 1}),
+        ("engine.attempt", {"shapegate.endpoint": heavy, "shapegate.attempt": 2}),
+    ]
+    assert (span.attributes or {})["shapegate.outcome"] == "ok"
 
 
 async def _one(in_use: Any) -> bool:
