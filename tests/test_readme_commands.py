@@ -189,7 +189,7 @@ EXCLUDED: dict[str, str] = {
     "shapegate bench shadow": "a benchmark suite (minutes); tests/gateway/tools/test_bench_shadow.py runs it small",
     "shapegate bench shadow --skip-prediction": "a benchmark suite (minutes); tests/gateway/tools/test_bench_shadow.py runs it small",
     "shapegate bench prefix": "a benchmark suite (minutes); tests/gateway/tools/test_bench_prefix.py runs it small",
-    "shapegate bench prefix --seeds 80 --jobs 2": "a benchmark suite (minutes); tests/gateway/tools/test_bench_prefix.py runs it small, and with --jobs",
+    "shapegate bench prefix --seeds 200 --jobs 2": "a benchmark suite (about 55 minutes on 2 cores); tests/gateway/tools/test_bench_prefix.py runs it small, and with --jobs",
     "shapegate bench prefix --seed-from 19 --seeds 1 --heavy-long-prefill 4096": "one seed of a benchmark suite (half a minute); tests/gateway/tools/test_bench_prefix.py runs it small with --heavy-long-prefill",
     "shapegate bench prefix-soak": "ten minutes of unique-prefix traffic; tests/gateway/tools/test_bench_prefix_soak.py runs it for 6 s",
     "shapegate trace synth agent-storm": NAMED,

@@ -361,7 +361,7 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                 continue
             values = [s["checks"][key]["value"] for s in seeds]
             met = sum(s["checks"][key]["met"] for s in seeds)
-            numbers = ", ".join(str(s["seed"]) for s in seeds)
+            numbers = _ranges([s["seed"] for s in seeds])
             out.append(
                 {
                     "target": f"{label} (worst of {name} seeds {numbers}; met on {met} of "
@@ -427,6 +427,17 @@ def table(result: dict[str, Any]) -> str:
         f"{ids['encode_whole_ms']} ms encoding it whole"
     )
     return with_targets(lines, result["targets"])
+
+
+def _ranges(seeds: list[int]) -> str:
+    """``[1, 2, 3, 7, 9, 10]`` as ``1-3, 7, 9-10``."""
+    runs: list[list[int]] = []
+    for seed in seeds:
+        if runs and seed == runs[-1][-1] + 1:
+            runs[-1].append(seed)
+        else:
+            runs.append([seed])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def _span(seeds: list[int]) -> str:

@@ -49,13 +49,12 @@ def test_each_target_is_judged_on_the_tuned_and_on_the_held_out_seeds_apart() ->
             "oracle": row(0.4, 120.0, 0.83),
         }
 
-    per_seed = [
-        {"seed": 1, "held_out": False, "checks": checks(rows(200.0))},
-        {"seed": 15, "held_out": True, "checks": checks(rows(60.0))},
-    ]
+    tuned = [{"seed": n, "held_out": False, "checks": checks(rows(200.0))} for n in (1, 2, 3, 7)]
+    per_seed = [*tuned, {"seed": 15, "held_out": True, "checks": checks(rows(60.0))}]
     found = targets({"per_seed": per_seed, "lookup_200k_tokens": {"block_128_ms": 0.4}})
     monsters = [t for t in found if t["target"].startswith("chain monster")]
     assert [(t["value"], t["met"]) for t in monsters] == [(4.0, True), (1.2, False)]
+    assert "tuned seeds 1-3, 7; met on 4 of 4" in monsters[0]["target"]
     assert "held out seeds 15; met on 0 of 1" in monsters[1]["target"]
     assert all(t["met"] for t in found if not t["target"].startswith("chain monster"))
 
