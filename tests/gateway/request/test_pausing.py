@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -54,12 +56,12 @@ def config(fast: str, heavy: str, pause: dict[str, Any] | None) -> dict[str, Any
     return out
 
 
-async def _read_and_question(
-    gateway_at: Any, pause: dict[str, Any] | None, read_fake: dict[str, Any]
-) -> tuple[FakeEngine, list[dict[str, Any]], str, dict[str, float], Any]:
-    """doc A asked once (its home learns it), then doc B read (``read_fake``), then a second
-    question on doc A while the read is under way: the engine, the logs, the read's streamed
-    body, when each ended (seconds from the question's start) and the gateway's metrics."""
+@asynccontextmanager
+async def serving(
+    gateway_at: Any, pause: dict[str, Any] | None
+) -> AsyncIterator[tuple[FakeEngine, str, httpx.AsyncClient]]:
+    """A gateway whose heavy lane (``pause`` its ``pause_reads``) is one fake engine: the
+    engine, the gateway's URL and a client."""
     engine, fast = FakeEngine(), FakeEngine()
     async with (
         serve_asgi(engine) as heavy,
@@ -67,10 +69,25 @@ async def _read_and_question(
         gateway_at(config(small, heavy, pause)) as (url, _),
         httpx.AsyncClient(timeout=30) as client,
     ):
+        yield engine, url, client
+
+
+async def asked_once(client: httpx.AsyncClient, chat: str) -> None:
+    """Document A asked once: the heavy endpoint is its home."""
+    first = await client.post(chat, json=ask(DOC_A, "Who signs?", stream=False))
+    assert first.status_code == 200
+
+
+async def _read_and_question(
+    gateway_at: Any, pause: dict[str, Any] | None, read_fake: dict[str, Any]
+) -> tuple[FakeEngine, list[dict[str, Any]], str, dict[str, float], Any]:
+    """doc A asked once (its home learns it), then doc B read (``read_fake``), then a second
+    question on doc A while the read is under way: the engine, the logs, the read's streamed
+    body, when each ended (seconds from the question's start) and the gateway's metrics."""
+    async with serving(gateway_at, pause) as (engine, url, client):
         chat = url + "/v1/chat/completions"
         with capture_logs() as logs:
-            first = await client.post(chat, json=ask(DOC_A, "Who signs?", stream=False))
-            assert first.status_code == 200
+            await asked_once(client, chat)
             ended: dict[str, float] = {}
 
             async def read() -> str:
@@ -155,13 +172,7 @@ async def test_a_paused_requests_client_leaving_frees_its_slot_and_it_is_not_sen
 ) -> None:
     """Paused, the read's client goes away: its slot comes back while the question still runs,
     and it is never sent to the engine again."""
-    engine, fast = FakeEngine(), FakeEngine()
-    async with (
-        serve_asgi(engine) as heavy,
-        serve_asgi(fast) as small,
-        gateway_at(config(small, heavy, PAUSE)) as (url, _),
-        httpx.AsyncClient(timeout=30) as client,
-    ):
+    async with serving(gateway_at, PAUSE) as (engine, url, client):
         chat = url + "/v1/chat/completions"
 
         async def in_use() -> float:
@@ -169,8 +180,7 @@ async def test_a_paused_requests_client_leaving_frees_its_slot_and_it_is_not_sen
             return scrape.value("shapegate_slots_in_use", lane="heavy")
 
         with capture_logs() as logs:
-            first = await client.post(chat, json=ask(DOC_A, "Who signs?", stream=False))
-            assert first.status_code == 200
+            await asked_once(client, chat)
             read = ask(DOC_B, "Summarise it.", mode="slow_first_byte", delay=2.0)
             _, writer = await open_request(url, "the-read", orjson.dumps(read))
             await wait_for(lambda: "the-read" in engine.seen, 5, what="the read sent")
@@ -197,8 +207,7 @@ async def test_a_paused_attempt_is_an_event_on_the_requests_span(counter: TokenC
         app, memory = traced(config(small, heavy, PAUSE), counter)
         async with traced_gateway(app) as (url, client):
             chat = url + "/v1/chat/completions"
-            first = await client.post(chat, json=ask(DOC_A, "Who signs?", stream=False))
-            assert first.status_code == 200
+            await asked_once(client, chat)
             read = ask(DOC_B, "Summarise it.", mode="slow_first_byte", delay=1.0)
             reading = asyncio.create_task(
                 client.post(chat, json=read, headers={"x-request-id": "the-read"})
