@@ -29,7 +29,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from engine_pool.pause import InFlight, PauseRule, Question, to_pause
+from engine_pool.pause import InFlight, PauseRule, Question, is_question, to_pause
 from gateway.core.cancel import CancelScope
 from gateway.core.watchdog import Watch
 from gateway.observe.log import Logger
@@ -107,6 +107,8 @@ class Pauses:
             return []
         url = sent.url
         question = Question(sent.remaining, sent.head)
+        if not is_question(question, rule):  # a read: it pauses nothing and holds nothing
+            return []
         others = [
             InFlight(s.key, s.remaining, s.head, s.started, s.pauses, s.pausing)
             for s in self._on.get(url, {}).values()

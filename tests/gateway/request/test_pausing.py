@@ -227,6 +227,37 @@ async def test_a_paused_attempt_is_an_event_on_the_requests_span(counter: TokenC
     assert (span.attributes or {})["shapegate.outcome"] == "ok"
 
 
+async def test_a_read_sent_while_others_are_paused_does_not_hold_them(gateway_at: Any) -> None:
+    """The read of doc B is paused for a question on doc A (1 s before its first byte); a new
+    document's read comes meanwhile (its prompt all uncached: no question). It pauses nothing
+    and holds nothing: the paused read is sent again once the question ends, while the new read
+    still runs."""
+    async with serving(gateway_at, PAUSE) as (engine, url, client):
+        chat = url + "/v1/chat/completions"
+        with capture_logs() as logs:
+            await asked_once(client, chat)
+
+            async def post(rid: str, body: dict[str, Any]) -> httpx.Response:
+                return await client.post(chat, json=body, headers={"x-request-id": rid})
+
+            slow = {"mode": "slow_first_byte"}
+            read = asyncio.create_task(post("read", ask(DOC_B, "Summarise.", **slow, delay=2.0)))
+            await wait_for(lambda: "read" in engine.seen, 5, what="the read sent")
+            question = asyncio.create_task(
+                post("question", ask(DOC_A, "Notice?", **slow, delay=1.0))
+            )
+            await wait_for(lambda: engine.seen["read"].closed, 5, what="the read paused")
+            other = ask(DOC_B.replace("manual", "guide"), "Summarise.", **slow, delay=3.0)
+            new = asyncio.create_task(post("new", other))
+            for task in (question, read, new):
+                assert (await task).status_code == 200
+    question_done, new_done = engine.seen["question"].closed, engine.seen["new"].closed
+    assert question_done is not None and new_done is not None
+    resent = [s for s in engine.history if s.request_id == "read"][1]
+    assert question_done <= resent.arrived < new_done
+    assert [e["request_id"] for e in logs if e["event"] == "route.paused"] == ["read"]
+
+
 async def _one(in_use: Any) -> bool:
     return bool(await in_use() == 1)
 
